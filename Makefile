@@ -1,0 +1,34 @@
+# Two commands on a fresh clone:  `make demo`  and  `make test`.
+# Each creates (or reuses) the virtual environment .venv and installs what it needs.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+export OMP_NUM_THREADS ?= 1
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv demo test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# torch==2.13.0 first: that pin takes the local CPU wheel instead of a multi-GB CUDA download.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(BIN)/python demo/run_demo.py --out demo_out
+
+test: venv
+	$(BIN)/python -m pytest -q tests
+
+bench: venv
+	$(BIN)/python benchmarks/bench_ops.py
+
+clean:
+	rm -rf $(VENV) demo_out
