@@ -1,0 +1,110 @@
+"""The MHLA operator (framework-free: nothing here imports diffusers).
+
+``mhla_attention`` validates its inputs and dispatches to a backend; ``reference`` holds the dense
+O(N^2) oracle. A new backend is one file in this package plus one entry in ``_BACKENDS``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import BlockLayout
+from .reference import implied_attention, mhla_attention_reference
+from .torch_ops import mhla_attention_torch
+
+__all__ = ["mhla_attention", "mhla_attention_reference", "implied_attention", "available_backends", "resolve_backend"]
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_BACKENDS = {"torch": mhla_attention_torch}
+
+
+def available_backends() -> list[str]:
+    """Names accepted by ``backend=`` besides ``"auto"``."""
+    return sorted(_BACKENDS)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Map ``"auto"`` to a concrete backend for tensors on ``device``; validate explicit names.
+
+    ``"auto"`` picks the fastest backend that works for the device (today: ``"torch"`` everywhere;
+    a Triton backend is planned for CUDA tensors).
+
+    Raises:
+        ValueError: for an unknown or unavailable backend name.
+    """
+    if backend == "auto":
+        return "torch"
+    if backend not in _BACKENDS:
+        hint = " (the Triton backend is not part of this release yet)" if backend == "triton" else ""
+        raise ValueError(f"unknown MHLA backend {backend!r}{hint}; choose one of {['auto', *available_backends()]}")
+    return backend
+
+
+def mhla_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mixing: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Multi-Head Linear Attention over the blocks of ``layout`` (MHLA paper, Sec. 3.2).
+
+    With ``phi = ReLU``, ``S_b = phi(K_b)^T V_b`` and ``z_b = sum_{t in b} phi(k_t)`` per block,
+    ``S~ = Mc S`` and ``z~ = Mc z``, a query ``q`` in block ``i`` gets::
+
+        out = phi(q) S~_i / (phi(q) . z~_i + eps)     if normalize
+        out = phi(q) S~_i                             otherwise
+
+    Summaries, normaliser and mixing are accumulated in fp32 (fp64 for fp64 inputs) whatever the
+    input dtype; the output has the dtype of ``q``. Cost O(N d^2 + M^2 d^2); gradients for q, k,
+    v and ``mixing`` flow through autograd.
+
+    Args:
+        q, k: ``[B, heads, N, d]``. v: ``[B, heads, N, d_v]``. Same device; float16, bfloat16,
+            float32 or float64 (dtypes may differ: each is cast to the accumulation dtype of ``q``).
+        mixing: ``[M, M]`` mixing matrix ``Mc`` (rows = query blocks), used as given: clamp it
+            to ``[0, 1]`` beforehand if desired (:class:`~mhla_diffusers.MixingMatrix` does).
+        layout: :class:`~mhla_diffusers.BlockLayout` with ``layout.num_tokens == N``.
+        normalize: apply the denominator (default) or return the numerator only.
+        eps: added to the denominator (in the accumulation dtype).
+        backend: ``"auto"`` or one of :func:`available_backends`.
+
+    Returns:
+        ``[B, heads, N, d_v]`` tensor in ``q.dtype``.
+
+    Raises:
+        ValueError: on shapes that do not match each other, the layout or the mixing matrix, on
+            non-floating dtypes, on tensors on different devices, or on an unknown backend.
+    """
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be a mhla_diffusers.BlockLayout; got {type(layout).__name__}")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(
+            f"q, k, v must be 4-D [batch, heads, tokens, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(
+            f"q and k must have equal shapes and v the same [batch, heads, tokens]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    for name, t in (("q", q), ("k", k), ("v", v), ("mixing", mixing)):
+        if t.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"{name} must be float16, bfloat16, float32 or float64; got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; move all inputs to one device")
+    if q.shape[2] != layout.num_tokens:
+        raise ValueError(
+            f"q has {q.shape[2]} tokens but the layout's grid {layout.grid} has {layout.num_tokens}; "
+            f"build the BlockLayout on the true token grid of this input"
+        )
+    m = layout.num_blocks
+    if tuple(mixing.shape) != (m, m):
+        raise ValueError(f"mixing must be [{m}, {m}] for {layout}; got {tuple(mixing.shape)}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0; got {eps}")
+    fn = _BACKENDS[resolve_backend(backend, q.device)]
+    return fn(q, k, v, mixing, layout, normalize=normalize, eps=eps)
