@@ -1,0 +1,309 @@
+"""Image datasets for class-conditional DiT fine-tuning: real photos shipped in wheels, or a folder.
+
+Both datasets return ``{"pixel_values": float32 [3, S, S] in [-1, 1], "class_labels": int64 []}``
+from random square crops (with random horizontal flips) of photos first downscaled so that their
+short side is ``short_side`` pixels. The randomness of item ``i`` is a pure function of
+``(seed, epoch, i)``: the same seed and epoch give the same crops whatever the worker layout, and
+:meth:`set_epoch` gives new crops every epoch (call it, as with ``DistributedSampler``).
+
+- :class:`PhotoCrops`: the natural RGB photographs that ship inside the scikit-image and
+  scikit-learn wheels (no download): one photo = one class (``PHOTO_NAMES``).
+- :class:`ImageFolderCrops`: your own images, ``root/<class name>/<image files>`` (like
+  torchvision's ``ImageFolder``; read with PIL).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+__all__ = ["PHOTO_NAMES", "load_photo", "PhotoCrops", "ImageFolderCrops", "IMAGE_EXTENSIONS", "MAX_CLASSES"]
+
+# DiT pipelines use class id 1000 as the "null" (unconditional) label: at most 1000 real classes.
+MAX_CLASSES = 1000
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm")
+
+
+def _skimage(name: str) -> Callable[[], np.ndarray]:
+    def load() -> np.ndarray:
+        try:
+            import skimage.data
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError("the photo dataset needs scikit-image: pip install scikit-image") from e
+        out = getattr(skimage.data, name)()
+        return out[0] if isinstance(out, tuple) else out  # stereo_motorcycle -> (left, right, disparity)
+
+    return load
+
+
+def _sklearn(index: int) -> Callable[[], np.ndarray]:
+    def load() -> np.ndarray:
+        try:
+            from sklearn.datasets import load_sample_image
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError("the photo dataset needs scikit-learn: pip install scikit-learn") from e
+        return load_sample_image(("china.jpg", "flower.jpg")[index])
+
+    return load
+
+
+# Natural RGB photographs inside the scikit-image 0.2x and scikit-learn wheels (checked: all ship
+# in the wheel, all uint8 RGB). Class id = position in this list.
+_PHOTOS: dict[str, Callable[[], np.ndarray]] = {
+    "astronaut": _skimage("astronaut"),  # 512 x 512
+    "cat": _skimage("chelsea"),  # 300 x 451 (skimage.data.cat is the same photo)
+    "coffee": _skimage("coffee"),  # 400 x 600
+    "rocket": _skimage("rocket"),  # 427 x 640
+    "motorcycle": _skimage("stereo_motorcycle"),  # 500 x 741 (left view)
+    "hubble deep field": _skimage("hubble_deep_field"),  # 872 x 1000
+    "immunohistochemistry": _skimage("immunohistochemistry"),  # 512 x 512
+    "retina": _skimage("retina"),  # 1411 x 1411
+    "china": _sklearn(0),  # 427 x 640 (temple)
+    "flower": _sklearn(1),  # 427 x 640
+}
+PHOTO_NAMES: tuple[str, ...] = tuple(_PHOTOS)
+
+
+def load_photo(name: str) -> np.ndarray:
+    """One of the shipped photos by name (see ``PHOTO_NAMES``): uint8 ``[H, W, 3]``.
+
+    Raises:
+        KeyError: unknown name (the message lists the known ones).
+        ImportError: scikit-image / scikit-learn missing.
+    """
+    if name not in _PHOTOS:
+        raise KeyError(f"unknown photo {name!r}; choose from {list(PHOTO_NAMES)}")
+    img = np.asarray(_PHOTOS[name]())
+    if img.ndim != 3 or img.shape[2] != 3 or img.dtype != np.uint8:
+        raise RuntimeError(f"photo {name!r} is not uint8 RGB (shape {img.shape}, dtype {img.dtype})")
+    return img
+
+
+def _resize_short_side(img: Image.Image, short_side: int) -> Image.Image:
+    w, h = img.size
+    scale = short_side / min(w, h)
+    size = (max(short_side, round(w * scale)), max(short_side, round(h * scale)))
+    if size == (w, h):
+        return img
+    return img.resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
+
+
+def _to_tensor(img: Image.Image) -> torch.Tensor:
+    """PIL RGB -> uint8 ``[3, H, W]``."""
+    return torch.from_numpy(np.array(img.convert("RGB"), dtype=np.uint8)).permute(2, 0, 1).contiguous()
+
+
+def _check_sizes(resolution: int, short_side: int | None) -> int:
+    if int(resolution) != resolution or resolution < 1:
+        raise ValueError(f"resolution must be a positive integer (pixels); got {resolution!r}")
+    if short_side is None:
+        short_side = int(resolution)
+    if int(short_side) != short_side or short_side < resolution:
+        raise ValueError(
+            f"short_side must be an integer >= resolution ({resolution}); got {short_side!r}. "
+            "It is the length in pixels each image's short side is resized to before cropping."
+        )
+    return int(short_side)
+
+
+class _RandomCrops(Dataset):
+    """Shared crop / flip / normalise logic; subclasses provide ``_image(k)`` and ``_label(k)``."""
+
+    resolution: int
+    seed: int
+    hflip: bool
+    epoch: int = 0
+    num_images: int
+    crops_per_image: int
+
+    def __len__(self) -> int:
+        return self.num_images * self.crops_per_image
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the crops of ``epoch`` (items are a function of ``(seed, epoch, index)``)."""
+        self.epoch = int(epoch)
+
+    def _generator(self, index: int) -> torch.Generator:
+        # Mix (seed, epoch, index) into one 63-bit seed (SplitMix64-style constants).
+        x = (self.seed * 0x9E3779B97F4A7C15 + self.epoch * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) % (1 << 63)
+        return torch.Generator().manual_seed(x)
+
+    def _image(self, k: int) -> torch.Tensor:  # uint8 [3, H, W]
+        raise NotImplementedError
+
+    def _label(self, k: int) -> int:
+        raise NotImplementedError
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for a dataset of {len(self)} crops")
+        index = index % len(self)
+        k = index % self.num_images  # crops interleave images: every image equally often
+        img = self._image(k)
+        g = self._generator(index)
+        s = self.resolution
+        h, w = img.shape[-2:]
+        top = int(torch.randint(0, h - s + 1, (1,), generator=g))
+        left = int(torch.randint(0, w - s + 1, (1,), generator=g))
+        flip = bool(torch.rand((), generator=g) < 0.5)
+        crop = img[:, top : top + s, left : left + s]
+        if self.hflip and flip:
+            crop = crop.flip(-1)
+        pixels = crop.to(torch.float32) / 127.5 - 1.0
+        return {"pixel_values": pixels.contiguous(), "class_labels": torch.tensor(self._label(k), dtype=torch.long)}
+
+
+class PhotoCrops(_RandomCrops):
+    """Random crops of the real photographs shipped in the scikit-image / scikit-learn wheels.
+
+    Each photo is one class (``class_labels`` = its index in ``photos``); ``id2label`` maps ids to
+    photo names. An epoch is ``len(photos) * crops_per_photo`` crops, interleaved over the photos.
+
+    Args:
+        resolution: crop side ``S`` in pixels (e.g. 64).
+        short_side: each photo is first resized (Lanczos) so its short side is this many pixels
+            (>= ``resolution``; default ``1.5 * resolution``, e.g. 96 for 64-px crops): a crop then shows
+            a recognisable part of the photo.
+        crops_per_photo: crops of each photo per epoch (defines ``len``).
+        seed: base seed of the crop positions / flips.
+        hflip: random horizontal flips (p = 0.5).
+        photos: subset / order of ``PHOTO_NAMES`` (default: all 10).
+
+    Item: ``{"pixel_values": float32 [3, S, S] in [-1, 1], "class_labels": int64 scalar}``.
+
+    Raises:
+        ValueError: bad sizes, an empty or duplicated photo list.
+        KeyError: unknown photo name.
+        ImportError: scikit-image / scikit-learn not installed.
+    """
+
+    def __init__(
+        self,
+        resolution: int = 64,
+        short_side: int | None = None,
+        crops_per_photo: int = 64,
+        seed: int = 0,
+        hflip: bool = True,
+        photos: Sequence[str] | None = None,
+    ):
+        self.resolution = int(resolution)
+        self.short_side = _check_sizes(resolution, round(1.5 * resolution) if short_side is None else short_side)
+        if int(crops_per_photo) != crops_per_photo or crops_per_photo < 1:
+            raise ValueError(f"crops_per_photo must be a positive integer; got {crops_per_photo!r}")
+        names = list(PHOTO_NAMES if photos is None else photos)
+        if not names:
+            raise ValueError(f"photos is empty; choose some of {list(PHOTO_NAMES)} or pass None for all")
+        if len(set(names)) != len(names):
+            raise ValueError(f"photos has duplicates: {names}")
+        self.names = names
+        self.crops_per_image = int(crops_per_photo)
+        self.num_images = len(names)
+        self.seed = int(seed)
+        self.hflip = bool(hflip)
+        self.images = [_to_tensor(_resize_short_side(Image.fromarray(load_photo(n)), self.short_side)) for n in names]
+
+    @property
+    def id2label(self) -> dict[int, str]:
+        """Class id -> photo name."""
+        return dict(enumerate(self.names))
+
+    def _image(self, k: int) -> torch.Tensor:
+        return self.images[k]
+
+    def _label(self, k: int) -> int:
+        return k
+
+
+class ImageFolderCrops(_RandomCrops):
+    """Random crops of your own images laid out as ``root/<class name>/<image>``.
+
+    Classes are the sub-folders of ``root`` in sorted order (class id = position); images are the
+    files with an extension in ``IMAGE_EXTENSIONS`` (case-insensitive), searched recursively inside
+    each class folder, read with PIL and converted to RGB. An epoch is
+    ``num_images * crops_per_image`` crops. Images are decoded on access (cache-free).
+
+    Args:
+        root: the folder.
+        resolution: crop side ``S`` in pixels.
+        short_side: resize each image so its short side is this many pixels before cropping
+            (>= ``resolution``; default ``resolution``: crops span the short side).
+        crops_per_image: crops of each image per epoch.
+        seed, hflip: as in :class:`PhotoCrops`.
+
+    Raises:
+        FileNotFoundError: ``root`` does not exist or is not a folder.
+        ValueError: no class sub-folders, a class folder without images, more than 1000 classes
+            (DiT reserves id 1000 for the unconditional label), bad sizes.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        resolution: int = 64,
+        short_side: int | None = None,
+        crops_per_image: int = 1,
+        seed: int = 0,
+        hflip: bool = True,
+    ):
+        root = os.fspath(root)
+        if not os.path.isdir(root):
+            raise FileNotFoundError(
+                f"image folder {root!r} does not exist or is not a directory; expected root/<class name>/<images>"
+            )
+        self.resolution = int(resolution)
+        self.short_side = _check_sizes(resolution, short_side)
+        if int(crops_per_image) != crops_per_image or crops_per_image < 1:
+            raise ValueError(f"crops_per_image must be a positive integer; got {crops_per_image!r}")
+        classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+        if not classes:
+            raise ValueError(
+                f"image folder {root!r} has no class sub-folders; put the images of each class in "
+                "root/<class name>/ (a single class is fine: root/all/)"
+            )
+        if len(classes) > MAX_CLASSES:
+            raise ValueError(f"{len(classes)} classes in {root!r}; DiT supports at most {MAX_CLASSES} (id 1000 = unconditional)")
+        files: list[str] = []
+        labels: list[int] = []
+        for c, name in enumerate(classes):
+            found = []
+            for dirpath, dirnames, filenames in os.walk(os.path.join(root, name)):
+                dirnames.sort()
+                found += [os.path.join(dirpath, f) for f in sorted(filenames) if f.lower().endswith(IMAGE_EXTENSIONS)]
+            if not found:
+                raise ValueError(
+                    f"class folder {os.path.join(root, name)!r} has no images ({', '.join(IMAGE_EXTENSIONS)}); "
+                    "add some or remove the folder"
+                )
+            files += found
+            labels += [c] * len(found)
+        self.root = root
+        self.classes = classes
+        self.files = files
+        self.labels = labels
+        self.num_images = len(files)
+        self.crops_per_image = int(crops_per_image)
+        self.seed = int(seed)
+        self.hflip = bool(hflip)
+
+    @property
+    def id2label(self) -> dict[int, str]:
+        """Class id -> class folder name."""
+        return dict(enumerate(self.classes))
+
+    def _image(self, k: int) -> torch.Tensor:
+        path = self.files[k]
+        try:
+            with Image.open(path) as im:
+                im = im.convert("RGB")
+        except Exception as e:
+            raise ValueError(f"cannot read image {path!r}: {e}") from e
+        return _to_tensor(_resize_short_side(im, self.short_side))
+
+    def _label(self, k: int) -> int:
+        return self.labels[k]
