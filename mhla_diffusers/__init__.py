@@ -4,6 +4,18 @@ from .autoencoder import SpaceToDepthAutoencoder
 from .layout import BlockLayout, choose_block_grid, default_num_blocks
 from .mixing import MixingMatrix, clamp_mixing_, mixing_init, mixing_parameters
 from .ops import available_backends, mhla_attention, mhla_attention_reference
+from .grid import token_grid
+from .hybrid import select_layers
+from .processor import MHLAProcessor
+from .apply import apply_mhla, attention_modules, is_mhla_model, mhla_spec, remove_mhla, set_attn_processor
+from .checkpoint import (
+    MHLACheckpointError,
+    load_mhla_pipeline,
+    load_mhla_transformer,
+    read_mhla_config,
+    save_mhla_pipeline,
+    save_mhla_transformer,
+)
 
 __version__ = "0.1.0"
 

@@ -1,0 +1,192 @@
+"""Install and remove MHLA on a diffusers transformer; ``set_attn_processor`` for any model."""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from torch import nn
+
+from .families import family_of, self_attention_modules
+from .grid import install_grid_hooks, remove_grid_hooks
+from .hybrid import select_layers
+from .processor import MHLAProcessor
+
+__all__ = ["apply_mhla", "remove_mhla", "set_attn_processor", "attention_modules", "is_mhla_model", "mhla_spec"]
+
+
+def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """All diffusers attention modules of ``model`` (those with ``set_processor``), keyed as diffusers
+    keys ``attn_processors``: ``"<module path>.processor"``."""
+    return {
+        f"{name}.processor": module
+        for name, module in model.named_modules()
+        if hasattr(module, "set_processor") and hasattr(module, "processor")
+    }
+
+
+def apply_mhla(
+    transformer: nn.Module,
+    layers: str | Sequence[int] = "all",
+    *,
+    num_blocks: int | None = None,
+    block_grid: Sequence[int] | None = None,
+    normalize: bool = True,
+    eps: float | None = None,
+    backend: str = "auto",
+    init: str = "locality",
+) -> list[str]:
+    """Replace self-attention with MHLA on the selected layers of a diffusers transformer.
+
+    Creates every selected layer's mixing matrix now (fp32, on the layer's device, the paper's
+    locality init), so they exist before an optimizer is built, under the state-dict keys
+    ``<attention path>.mhla_mixing.weight``; installs one shared :class:`MHLAProcessor` on those
+    layers (others keep their processor, bit for bit) and the hooks that publish the token grid.
+
+    Args:
+        transformer: a supported diffusers transformer (``DiTTransformer2DModel``).
+        layers: ``"all"``, ``"hybrid"`` (softmax kept on layers 0, 3, 6, ...) or layer indices.
+        num_blocks: target number of blocks ``M`` (block grid chosen from the model's native token
+            grid, near-square blocks, ``M^2 <= N``); ``None``: ``round(sqrt(N) / 2)``.
+        block_grid: explicit ``(bt, bh, bw)``; overrides ``num_blocks``.
+        normalize, eps, backend: see :class:`MHLAProcessor` (``eps=None``: the family default).
+        init: ``"locality"`` (paper) or ``"uniform"`` (all ones = plain linear attention at init).
+
+    Returns:
+        Names of the converted attention modules.
+
+    Raises:
+        ValueError: unsupported model, bad ``layers``, a block grid that does not fit the model's
+            native token grid, or a selected layer that already has MHLA (``remove_mhla`` first).
+    """
+    family = family_of(transformer)
+    modules = self_attention_modules(transformer, family)
+    chosen = select_layers(len(modules), layers)
+    reference = family.reference_grid(transformer.config)
+    processor = MHLAProcessor(
+        num_blocks=num_blocks,
+        block_grid=block_grid,
+        normalize=normalize,
+        eps=family.default_eps if eps is None else eps,
+        backend=backend,
+    )
+    resolved = processor.resolve_block_grid(reference)
+    processor.block_grid = resolved
+    for axis, (n, b) in enumerate(zip(reference, resolved)):
+        if b > n:
+            raise ValueError(
+                f"block grid {resolved} does not fit the model's native token grid {reference} on axis {'THW'[axis]}"
+            )
+    already = [modules[i][0] for i in chosen if getattr(modules[i][1], "mhla_mixing", None) is not None]
+    if already:
+        raise ValueError(f"MHLA is already installed on {already}; call mhla_diffusers.remove_mhla(transformer) first")
+    names = []
+    for i in chosen:
+        name, attn = modules[i]
+        processor.attach(attn, reference, init=init)
+        attn.set_processor(processor)
+        names.append(name)
+    install_grid_hooks(transformer)
+    return names
+
+
+def remove_mhla(transformer: nn.Module) -> list[str]:
+    """Undo :func:`apply_mhla` / MHLA processors: stock processors back, mixing matrices removed.
+
+    Returns the names of the attention modules that had MHLA.
+    """
+    family = family_of(transformer)
+    removed = []
+    for key, attn in attention_modules(transformer).items():
+        had = getattr(attn, "mhla_mixing", None) is not None
+        if had:
+            del attn.mhla_mixing
+        if isinstance(attn.processor, MHLAProcessor):
+            attn.set_processor(family.stock_self_processor())
+            had = True
+        attn.__dict__.pop("_mhla_grids", None)
+        if had:
+            removed.append(key[: -len(".processor")])
+    remove_grid_hooks(transformer)
+    return removed
+
+
+def set_attn_processor(model: nn.Module, processor) -> None:
+    """``model.set_attn_processor`` for every diffusers model, including those lacking it (DiT).
+
+    Args:
+        model: a diffusers model with attention modules.
+        processor: one processor for every attention layer, or a dict ``{"<path>.processor": proc}``;
+            unlike diffusers' own method the dict may be partial (other layers keep theirs).
+
+    For :class:`MHLAProcessor` entries on a supported transformer, the mixing matrices of the
+    self-attention layers are created now and the grid hooks installed; cross-attention layers
+    given an :class:`MHLAProcessor` run the stock computation.
+
+    Raises:
+        ValueError: for dict keys that name no attention layer.
+    """
+    current = attention_modules(model)
+    if isinstance(processor, Mapping):
+        unknown = sorted(set(processor) - set(current))
+        if unknown:
+            raise ValueError(f"no attention layer named {unknown[:5]}; valid keys look like {sorted(current)[:3]}")
+        mapping = {key: processor.get(key, attn.processor) for key, attn in current.items()}
+    else:
+        mapping = {key: processor for key in current}
+    uses_mhla = any(isinstance(p, MHLAProcessor) for p in mapping.values())
+    if uses_mhla:
+        family = family_of(model)
+        reference = family.reference_grid(model.config)
+        for name, attn in self_attention_modules(model, family):
+            proc = mapping.get(f"{name}.processor")
+            if isinstance(proc, MHLAProcessor):
+                proc.attach(attn, reference)
+    if hasattr(model, "set_attn_processor"):
+        model.set_attn_processor(dict(mapping))
+    else:
+        for key, attn in current.items():
+            attn.set_processor(mapping[key])
+    if uses_mhla:
+        install_grid_hooks(model)
+
+
+def is_mhla_model(model: nn.Module) -> bool:
+    """Whether any attention layer of ``model`` has MHLA installed."""
+    return any(getattr(attn, "mhla_mixing", None) is not None for attn in attention_modules(model).values())
+
+
+def mhla_spec(transformer: nn.Module) -> dict | None:
+    """The MHLA settings of a model as written to ``mhla_config.json``, or ``None`` without MHLA.
+
+    Raises:
+        ValueError: when the MHLA layers disagree on settings (not representable in one config).
+    """
+    family = family_of(transformer)
+    modules = self_attention_modules(transformer, family)
+    layers, specs = [], set()
+    for i, (name, attn) in enumerate(modules):
+        mixing = getattr(attn, "mhla_mixing", None)
+        if mixing is None:
+            continue
+        proc = attn.processor
+        if not isinstance(proc, MHLAProcessor):
+            raise ValueError(f"{name} has a mixing matrix but its processor is {type(proc).__name__}, not MHLAProcessor")
+        layers.append(i)
+        eps = family.default_eps if proc.eps is None else proc.eps
+        specs.add((mixing.block_grid, proc.normalize, eps, proc.backend))
+    if not layers:
+        return None
+    if len(specs) > 1:
+        raise ValueError(f"MHLA layers use different settings {sorted(specs)}; one checkpoint config holds one setting")
+    block_grid, normalize, eps, backend = specs.pop()
+    return {
+        "family": family.name,
+        "model_class": type(transformer).__name__,
+        "num_layers": len(modules),
+        "layers": layers,
+        "block_grid": list(block_grid),
+        "num_blocks": block_grid[0] * block_grid[1] * block_grid[2],
+        "normalize": normalize,
+        "eps": eps,
+        "backend": backend,
+    }

@@ -1,0 +1,276 @@
+"""The converted-checkpoint format: save and load MHLA transformers and pipelines.
+
+A converted checkpoint is the base diffusers checkpoint (``save_pretrained``, without any MHLA
+keys) plus, in the transformer's folder:
+
+* ``mhla_config.json`` — ``format_version``, family, model class, layers, block grid, normalize,
+  eps, backend (see :func:`~mhla_diffusers.mhla_spec`);
+* ``mhla.safetensors`` — the mixing matrices, fp32, keyed ``<attention path>.mhla_mixing.weight``.
+
+Loading: the base ``from_pretrained``, ``apply_mhla`` from the config, then the MHLA weights
+strictly: a missing file, unknown, missing or mis-shaped key is an error, never a silent
+re-initialisation (CASES C14). Only safetensors is read; nothing is unpickled. Writes go to a
+temporary folder beside the target that is renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from .apply import apply_mhla, mhla_spec
+from .families import self_attention_modules
+
+__all__ = [
+    "MHLA_CONFIG_NAME",
+    "MHLA_WEIGHTS_NAME",
+    "FORMAT_VERSION",
+    "MHLACheckpointError",
+    "read_mhla_config",
+    "save_mhla_transformer",
+    "save_mhla_pipeline",
+    "load_mhla_transformer",
+    "load_mhla_pipeline",
+    "load_mhla_weights",
+    "transformer_folder",
+]
+
+MHLA_CONFIG_NAME = "mhla_config.json"
+MHLA_WEIGHTS_NAME = "mhla.safetensors"
+FORMAT_VERSION = 1
+
+
+class MHLACheckpointError(ValueError):
+    """A converted checkpoint is missing, corrupted or does not match the model."""
+
+
+# -- writing --------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def atomic_directory(out_dir: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder beside ``out_dir``; on success it replaces ``out_dir`` in one rename.
+
+    Raises:
+        FileExistsError: if ``out_dir`` exists, is not empty and ``overwrite`` is False.
+    """
+    out = Path(out_dir).resolve()
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; choose another folder or pass overwrite=True")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def _without_mixing(model: nn.Module) -> Iterator[dict[str, nn.Module]]:
+    """Temporarily detach every ``mhla_mixing`` submodule (so ``save_pretrained`` writes the base model)."""
+    detached = {}
+    for name, module in list(model.named_modules()):
+        if "mhla_mixing" in module._modules:
+            detached[name] = module._modules.pop("mhla_mixing")
+    try:
+        yield detached
+    finally:
+        for name, mixing in detached.items():
+            model.get_submodule(name)._modules["mhla_mixing"] = mixing
+
+
+def _write_mhla_files(transformer: nn.Module, folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    import mhla_diffusers
+
+    spec = mhla_spec(transformer)
+    if spec is None:
+        return
+    config = {"format_version": FORMAT_VERSION, "mhla_diffusers_version": mhla_diffusers.__version__, **spec}
+    tensors = {
+        f"{name}.mhla_mixing.weight": attn.mhla_mixing.weight.detach().to("cpu", torch.float32).contiguous()
+        for name, attn in self_attention_modules(transformer)
+        if getattr(attn, "mhla_mixing", None) is not None
+    }
+    save_file(tensors, str(folder / MHLA_WEIGHTS_NAME), metadata={"format": "pt", "mhla_format_version": str(FORMAT_VERSION)})
+    (folder / MHLA_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def save_mhla_transformer(transformer: nn.Module, out_dir: str | os.PathLike, *, overwrite: bool = False, **save_kwargs) -> Path:
+    """Write ``transformer`` as a converted checkpoint folder (atomic). A model without MHLA is
+    written as a plain diffusers folder. Extra keyword arguments go to ``save_pretrained``."""
+    with atomic_directory(out_dir, overwrite) as tmp:
+        with _without_mixing(transformer):
+            transformer.save_pretrained(tmp, **save_kwargs)
+        _write_mhla_files(transformer, tmp)
+    return Path(out_dir)
+
+
+def save_mhla_pipeline(pipe, out_dir: str | os.PathLike, *, overwrite: bool = False, **save_kwargs) -> Path:
+    """Write a diffusers pipeline whose ``transformer`` may have MHLA (atomic); the MHLA files go
+    into ``<out_dir>/transformer/``."""
+    with atomic_directory(out_dir, overwrite) as tmp:
+        with _without_mixing(pipe.transformer):
+            pipe.save_pretrained(tmp, **save_kwargs)
+        _write_mhla_files(pipe.transformer, tmp / "transformer")
+    return Path(out_dir)
+
+
+# -- reading --------------------------------------------------------------------------------------
+def transformer_folder(path: str | os.PathLike) -> Path:
+    """The folder holding the transformer's ``config.json``: ``path`` itself or ``path/transformer``.
+
+    Raises:
+        FileNotFoundError: when neither holds a ``config.json``.
+    """
+    path = Path(path)
+    if (path / "model_index.json").is_file() and (path / "transformer" / "config.json").is_file():
+        return path / "transformer"
+    if (path / "config.json").is_file():
+        return path
+    raise FileNotFoundError(f"{path} is neither a diffusers pipeline folder nor a transformer folder (no config.json)")
+
+
+def read_mhla_config(path: str | os.PathLike) -> dict | None:
+    """The ``mhla_config.json`` of a checkpoint (pipeline or transformer folder), or ``None`` if it has none.
+
+    Raises:
+        MHLACheckpointError: unreadable JSON, unsupported format version, or weights without config.
+    """
+    folder = transformer_folder(path)
+    config_file, weights_file = folder / MHLA_CONFIG_NAME, folder / MHLA_WEIGHTS_NAME
+    if not config_file.is_file():
+        if weights_file.is_file():
+            raise MHLACheckpointError(f"{weights_file} exists but {config_file.name} is missing: the checkpoint is incomplete")
+        return None
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise MHLACheckpointError(f"cannot read {config_file}: {err}") from err
+    version = config.get("format_version")
+    if version != FORMAT_VERSION:
+        raise MHLACheckpointError(
+            f"{config_file} has format_version {version!r}; this mhla_diffusers reads version {FORMAT_VERSION}"
+        )
+    for key in ("family", "model_class", "num_layers", "layers", "block_grid", "normalize", "eps"):
+        if key not in config:
+            raise MHLACheckpointError(f"{config_file} lacks the key {key!r}")
+    return config
+
+
+def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike) -> None:
+    """Load ``mhla.safetensors`` from ``folder`` into a model with MHLA installed, strictly.
+
+    Raises:
+        MHLACheckpointError: file missing or corrupted, keys missing or unexpected, shapes differ.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(folder) / MHLA_WEIGHTS_NAME
+    if not path.is_file():
+        raise MHLACheckpointError(f"{path} is missing: the MHLA mixing matrices of this checkpoint are lost")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise MHLACheckpointError(f"{path} is corrupted or not a safetensors file: {err}") from err
+    params = {
+        f"{name}.mhla_mixing.weight": attn.mhla_mixing.weight
+        for name, attn in self_attention_modules(transformer)
+        if getattr(attn, "mhla_mixing", None) is not None
+    }
+    missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+    if missing or unexpected:
+        raise MHLACheckpointError(f"{path} does not match the model: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+    for key, param in params.items():
+        if tuple(tensors[key].shape) != tuple(param.shape):
+            raise MHLACheckpointError(f"{path}: {key} has shape {tuple(tensors[key].shape)}, the model expects {tuple(param.shape)}")
+        if not torch.isfinite(tensors[key]).all():
+            raise MHLACheckpointError(f"{path}: {key} holds NaN or infinite values")
+    with torch.no_grad():
+        for key, param in params.items():
+            param.copy_(tensors[key])
+
+
+def _install_from_config(transformer: nn.Module, config: dict, folder: Path) -> None:
+    if type(transformer).__name__ != config["model_class"]:
+        raise MHLACheckpointError(
+            f"{folder / MHLA_CONFIG_NAME} was written for {config['model_class']}, but the base model is {type(transformer).__name__}"
+        )
+    apply_mhla(
+        transformer,
+        layers=list(config["layers"]),
+        block_grid=tuple(config["block_grid"]),
+        normalize=bool(config["normalize"]),
+        eps=float(config["eps"]),
+        backend=config.get("backend", "auto"),
+    )
+    if len(self_attention_modules(transformer)) != config["num_layers"]:
+        raise MHLACheckpointError(f"{folder}: the config counts {config['num_layers']} layers, the model has a different number")
+    load_mhla_weights(transformer, folder)
+
+
+def _transformer_class(folder: Path):
+    import diffusers
+
+    name = json.loads((folder / "config.json").read_text()).get("_class_name")
+    if name == "Transformer2DModel":  # the original DiT checkpoints
+        name = "DiTTransformer2DModel"
+    cls = getattr(diffusers, str(name), None)
+    if cls is None:
+        raise MHLACheckpointError(f"{folder / 'config.json'} names an unknown model class {name!r}")
+    return cls
+
+
+def load_mhla_transformer(path: str | os.PathLike, *, torch_dtype: torch.dtype | None = None, **kwargs) -> nn.Module:
+    """Load a transformer from a converted (or plain) checkpoint: a transformer folder or a pipeline folder.
+
+    Returns the model in eval mode with MHLA installed as recorded (unchanged if none recorded).
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path``.
+        MHLACheckpointError: see :func:`read_mhla_config` and :func:`load_mhla_weights`.
+    """
+    folder = transformer_folder(path)
+    config = read_mhla_config(folder)
+    model = _transformer_class(folder).from_pretrained(folder, torch_dtype=torch_dtype, **kwargs)
+    if config is not None:
+        _install_from_config(model, config, folder)
+    return model.eval()
+
+
+def load_mhla_pipeline(path: str | os.PathLike, *, torch_dtype: torch.dtype | None = None, **kwargs):
+    """Load a diffusers pipeline folder whose transformer may be a converted MHLA checkpoint.
+
+    Returns a ready pipeline (its ``transformer`` in eval mode, MHLA installed if recorded).
+
+    Raises:
+        FileNotFoundError: ``path`` holds no ``model_index.json``.
+        MHLACheckpointError: see :func:`load_mhla_transformer`.
+    """
+    from diffusers import DiffusionPipeline
+
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        raise FileNotFoundError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
+    config = read_mhla_config(path)
+    pipe = DiffusionPipeline.from_pretrained(path, torch_dtype=torch_dtype, **kwargs)
+    if config is not None:
+        _install_from_config(pipe.transformer, config, path / "transformer")
+    pipe.transformer.eval()
+    return pipe

@@ -1,0 +1,143 @@
+"""How an attention processor learns the token grid ``(T, H, W)`` of the current forward.
+
+No diffusers processor is told the grid, and ``N`` alone never determines it (a 2048 x 512 image
+and a 1024 x 1024 one can give the same ``N``). The grid is known exactly where the latent enters
+the transformer: the family's patch-embedding submodule (DiT ``pos_embed``) receives the latent
+``[B, C, (F,) H, W]`` as its first positional argument. Hooks publish it:
+
+* on the transformer: a forward pre-hook opens a frame, a forward hook (``always_call``) closes it;
+* on its patch embedding: a forward pre-hook writes the grid into the open frame.
+
+:func:`install_grid_hooks` puts these on one model (``apply_mhla`` and ``set_attn_processor`` do);
+the first :class:`~mhla_diffusers.MHLAProcessor` created also registers one process-wide
+module pre-hook that installs them on any supported transformer the first time it runs, so the
+bare one-liner ``pipe.transformer.set_attn_processor(MHLAProcessor())`` needs no extra code.
+Frames are thread-local and nest, so concurrent or nested models do not see each other's grid.
+:func:`token_grid` publishes a grid by hand (for attention modules called outside a transformer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from .families import find_family
+from .layout import normalize_grid
+
+__all__ = ["install_grid_hooks", "remove_grid_hooks", "current_grid", "token_grid", "ensure_global_hook"]
+
+_local = threading.local()
+_HOOKED: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+_global_handle = None
+
+
+class _Frame:
+    __slots__ = ("model", "grid")
+
+    def __init__(self, model: nn.Module | None, grid: tuple[int, int, int] | None = None):
+        self.model = model
+        self.grid = grid
+
+
+def _frames() -> list[_Frame]:
+    frames = getattr(_local, "frames", None)
+    if frames is None:
+        frames = _local.frames = []
+    return frames
+
+
+def current_grid() -> tuple[int, int, int] | None:
+    """The token grid published for the innermost running forward of this thread, or ``None``."""
+    frames = _frames()
+    return frames[-1].grid if frames else None
+
+
+def current_model() -> nn.Module | None:
+    """The innermost supported transformer running in this thread, or ``None``."""
+    frames = _frames()
+    return frames[-1].model if frames else None
+
+
+@contextlib.contextmanager
+def token_grid(grid: int | Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """Publish ``grid`` (``(T, H, W)``, ``(H, W)`` or ``(N,)``) to MHLA processors run inside the block.
+
+    For attention modules called directly, outside a supported transformer's forward.
+    """
+    frame = _Frame(None, normalize_grid(grid))
+    _frames().append(frame)
+    try:
+        yield frame.grid
+    finally:
+        _frames().remove(frame)
+
+
+def _enter(model: nn.Module, args) -> None:
+    _frames().append(_Frame(model))
+
+
+def _exit(model: nn.Module, args, output) -> None:
+    frames = _frames()
+    for i in range(len(frames) - 1, -1, -1):
+        if frames[i].model is model:
+            del frames[i]
+            break
+
+
+def _publish(model_ref, module: nn.Module, args) -> None:
+    model = model_ref()
+    frames = _frames()
+    if model is None or not frames or frames[-1].model is not model or not args:
+        return
+    latent = args[0]
+    if not isinstance(latent, torch.Tensor):
+        return
+    family = find_family(model)
+    frames[-1].grid = family.grid_from_latent(latent, model.config)
+
+
+def install_grid_hooks(model: nn.Module) -> bool:
+    """Install the grid hooks on a supported transformer (idempotent). Returns ``True`` if newly installed.
+
+    Raises:
+        ValueError: if ``model`` is not a supported transformer.
+    """
+    from .families import family_of
+
+    if model in _HOOKED:
+        return False
+    family = family_of(model)
+    patch = model.get_submodule(family.patch_embed)
+    ref = weakref.ref(model)
+    handles = [
+        model.register_forward_pre_hook(_enter),
+        model.register_forward_hook(_exit, always_call=True),
+        patch.register_forward_pre_hook(lambda module, args: _publish(ref, module, args)),
+    ]
+    _HOOKED[model] = handles
+    return True
+
+
+def remove_grid_hooks(model: nn.Module) -> None:
+    """Remove the hooks installed by :func:`install_grid_hooks` (no-op if none)."""
+    for handle in _HOOKED.pop(model, []):
+        handle.remove()
+
+
+def _global_pre_hook(module: nn.Module, args) -> None:
+    if module in _HOOKED or find_family(module) is None:
+        return
+    install_grid_hooks(module)
+    _enter(module, args)  # the model's own pre-hook was registered too late for this call
+
+
+def ensure_global_hook() -> None:
+    """Register (once per process) the module pre-hook that hooks supported transformers on first use."""
+    global _global_handle
+    if _global_handle is None:
+        _global_handle = nn.modules.module.register_module_forward_pre_hook(_global_pre_hook)

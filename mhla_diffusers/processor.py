@@ -1,0 +1,198 @@
+"""``MHLAProcessor``: a diffusers attention processor computing self-attention with MHLA.
+
+Reads top to bottom like the math: project q, k, v with the layer's own weights, split heads,
+apply the layer's q/k norms, run :func:`~mhla_diffusers.mhla_attention` over the blocks of the
+current token grid with the layer's own mixing matrix, project out.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Sequence
+
+import torch
+
+from .grid import current_grid, current_model, ensure_global_hook
+from .layout import BlockLayout, choose_block_grid, normalize_grid
+from .mixing import MixingMatrix
+from .ops import available_backends, mhla_attention
+
+__all__ = ["MHLAProcessor", "get_layout"]
+
+
+@lru_cache(maxsize=128)
+def get_layout(grid: tuple[int, int, int], block_grid: tuple[int, int, int]) -> BlockLayout:
+    """Cached :class:`BlockLayout` (its index tensors are cached per device inside)."""
+    return BlockLayout(grid, block_grid)
+
+
+class MHLAProcessor:
+    """Attention processor that runs MHLA on self-attention layers (MHLA paper, Sec. 3.2).
+
+    Install with ``mhla_diffusers.apply_mhla(transformer, ...)`` (self-attention layers only,
+    mixing matrices created eagerly) or ``mhla_diffusers.set_attn_processor(transformer,
+    MHLAProcessor())`` (every attention layer; works on models without the method, such as DiT).
+    One processor object may serve many layers: each layer keeps its own mixing matrix, as the
+    submodule ``<attention module>.mhla_mixing`` (in ``state_dict()``, following ``.to()``).
+    On a cross-attention call (``encoder_hidden_states`` given) the processor runs the stock
+    SDPA computation unchanged.
+
+    Args:
+        num_blocks: target number of blocks ``M`` when ``block_grid`` is not given; the block grid
+            is chosen once per layer from the model's native token grid by
+            :func:`~mhla_diffusers.choose_block_grid` (``None``: ``round(sqrt(N) / 2)``).
+        block_grid: explicit ``(bt, bh, bw)`` (or ``(bh, bw)``). The block grid is fixed per layer;
+            at another resolution the blocks stretch with the image.
+        normalize: divide by ``phi(q) . z~ + eps`` (the paper's form) or not.
+        eps: denominator epsilon; ``None`` takes the model family's default (1e-6 for DiT).
+        backend: operator backend, ``"auto"`` or one of :func:`~mhla_diffusers.available_backends`.
+
+    Raises (at call time):
+        RuntimeError: when the token grid of the call is unknown (no hook published it), or does
+            not match the number of tokens.
+        ValueError: when an attention mask is passed to a self-attention layer (MHLA has none).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int | None = None,
+        block_grid: Sequence[int] | None = None,
+        normalize: bool = True,
+        eps: float | None = None,
+        backend: str = "auto",
+    ):
+        if num_blocks is not None and (isinstance(num_blocks, bool) or int(num_blocks) != num_blocks or num_blocks < 1):
+            raise ValueError(f"num_blocks must be a positive integer or None; got {num_blocks!r}")
+        self.block_grid = None if block_grid is None else normalize_grid(tuple(block_grid), "block_grid")
+        if self.block_grid is not None and num_blocks is not None:
+            m = self.block_grid[0] * self.block_grid[1] * self.block_grid[2]
+            if m != num_blocks:
+                raise ValueError(f"num_blocks={num_blocks} contradicts block_grid={self.block_grid} ({m} blocks); give one of them")
+        self.num_blocks = None if num_blocks is None else int(num_blocks)
+        self.normalize = bool(normalize)
+        if eps is not None and not eps >= 0:
+            raise ValueError(f"eps must be >= 0; got {eps}")
+        self.eps = eps
+        if backend != "auto" and backend not in available_backends():
+            raise ValueError(f"unknown backend {backend!r}; choose 'auto' or one of {available_backends()}")
+        self.backend = backend
+        self._stock = None
+        ensure_global_hook()
+
+    def __repr__(self) -> str:
+        return (
+            f"MHLAProcessor(num_blocks={self.num_blocks}, block_grid={self.block_grid}, "
+            f"normalize={self.normalize}, eps={self.eps}, backend={self.backend!r})"
+        )
+
+    # -- per-layer state --------------------------------------------------------------------------
+    def resolve_block_grid(self, reference_grid: Sequence[int]) -> tuple[int, int, int]:
+        """The block grid this processor gives a layer of a model whose native token grid is ``reference_grid``."""
+        return self.block_grid or choose_block_grid(reference_grid, self.num_blocks)
+
+    def attach(self, attn: torch.nn.Module, reference_grid: Sequence[int], init: str = "locality") -> MixingMatrix:
+        """Create the layer's mixing matrix (fp32, on the layer's device) if it has none; return it."""
+        mixing = getattr(attn, "mhla_mixing", None)
+        if mixing is None:
+            device = next(attn.parameters()).device
+            mixing = MixingMatrix(self.resolve_block_grid(reference_grid), init=init).to(device)
+            attn.add_module("mhla_mixing", mixing)
+        return mixing
+
+    def _mixing(self, attn) -> MixingMatrix:
+        mixing = getattr(attn, "mhla_mixing", None)
+        if mixing is not None:
+            return mixing
+        model = current_model()
+        if model is None:
+            raise RuntimeError(
+                "this attention layer has no MHLA mixing matrix yet and no supported transformer is running; "
+                "install MHLA with mhla_diffusers.apply_mhla(transformer) (creates the matrices before training)"
+            )
+        from .families import family_of
+
+        return self.attach(attn, family_of(model).reference_grid(model.config))
+
+    def _grid(self, attn, num_tokens: int) -> tuple[int, int, int]:
+        grid = current_grid()
+        seen = attn.__dict__.setdefault("_mhla_grids", {})
+        if grid is None:
+            # Outside the transformer's forward: activation-checkpoint recomputation replays the
+            # same inputs after the forward returned; reuse the grid this layer saw for this N.
+            grid = seen.get(num_tokens)
+            if grid is None:
+                raise RuntimeError(
+                    f"MHLA does not know the token grid of this call ({num_tokens} tokens) and never guesses it. "
+                    "Run the layer inside a supported transformer's forward (apply_mhla / set_attn_processor "
+                    "install the hooks), or wrap the call in `with mhla_diffusers.token_grid((T, H, W)):`."
+                )
+            return grid
+        if grid[0] * grid[1] * grid[2] != num_tokens:
+            raise RuntimeError(
+                f"the token grid {grid} of this forward has {grid[0] * grid[1] * grid[2]} tokens but the "
+                f"self-attention received {num_tokens}; MHLA only supports layers that attend over the latent grid"
+            )
+        seen[num_tokens] = grid
+        return grid
+
+    def _stock_call(self, attn, *args, **kwargs):
+        if self._stock is None:
+            from diffusers.models.attention_processor import AttnProcessor2_0
+
+            self._stock = AttnProcessor2_0()
+        return self._stock(attn, *args, **kwargs)
+
+    # -- the computation --------------------------------------------------------------------------
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        temb: torch.Tensor | None = None,
+        *args,
+        **kwargs,
+    ) -> torch.Tensor:
+        if encoder_hidden_states is not None or getattr(attn, "is_cross_attention", False):
+            return self._stock_call(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
+        if attention_mask is not None:
+            raise ValueError("MHLA self-attention takes no attention mask; remove MHLA from this layer or drop the mask")
+
+        residual = hidden_states
+        if getattr(attn, "spatial_norm", None) is not None:
+            hidden_states = attn.spatial_norm(hidden_states, temb)
+        input_ndim = hidden_states.ndim
+        if input_ndim == 4:
+            batch, channel, height, width = hidden_states.shape
+            hidden_states = hidden_states.view(batch, channel, height * width).transpose(1, 2)
+        if getattr(attn, "group_norm", None) is not None:
+            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+        batch, num_tokens, _ = hidden_states.shape
+
+        query = attn.to_q(hidden_states)
+        key = attn.to_k(hidden_states)
+        value = attn.to_v(hidden_states)
+        head_dim = key.shape[-1] // attn.heads
+        query = query.view(batch, -1, attn.heads, head_dim).transpose(1, 2)  # [B, heads, N, d]
+        key = key.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
+        value = value.view(batch, -1, attn.heads, value.shape[-1] // attn.heads).transpose(1, 2)
+        if getattr(attn, "norm_q", None) is not None:
+            query = attn.norm_q(query)
+        if getattr(attn, "norm_k", None) is not None:
+            key = attn.norm_k(key)
+
+        mixing = self._mixing(attn)
+        layout = get_layout(self._grid(attn, num_tokens), mixing.block_grid)
+        eps = self.eps if self.eps is not None else 1e-6
+        hidden_states = mhla_attention(
+            query, key, value, mixing.clamped(), layout, normalize=self.normalize, eps=eps, backend=self.backend
+        )
+        hidden_states = hidden_states.transpose(1, 2).reshape(batch, num_tokens, -1).to(query.dtype)
+
+        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = attn.to_out[1](hidden_states)
+        if input_ndim == 4:
+            hidden_states = hidden_states.transpose(-1, -2).reshape(batch, channel, height, width)
+        if getattr(attn, "residual_connection", False):
+            hidden_states = hidden_states + residual
+        return hidden_states / getattr(attn, "rescale_output_factor", 1.0)
