@@ -1,0 +1,83 @@
+#!/usr/bin/env python
+"""Retrofit a pretrained diffusers checkpoint with MHLA.
+
+    python conversion/convert.py --family dit --src facebook/DiT-XL-2-256 --out dit-mhla --layers hybrid
+    python conversion/convert.py --family dit --src demo/base_dit --out /tmp/dit-mhla --num-blocks 16
+
+Writes the base checkpoint + transformer/mhla_config.json + transformer/mhla.safetensors
+(see mhla_diffusers.checkpoint). Exit code 2 for bad input, 3 if the source is already converted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DTYPES = {"keep": None, "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def parse_layers(text: str):
+    if text in ("all", "hybrid"):
+        return text
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layers takes 'all', 'hybrid' or comma-separated indices; got {text!r}")
+
+
+def parse_block_grid(text: str):
+    try:
+        grid = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        grid = ()
+    if not 1 <= len(grid) <= 3 or min(grid) < 1:
+        raise argparse.ArgumentTypeError(f"--block-grid takes 1-3 positive integers like 4,4 or 3,5,7; got {text!r}")
+    return grid
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", required=True, help="model family: dit")
+    parser.add_argument("--src", required=True, help="Hub id, local pipeline folder or local transformer folder")
+    parser.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
+    parser.add_argument("--layers", type=parse_layers, default="all", help="all | hybrid | comma-separated indices")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--num-blocks", type=int, default=None, help="target number of blocks M (default round(sqrt(N)/2))")
+    group.add_argument("--block-grid", type=parse_block_grid, default=None, help="explicit block grid, e.g. 4,4")
+    parser.add_argument("--no-normalize", action="store_true", help="drop the denominator (numerator only)")
+    parser.add_argument("--eps", type=float, default=None, help="denominator epsilon (default: family default)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="keep", help="dtype of the written base weights")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from mhla_diffusers.conversion import AlreadyConvertedError, convert_checkpoint
+
+    dtype = None if DTYPES[args.dtype] is None else getattr(torch, DTYPES[args.dtype])
+    try:
+        spec = convert_checkpoint(
+            args.src,
+            args.out,
+            family=args.family,
+            layers=args.layers,
+            num_blocks=args.num_blocks,
+            block_grid=args.block_grid,
+            normalize=not args.no_normalize,
+            eps=args.eps,
+            torch_dtype=dtype,
+            overwrite=args.overwrite,
+        )
+    except AlreadyConvertedError as err:
+        print(f"convert.py: {err}", file=sys.stderr)
+        return 3
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        print(f"convert.py: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(spec, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
