@@ -1,0 +1,53 @@
+#!/usr/bin/env python
+"""Fine-tune (or train from scratch) a class-conditional DiT, with or without MHLA, on accelerate.
+
+    accelerate launch --config_file finetune/accelerate/single_cpu.yaml \\
+        finetune/train.py --config finetune/configs/dit_demo_hybrid.yaml
+
+Every option lives in the YAML config (see mhla_diffusers.training.DEFAULT_CONFIG for all keys
+and their defaults); any key can be overridden on the command line with --set (repeatable), the
+value parsed as YAML:
+
+    --set train.max_steps=10 --set train.lr=3e-4 --set mhla.layers=hybrid --set mhla=null
+
+The shortcuts --output_dir, --max_steps, --pretrained and --resume do the same for those keys.
+Writes output_dir/{config.yaml, loss.csv, loss.png, checkpoints/, final/, train_summary.json};
+final/ is a complete DiTPipeline (load it with mhla_diffusers.load_mhla_pipeline).
+"""
+
+import argparse
+
+from mhla_diffusers.training import load_config, train
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True, help="YAML config file (sections model, mhla, data, train, export; output_dir)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. train.max_steps=10 (repeatable; VALUE is YAML)")
+    p.add_argument("--output_dir", help="shortcut for --set output_dir=...")
+    p.add_argument("--max_steps", type=int, help="shortcut for --set train.max_steps=...")
+    p.add_argument("--pretrained", help="shortcut for --set model.pretrained=... (a pipeline folder)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint in output_dir")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    overrides = list(args.overrides)
+    if args.output_dir is not None:
+        overrides.append(f"output_dir={args.output_dir}")
+    if args.max_steps is not None:
+        overrides.append(f"train.max_steps={args.max_steps}")
+    if args.pretrained is not None:
+        overrides += [f"model.pretrained={args.pretrained}", "model.init=null"]
+    if args.resume:
+        overrides.append("train.resume=true")
+    summary = train(load_config(args.config, overrides))
+    if summary:
+        print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
+              f"{summary['step_time_s']} s/step -> {summary['final_dir']}")
+
+
+if __name__ == "__main__":
+    main()
