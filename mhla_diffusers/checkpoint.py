@@ -225,6 +225,11 @@ def _install_from_config(transformer: nn.Module, config: dict, folder: Path) -> 
     load_mhla_weights(transformer, folder)
 
 
+def _dtype_kwargs(torch_dtype: torch.dtype | None) -> dict:
+    """diffusers 0.42 takes ``dtype=`` (``torch_dtype=`` is deprecated there)."""
+    return {} if torch_dtype is None else {"dtype": torch_dtype}
+
+
 def _transformer_class(folder: Path):
     import diffusers
 
@@ -248,7 +253,7 @@ def load_mhla_transformer(path: str | os.PathLike, *, torch_dtype: torch.dtype |
     """
     folder = transformer_folder(path)
     config = read_mhla_config(folder)
-    model = _transformer_class(folder).from_pretrained(folder, torch_dtype=torch_dtype, **kwargs)
+    model = _transformer_class(folder).from_pretrained(folder, **_dtype_kwargs(torch_dtype), **kwargs)
     if config is not None:
         _install_from_config(model, config, folder)
     return model.eval()
@@ -269,7 +274,7 @@ def load_mhla_pipeline(path: str | os.PathLike, *, torch_dtype: torch.dtype | No
     if not (path / "model_index.json").is_file():
         raise FileNotFoundError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
     config = read_mhla_config(path)
-    pipe = DiffusionPipeline.from_pretrained(path, torch_dtype=torch_dtype, **kwargs)
+    pipe = DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(torch_dtype), **kwargs)
     if config is not None:
         _install_from_config(pipe.transformer, config, path / "transformer")
     pipe.transformer.eval()

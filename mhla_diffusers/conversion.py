@@ -29,7 +29,7 @@ def _load_source(src: str, torch_dtype: torch.dtype | None):
     """(pipeline or None, transformer) from a local pipeline/transformer folder or a Hub id."""
     from diffusers import DiffusionPipeline
 
-    from .checkpoint import _transformer_class
+    from .checkpoint import _dtype_kwargs, _transformer_class
 
     path = Path(src)
     if path.exists():
@@ -42,12 +42,12 @@ def _load_source(src: str, torch_dtype: torch.dtype | None):
                 "with mhla_diffusers.load_mhla_pipeline / load_mhla_transformer."
             )
         if (path / "model_index.json").is_file():
-            return DiffusionPipeline.from_pretrained(path, torch_dtype=torch_dtype), None
-        return None, _transformer_class(folder).from_pretrained(folder, torch_dtype=torch_dtype)
+            return DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(torch_dtype)), None
+        return None, _transformer_class(folder).from_pretrained(folder, **_dtype_kwargs(torch_dtype))
     if src.startswith((".", "/", "~")) or src.count("/") != 1:
         raise FileNotFoundError(f"{src} does not exist (and does not look like a Hub id 'owner/name')")
     try:
-        return DiffusionPipeline.from_pretrained(src, torch_dtype=torch_dtype), None
+        return DiffusionPipeline.from_pretrained(src, **_dtype_kwargs(torch_dtype)), None
     except OSError as err:
         raise OSError(
             f"could not load {src!r} from the Hugging Face Hub or its local cache ({err}). Offline "
