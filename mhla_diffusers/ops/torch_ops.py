@@ -32,7 +32,8 @@ def _to_blocks(x: torch.Tensor, gather: torch.Tensor, identity: bool, num_blocks
     else:
         blocks = x.index_select(2, gather)
         blocks = blocks.to(dtype)
-    return blocks.reshape(b, h, num_blocks, -1, d)
+    # Explicit block length (not -1): a reshape with -1 fails on empty batches (B = 0 or heads = 0).
+    return blocks.reshape(b, h, num_blocks, blocks.shape[2] // num_blocks, d)
 
 
 def mhla_attention_torch(
@@ -78,7 +79,7 @@ def mhla_attention_torch(
         den = (phi_q @ z_mixed.unsqueeze(-1)).squeeze(-1)  # [B, H, M, L]
         out = out / (den.unsqueeze(-1) + eps)
 
-    out = out.reshape(b, h, -1, dv)
+    out = out.reshape(b, h, m * out.shape[3], dv)
     if not identity:
         out = out.index_select(2, scatter)
     return out.to(q.dtype)
