@@ -114,6 +114,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     },
 }
 _FREE_SECTIONS = {("model", "init"), ("model", "vae"), ("model", "noise_scheduler"), ("mhla",)}
+_FLOAT_KEYS = ("lr", "mixing_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "grad_clip", "class_dropout")
 _MHLA_KEYS = {"layers", "num_blocks", "block_grid", "normalize", "eps", "backend", "init"}
 LOSS_CSV = "loss.csv"
 LOSS_PNG = "loss.png"
@@ -245,11 +246,20 @@ def validate_config(config: dict) -> None:
         v = t[key]
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"train.{key} must be an integer >= 0; got {v!r}")
-    if not isinstance(t["lr"], (int, float)) or t["lr"] <= 0:
-        raise ValueError(f"train.lr must be a positive number; got {t['lr']!r} (write 1.0e-4, not 1e-4, in YAML 1.1? both parse here)")
-    if t["mixing_lr"] is not None and (not isinstance(t["mixing_lr"], (int, float)) or t["mixing_lr"] < 0):
-        raise ValueError(f"train.mixing_lr must be null or a number >= 0; got {t['mixing_lr']!r}")
-    if not 0.0 <= float(t["class_dropout"]) < 1.0:
+    # PyYAML (YAML 1.1) reads "1e-4" (no dot) as a string: accept numeric strings for float keys.
+    for key in _FLOAT_KEYS:
+        v = t[key]
+        if v is None and key in ("mixing_lr", "grad_clip"):
+            continue
+        try:
+            t[key] = float(v)
+        except (TypeError, ValueError):
+            raise ValueError(f"train.{key} must be a number; got {v!r}") from None
+    if t["lr"] <= 0:
+        raise ValueError(f"train.lr must be > 0; got {t['lr']!r}")
+    if t["mixing_lr"] is not None and t["mixing_lr"] < 0:
+        raise ValueError(f"train.mixing_lr must be null or >= 0; got {t['mixing_lr']!r}")
+    if not 0.0 <= t["class_dropout"] < 1.0:
         raise ValueError(f"train.class_dropout must be in [0, 1); got {t['class_dropout']!r}")
     if t["mixed_precision"] not in ("no", "fp16", "bf16"):
         raise ValueError(f"train.mixed_precision must be no, fp16 or bf16; got {t['mixed_precision']!r}")
@@ -257,15 +267,6 @@ def validate_config(config: dict) -> None:
         raise ValueError(f"export.sampler must be dpm, ddim or ddpm; got {config['export']['sampler']!r}")
 
 
-# Some YAML 1.1 loaders read "1e-4" as a string; PyYAML does. Accept numeric strings for floats.
-def _float(config: dict, section: str, key: str) -> float | None:
-    v = config[section][key]
-    if v is None:
-        return None
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        raise ValueError(f"{section}.{key} must be a number; got {v!r}") from None
 
 
 # -- models, data, optimizer -----------------------------------------------------------------------
@@ -667,7 +668,7 @@ def train(config: dict) -> dict[str, Any]:
             f"(batch_size x gradient_accumulation_steps) per process: raise data.crops_per_image or lower data.batch_size"
         )
     optimizer = build_optimizer(
-        transformer, float(t_cfg["lr"]), mixing_lr=_float(config, "train", "mixing_lr"),
+        transformer, float(t_cfg["lr"]), mixing_lr=t_cfg["mixing_lr"],
         weight_decay=float(t_cfg["weight_decay"]), betas=(float(t_cfg["adam_beta1"]), float(t_cfg["adam_beta2"])),
         eps=float(t_cfg["adam_eps"]),
     )
@@ -700,7 +701,7 @@ def train(config: dict) -> dict[str, Any]:
     num_params = sum(p.numel() for p in accelerator.unwrap_model(transformer).parameters())
     progress = tqdm(total=max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process, dynamic_ncols=True)
     log_every = int(t_cfg["log_every"])
-    grad_clip = _float(config, "train", "grad_clip")
+    grad_clip = t_cfg["grad_clip"]
     class_dropout = float(t_cfg["class_dropout"])
     seed = int(t_cfg["seed"])
     t_start = time.perf_counter()
