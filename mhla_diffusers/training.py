@@ -610,7 +610,8 @@ def train(config: dict) -> dict[str, Any]:
     Returns:
         The summary dict (also written to ``train_summary.json``): ``final_dir``, ``steps``,
         ``final_loss`` (mean of the last ``log_every`` steps), ``wall_time_s``, ``step_time_s``
-        (mean seconds per optimizer step in this run), ``num_parameters``, ``mhla_layers``.
+        (mean wall seconds per optimizer step in this run), ``step_cpu_time_s`` (CPU seconds of this
+        process per step), ``num_parameters``, ``mhla``, ``mhla_layers``, ``mixing_range``.
 
     Raises:
         ValueError: invalid config (see :func:`load_config`), a dataset smaller than one batch,
@@ -704,7 +705,7 @@ def train(config: dict) -> dict[str, Any]:
     grad_clip = t_cfg["grad_clip"]
     class_dropout = float(t_cfg["class_dropout"])
     seed = int(t_cfg["seed"])
-    t_start = time.perf_counter()
+    t_start, cpu_start = time.perf_counter(), time.process_time()
     steps_this_run = 0
     transformer.train()
     while step < max_steps:
@@ -760,7 +761,7 @@ def train(config: dict) -> dict[str, Any]:
             if step >= max_steps:
                 break
     progress.close()
-    wall = time.perf_counter() - t_start
+    wall, cpu = time.perf_counter() - t_start, time.process_time() - cpu_start
 
     # Export.
     accelerator.wait_for_everyone()
@@ -783,6 +784,8 @@ def train(config: dict) -> dict[str, Any]:
             "final_loss": sum(recent) / len(recent) if recent else math.nan,
             "wall_time_s": round(wall, 2),
             "step_time_s": round(wall / steps_this_run, 4) if steps_this_run else None,
+            # CPU seconds of this process per step: robust to other processes sharing the cores.
+            "step_cpu_time_s": round(cpu / steps_this_run, 4) if steps_this_run else None,
             "num_parameters": num_params,
             "mhla": is_mhla_model(model),
             "mhla_layers": len(mixing),
