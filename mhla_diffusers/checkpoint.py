@@ -212,16 +212,22 @@ def _install_from_config(transformer: nn.Module, config: dict, folder: Path) -> 
         raise MHLACheckpointError(
             f"{folder / MHLA_CONFIG_NAME} was written for {config['model_class']}, but the base model is {type(transformer).__name__}"
         )
-    apply_mhla(
-        transformer,
-        layers=list(config["layers"]),
-        block_grid=tuple(config["block_grid"]),
-        normalize=bool(config["normalize"]),
-        eps=float(config["eps"]),
-        backend=config.get("backend", "auto"),
-    )
-    if len(self_attention_modules(transformer)) != config["num_layers"]:
-        raise MHLACheckpointError(f"{folder}: the config counts {config['num_layers']} layers, the model has a different number")
+    num_layers = len(self_attention_modules(transformer))
+    if num_layers != config["num_layers"]:
+        raise MHLACheckpointError(
+            f"{folder / MHLA_CONFIG_NAME} counts {config['num_layers']} self-attention layers, the base model has {num_layers}"
+        )
+    try:
+        apply_mhla(
+            transformer,
+            layers=list(config["layers"]),
+            block_grid=tuple(config["block_grid"]),
+            normalize=bool(config["normalize"]),
+            eps=float(config["eps"]),
+            backend=config.get("backend", "auto"),
+        )
+    except (ValueError, TypeError) as err:  # layers, block grid or settings that do not fit this model
+        raise MHLACheckpointError(f"{folder / MHLA_CONFIG_NAME} does not fit the base model: {err}") from err
     load_mhla_weights(transformer, folder)
 
 
