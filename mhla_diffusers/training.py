@@ -154,39 +154,20 @@ def apply_overrides(config: dict, overrides: Iterable[str]) -> dict:
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like section.key=value (e.g. train.max_steps=10)")
         key, raw = item.split("=", 1)
-        parts = key.strip().split(".")
-        value = yaml.safe_load(raw) if raw.strip() else None
-        update: Any = value
-        for part in reversed(parts):
-            update = {part: update}
-        # A key inside a free or null section: merge into the existing dict there.
-        node, base = config, DEFAULT_CONFIG
+        parts = [p for p in key.strip().split(".")]
+        if not all(parts):
+            raise ValueError(f"override {item!r}: empty key component")
+        node = config
         for i, part in enumerate(parts[:-1]):
-            if tuple(parts[: i + 1]) in _FREE_SECTIONS:
-                section = node.get(part)
-                section = dict(section) if isinstance(section, Mapping) else {}
-                sub = section
-                for p in parts[i + 1 : -1]:
-                    sub = sub.setdefault(p, {})
-                sub[parts[-1]] = value
-                update = section
-                for p in reversed(parts[: i + 1]):
-                    update = {p: update}
-                break
-            node = node.get(part) if isinstance(node, Mapping) else None
-            base = base.get(part) if isinstance(base, Mapping) else None
-        config = _merge(DEFAULT_CONFIG, _deep_update(config, update))
+            child = node.get(part)
+            if child is None:  # a null section (mhla: null) or a new sub-dict of a free section
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ValueError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        config = _merge(DEFAULT_CONFIG, config)  # rejects unknown keys
     return config
-
-
-def _deep_update(config: dict, update: Mapping) -> dict:
-    out = copy.deepcopy(config)
-    for key, value in update.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = _deep_update(dict(out[key]), value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> dict:
@@ -648,6 +629,8 @@ def train(config: dict) -> dict[str, Any]:
     transformer, vae, noise_scheduler = parts["transformer"], parts["vae"], parts["noise_scheduler"]
     if t_cfg["gradient_checkpointing"]:
         transformer.enable_gradient_checkpointing()
+    if config["mhla"] is not None and not parts["mhla_applied"]:
+        accelerator.print("the pretrained checkpoint already has MHLA: the mhla section is not applied again")
     label_dropout_backup = disable_internal_label_dropout(transformer)
     null_class = int(transformer.config.num_embeds_ada_norm)
     vae.to(accelerator.device)
