@@ -108,7 +108,18 @@ def _write_mhla_files(transformer: nn.Module, folder: Path) -> None:
         if getattr(attn, "mhla_mixing", None) is not None
     }
     save_file(tensors, str(folder / MHLA_WEIGHTS_NAME), metadata={"format": "pt", "mhla_format_version": str(FORMAT_VERSION)})
+    config["weights_sha256"] = _sha256(folder / MHLA_WEIGHTS_NAME)
     (folder / MHLA_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def save_mhla_transformer(transformer: nn.Module, out_dir: str | os.PathLike, *, overwrite: bool = False, **save_kwargs) -> Path:
@@ -173,11 +184,15 @@ def read_mhla_config(path: str | os.PathLike) -> dict | None:
     return config
 
 
-def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike) -> None:
+def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike, expected_sha256: str | None = None) -> None:
     """Load ``mhla.safetensors`` from ``folder`` into a model with MHLA installed, strictly.
 
+    Args:
+        expected_sha256: the digest recorded in ``mhla_config.json`` (checked when given).
+
     Raises:
-        MHLACheckpointError: file missing or corrupted, keys missing or unexpected, shapes differ.
+        MHLACheckpointError: file missing or corrupted (digest mismatch included), keys missing or
+            unexpected, shapes differ, non-finite values.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -202,6 +217,11 @@ def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike) -> None
             raise MHLACheckpointError(f"{path}: {key} has shape {tuple(tensors[key].shape)}, the model expects {tuple(param.shape)}")
         if not torch.isfinite(tensors[key]).all():
             raise MHLACheckpointError(f"{path}: {key} holds NaN or infinite values")
+    # Last: the specific messages above say more when the file parses; this catches silent damage.
+    if expected_sha256 is not None and _sha256(path) != expected_sha256:
+        raise MHLACheckpointError(
+            f"{path} does not match the sha256 recorded in {MHLA_CONFIG_NAME}: the file is corrupted or was replaced"
+        )
     with torch.no_grad():
         for key, param in params.items():
             param.copy_(tensors[key])
@@ -224,11 +244,23 @@ def _install_from_config(transformer: nn.Module, config: dict, folder: Path) -> 
             block_grid=tuple(config["block_grid"]),
             normalize=bool(config["normalize"]),
             eps=float(config["eps"]),
-            backend=config.get("backend", "auto"),
+            backend=_usable_backend(config.get("backend", "auto")),
         )
     except (ValueError, TypeError) as err:  # layers, block grid or settings that do not fit this model
         raise MHLACheckpointError(f"{folder / MHLA_CONFIG_NAME} does not fit the base model: {err}") from err
-    load_mhla_weights(transformer, folder)
+    load_mhla_weights(transformer, folder, config.get("weights_sha256"))
+
+
+def _usable_backend(backend: str) -> str:
+    """The recorded backend if this installation has it, else ``"auto"`` (backends give the same numbers)."""
+    from .ops import available_backends
+
+    if backend == "auto" or backend in available_backends():
+        return backend
+    import warnings
+
+    warnings.warn(f"the checkpoint asks for MHLA backend {backend!r}, which is not available here; using 'auto'")
+    return "auto"
 
 
 def _dtype_kwargs(torch_dtype: torch.dtype | None) -> dict:

@@ -91,12 +91,25 @@ class MHLAProcessor:
         return self.block_grid or choose_block_grid(reference_grid, self.num_blocks)
 
     def attach(self, attn: torch.nn.Module, reference_grid: Sequence[int], init: str = "locality") -> MixingMatrix:
-        """Create the layer's mixing matrix (fp32, on the layer's device) if it has none; return it."""
+        """Create the layer's mixing matrix (fp32, on the layer's device) if it has none; return it.
+
+        Raises:
+            ValueError: the layer already has a mixing matrix whose block grid contradicts this
+                processor's explicit ``block_grid`` / ``num_blocks``.
+        """
         mixing = getattr(attn, "mhla_mixing", None)
         if mixing is None:
             device = next(attn.parameters()).device
             mixing = MixingMatrix(self.resolve_block_grid(reference_grid), init=init).to(device)
             attn.add_module("mhla_mixing", mixing)
+        elif (self.block_grid is not None and mixing.block_grid != self.block_grid) or (
+            self.block_grid is None and self.num_blocks is not None and mixing.num_blocks != self.num_blocks
+        ):
+            asked = self.block_grid or f"num_blocks={self.num_blocks}"
+            raise ValueError(
+                f"this layer already has a mixing matrix for block grid {mixing.block_grid}, but the processor asks "
+                f"for {asked}; call mhla_diffusers.remove_mhla(model) first to change the number of blocks"
+            )
         return mixing
 
     def _mixing(self, attn) -> MixingMatrix:
@@ -117,9 +130,11 @@ class MHLAProcessor:
         grid = current_grid()
         seen = attn.__dict__.setdefault("_mhla_grids", {})
         if grid is None:
-            # Outside the transformer's forward: activation-checkpoint recomputation replays the
-            # same inputs after the forward returned; reuse the grid this layer saw for this N.
-            grid = seen.get(num_tokens)
+            # Activation-checkpoint recomputation replays the layer inside the backward pass, after
+            # the transformer's forward returned: reuse the grid this layer saw for this N then.
+            # Anywhere else an unknown grid is an error, never a guess.
+            in_backward = torch._C._current_graph_task_id() != -1
+            grid = seen.get(num_tokens) if in_backward else None
             if grid is None:
                 raise RuntimeError(
                     f"MHLA does not know the token grid of this call ({num_tokens} tokens) and never guesses it. "
@@ -134,6 +149,14 @@ class MHLAProcessor:
             )
         seen[num_tokens] = grid
         return grid
+
+    @staticmethod
+    def _default_eps() -> float:
+        from .families import find_family
+
+        model = current_model()
+        family = None if model is None else find_family(model)
+        return 1e-6 if family is None else family.default_eps
 
     def _stock_call(self, attn, *args, **kwargs):
         if self._stock is None:
@@ -183,7 +206,7 @@ class MHLAProcessor:
 
         mixing = self._mixing(attn)
         layout = get_layout(self._grid(attn, num_tokens), mixing.block_grid)
-        eps = self.eps if self.eps is not None else 1e-6
+        eps = self.eps if self.eps is not None else self._default_eps()
         hidden_states = mhla_attention(
             query, key, value, mixing.clamped(), layout, normalize=self.normalize, eps=eps, backend=self.backend
         )

@@ -241,3 +241,15 @@ def test_bare_one_liner_first_forward_failing_leaks_no_frame():
         with pytest.raises(ValueError, match="more blocks than tokens"):
             run_dit(model, dit_inputs(batch=1, size=4))  # 2 x 2 tokens < 4 x 4 blocks
         assert run_dit(model, dit_inputs(batch=1)).shape == (1, 4, 8, 8)
+
+
+def test_processor_contradicting_existing_mixing_raises():
+    """A processor asking for another M than the layer's existing mixing matrix is refused, not ignored."""
+    model = tiny_dit(num_layers=2)
+    apply_mhla(model, num_blocks=4)
+    with pytest.raises(ValueError, match="remove_mhla"):
+        set_attn_processor(model, MHLAProcessor(num_blocks=1))
+    with pytest.raises(ValueError, match="remove_mhla"):
+        set_attn_processor(model, MHLAProcessor(block_grid=(4, 1)))
+    set_attn_processor(model, MHLAProcessor(num_blocks=4))  # the same M is fine
+    assert mhla_spec(model)["num_blocks"] == 4

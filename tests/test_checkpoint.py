@@ -451,3 +451,14 @@ def test_failed_save_leaves_no_partial_folder(tmp_path, monkeypatch):
         save_mhla_transformer(mixed, tmp_path / "mixed")
     assert not (tmp_path / "mixed").exists() and _leftovers(tmp_path, "mixed") == []
     assert is_mhla_model(mixed)
+
+
+def test_silent_data_damage_caught_by_digest(saved, tmp_path):
+    """A flipped byte inside the tensor data (header intact, values finite) is caught by the sha256
+    recorded in mhla_config.json."""
+    folder = _copy(saved["transformer_dir"], tmp_path)
+    path = folder / "mhla.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01  # low mantissa bits of the last fp32 value: still finite, still parses
+    path.write_bytes(bytes(data))
+    _expect_error(folder, "sha256")

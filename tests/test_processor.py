@@ -412,3 +412,14 @@ def test_gradients_reach_mixing_and_clamp():
         assert torch.equal(p.detach(), expected)
     assert clamp_mixing_(model, 0.25, 0.5) == 3
     assert float(params[0].detach().min()) == 0.25 and float(params[0].detach().max()) == 0.5
+
+
+def test_grid_seen_in_forward_is_not_reused_outside_backward():
+    """The per-layer grid memory serves activation-checkpoint recomputation (inside backward) only:
+    a later direct call without a published grid is an error, never a stale guess."""
+    attn = _standalone_attention()
+    hidden = torch.randn(1, 64, 16)
+    with torch.no_grad(), token_grid((4, 16)):
+        attn(hidden)
+    with pytest.raises(RuntimeError, match="token_grid"), torch.no_grad():
+        attn(hidden)
