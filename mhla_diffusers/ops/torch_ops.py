@@ -1,16 +1,41 @@
-"""MHLA in plain PyTorch: batched GEMMs over a padded block-major view of the tokens.
+"""MHLA in plain PyTorch: batched GEMMs over a padded block-major view of the tokens, chunk by chunk.
 
 Cost O(N d^2 + M^2 d^2) per head, memory O(N d + M d^2): no ``N x N`` tensor and no per-token
-``d x d`` tensor. Works on any device; gradients come from autograd.
+``d x d`` tensor. Works on any device. Forward and backward are written out by hand (a
+``torch.autograd.Function``); the inputs ``q, k, v`` are never copied whole.
 
 Steps (MHLA paper, Sec. 3.2), per batch element and head, accumulating in fp32 (fp64 stays fp64):
     1. gather tokens into blocks:  Q_b, K_b, V_b  ``[M, L, d]`` (L = largest block; padded keys = 0)
     2. summaries:  S_b = phi(K_b)^T V_b  ``[M, d, d]``,  z_b = sum phi(K_b)  ``[M, d]``
     3. mixing:     S~ = Mc S,  z~ = Mc z           (one GEMM over the block axis)
     4. output:     o = phi(Q_b) S~_b / (phi(Q_b) . z~_b + eps), scattered back to token order.
+
+How it is fast (CPU numbers in benchmarks/README.md): steps 1-2 and 4 run over *chunks* of
+(heads x blocks) whose gathered operands fit in a small workspace (``_CPU_CHUNK_BYTES``) that is
+allocated once per call and reused, so every tensor a step touches is cache-resident and no
+full-size temporary is ever created: the only full-size allocation of the forward is the output
+(fresh multi-megabyte allocations are expensive on CPU: the kernel maps and zeroes their pages).
+Gathers write into the workspace (``index_select(out=)``), ReLU runs in place on those copies, the
+output is written straight into its token-order place, and the denominator is an elementwise
+product + row sum instead of a (slow) batched matrix-vector product. Chunks end where a run of
+blocks covers a contiguous range of tokens, so writing back is an ``index_select`` too. On CUDA a
+chunk is a whole batch element (all heads, all blocks).
+
+The backward recomputes the gathered operands chunk by chunk from ``q, k, v`` (the forward saves
+only the inputs, the output, the per-token denominator and the un-mixed summaries), with, for a
+query in block i (``a = phi(q)``, ``g`` the output gradient, ``den = a . z~_i + eps``):
+    gn = g / den,  gd = -(gn . o)          (gradients of numerator and denominator)
+    dS~_i = sum a^T gn,  dz~_i = sum a gd,  da = gn S~_i^T + gd z~_i,  dq = da [q > 0]
+    dS = Mc^T dS~,  dz = Mc^T dz~,  dMc = sum_heads (dS~ S^T + dz~ z^T)
+    dV_b = phi(K_b) dS_b,  dphi(K_b) = V_b dS_b^T + dz_b,  dk = dphi(k) [k > 0]
 """
 
 from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -18,22 +43,293 @@ from ..layout import BlockLayout
 
 __all__ = ["mhla_attention_torch", "compute_dtype"]
 
+# Bytes of one gathered operand per chunk on CPU (a few of them are live at once): small enough to
+# stay in L2 cache, large enough that the Python overhead per chunk (~20 ops) is negligible.
+_CPU_CHUNK_BYTES = 1 << 21
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float64 for float64 inputs, float32 for everything else."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _to_blocks(x: torch.Tensor, gather: torch.Tensor, identity: bool, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, H, N, d]`` -> ``[B, H, M, L, d]`` in ``dtype`` (a view when tokens are already block-major)."""
-    b, h, _, d = x.shape
-    if identity:
-        blocks = x.to(dtype)
+@dataclass(frozen=True)
+class _Plan:
+    """The index tensors of a layout on one device, plus where chunks may end."""
+
+    num_blocks: int  # M
+    length: int  # L, the padded block length
+    gather: torch.Tensor  # [M * L] token read into each padded slot
+    scatter: torch.Tensor  # [N] slot of each token
+    pad: torch.Tensor | None  # [M, L, 1] bool, True on padded slots; None if no block is padded
+    identity: bool  # tokens are already block-major with equal blocks: slices suffice
+    cuts: tuple[int, ...]  # block ids m where blocks [0, m) hold exactly tokens [0, first_token[m])
+    first_token: tuple[int, ...]  # [M + 1] number of tokens in blocks [0, m)
+
+
+@lru_cache(maxsize=64)
+def _plan(layout: BlockLayout, device: torch.device) -> _Plan:
+    gather, scatter, valid, identity = layout.gather_tensors(device)
+    m = layout.num_blocks
+    first = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(layout.block_sizes, 0)])
+    order = torch.argsort(layout.block_index, stable=True)  # tokens in block-major order
+    seen_max = torch.cummax(order, 0).values
+    cuts = tuple(i for i in range(m + 1) if i in (0, m) or int(seen_max[first[i] - 1]) == int(first[i]) - 1)
+    return _Plan(
+        num_blocks=m,
+        length=layout.max_block_size,
+        gather=gather,
+        scatter=scatter,
+        pad=None if valid is None else ~valid[:, :, None],
+        identity=identity,
+        cuts=cuts,
+        first_token=tuple(int(t) for t in first),
+    )
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """Heads ``h0:h1`` and blocks ``m0:m1`` (tokens ``t0:t1``) of one batch element, with its index tensors."""
+
+    h0: int
+    h1: int
+    m0: int
+    m1: int
+    t0: int
+    t1: int
+    gather: torch.Tensor | None  # [(m1 - m0) * L] token read into each padded slot (None: identity layout)
+    scatter: torch.Tensor | None  # [t1 - t0] slot of each token, counted from the chunk's first slot
+
+    @property
+    def heads(self) -> slice:
+        return slice(self.h0, self.h1)
+
+    @property
+    def blocks(self) -> slice:
+        return slice(self.m0, self.m1)
+
+
+@lru_cache(maxsize=256)
+def _chunks(layout: BlockLayout, device: torch.device, heads: int, width: int, itemsize: int) -> tuple[tuple[_Chunk, ...], ...]:
+    """Split ``heads x blocks`` into groups of heads, each a tuple of chunks covering all its blocks.
+
+    A chunk holds at most ``_CPU_CHUNK_BYTES`` per gathered operand: several whole heads when one
+    head fits (a group of one chunk), else a run of blocks of one head cut at ``plan.cuts`` (a run
+    may exceed the budget when the layout has no finer cut, e.g. multi-frame 3D blocks). On CUDA
+    one chunk holds everything (the GEMMs are large enough, and launches cost more).
+    """
+    plan = _plan(layout, device)
+    m, length, first = plan.num_blocks, plan.length, plan.first_token
+    rows = max(1, _CPU_CHUNK_BYTES // (width * itemsize))  # padded token slots per chunk
+    if device.type != "cpu" or m * length <= rows:
+        per = heads if device.type != "cpu" else rows // (m * length)
+        head_ranges, runs = [(h, min(h + per, heads)) for h in range(0, heads, max(per, 1))], [(0, m)]
     else:
-        blocks = x.index_select(2, gather)
-        blocks = blocks.to(dtype)
-    # Explicit block length (not -1): a reshape with -1 fails on empty batches (B = 0 or heads = 0).
-    return blocks.reshape(b, h, num_blocks, blocks.shape[2] // num_blocks, d)
+        head_ranges, runs, start, cuts = [(h, h + 1) for h in range(heads)], [], 0, plan.cuts
+        while start < m:
+            nearest = bisect_right(cuts, start)  # the first cut after start
+            furthest = bisect_right(cuts, start + rows // length) - 1  # the last cut within budget
+            end = cuts[max(nearest, furthest)]
+            runs.append((start, end))
+            start = end
+    indexed = []
+    for m0, m1 in runs:
+        t0, t1 = first[m0], first[m1]
+        if plan.identity:
+            indexed.append((m0, m1, t0, t1, None, None))
+        else:
+            indexed.append((m0, m1, t0, t1, plan.gather[m0 * length : m1 * length], plan.scatter[t0:t1] - m0 * length))
+    return tuple(tuple(_Chunk(h0, h1, *run) for run in indexed) for h0, h1 in head_ranges)
+
+
+class _Workspace:
+    """Scratch buffers reused from chunk to chunk: ``ws.get(name, shape)`` (allocated once per call)."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device):
+        self.dtype, self.device, self.buffers = dtype, device, {}
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = self.buffers[name] = torch.empty(numel, dtype=self.dtype, device=self.device)
+        return buf[:numel].view(shape)
+
+
+def _load(x, b, c: _Chunk, plan: _Plan, ws: _Workspace, name: str, *, relu=False, mask_pad=False, copy=True):
+    """Step 1 for one chunk: ``x[b, h0:h1]`` ``[G, N, w]`` -> block-major ``[G, m1 - m0, L, w]`` in the workspace.
+
+    ``relu`` applies phi in place (on the copy, never on ``x``); ``mask_pad`` zeroes padded slots.
+    ``copy=False`` may return a view of ``x`` itself (identity layouts, same dtype, read-only use).
+    """
+    g, w = c.h1 - c.h0, x.shape[-1]
+    shape = (g, c.m1 - c.m0, plan.length, w)
+    src = x[b, c.h0 : c.h1]
+    if c.gather is None:
+        src = src[:, c.t0 : c.t1]
+        if not copy and src.dtype == ws.dtype:
+            return src.reshape(shape)
+        dst = ws.get(name, (g, c.t1 - c.t0, w))
+        dst.copy_(src)
+    else:
+        dst = ws.get(name, (g, c.gather.numel(), w))
+        if src.dtype == dst.dtype:
+            torch.index_select(src, 1, c.gather, out=dst)
+        else:
+            dst.copy_(src.index_select(1, c.gather))
+    dst = dst.view(shape)
+    if relu:
+        dst.relu_()
+    if mask_pad and plan.pad is not None:
+        dst.masked_fill_(plan.pad[c.m0 : c.m1], 0)
+    return dst
+
+
+def _store(res: torch.Tensor, dest: torch.Tensor, b, c: _Chunk) -> None:
+    """Write a block-major chunk result ``[G, m, L, w]`` to its token-order place ``dest[b, h0:h1, t0:t1]``."""
+    g, w = res.shape[0], res.shape[-1]
+    src = res.view(g, res.shape[1] * res.shape[2], w)
+    dst = dest[b, c.h0 : c.h1, c.t0 : c.t1]
+    if c.scatter is None:
+        dst.copy_(src)
+    elif dst.dtype == src.dtype and dst.is_contiguous():
+        torch.index_select(src, 1, c.scatter, out=dst)
+    else:
+        dst.copy_(src.index_select(1, c.scatter))
+
+
+def _mix(mixing: torch.Tensor, summaries: torch.Tensor, ws: _Workspace, name: str) -> torch.Tensor:
+    """Step 3 for a group of heads: ``Mc @ summaries[g]`` for each head ``g`` (one batched GEMM), in the workspace.
+
+    ``summaries``: ``[G, M, *rest]`` -> ``[G, M, *rest]``.
+    """
+    g, m, rest = summaries.shape[0], summaries.shape[1], summaries.shape[2:]
+    flat = summaries.reshape(g, m, math.prod(rest))
+    return torch.bmm(mixing.expand(g, m, m), flat, out=ws.get(name, flat.shape)).view(summaries.shape)
+
+
+def _relu_grad_(grad: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
+    """``grad * [phi > 0]`` in place: ReLU's derivative, by the kernel autograd uses for ``relu``."""
+    return torch.ops.aten.threshold_backward.grad_input(grad, phi, 0, grad_input=grad)
+
+
+def _setup(q, v, mixing, layout):
+    """Accumulation dtype, plan, groups of chunks, workspace and the mixing matrix in the accumulation dtype."""
+    acc = compute_dtype(q.dtype)
+    plan = _plan(layout, q.device)
+    width = max(q.shape[-1], v.shape[-1])
+    groups = _chunks(layout, q.device, q.shape[1], width, torch.finfo(acc).bits // 8)
+    return acc, plan, groups, _Workspace(acc, q.device), mixing.to(device=q.device, dtype=acc)
+
+
+class _MHLA(torch.autograd.Function):
+    """The operator with a hand-written backward (formulas in the module docstring).
+
+    Work goes group of heads by group of heads (``_chunks``): the summaries of a group are
+    computed, mixed and used while they are in cache, and live in the workspace unless the
+    backward needs them.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, mixing, layout, normalize, eps):
+        acc, plan, groups, ws, mix = _setup(q, v, mixing, layout)
+        batch, heads, n, d = q.shape
+        dv, m, length = v.shape[-1], plan.num_blocks, plan.length
+        need_grad = any(ctx.needs_input_grad[:4])
+        new = lambda *shape: torch.empty(shape, dtype=acc, device=q.device)  # noqa: E731
+        s_all = new(batch, heads, m, d, dv) if need_grad else None
+        z_all = new(batch, heads, m, d) if need_grad and normalize else None
+        den_all = new(batch, heads, m, length) if need_grad and normalize else None
+        out = torch.empty(batch, heads, n, dv, dtype=q.dtype, device=q.device)
+        for b in range(batch):
+            for group in groups:
+                hs, g = group[0].heads, group[0].h1 - group[0].h0
+                s = s_all[b, hs] if need_grad else ws.get("s", (g, m, d, dv))
+                z = (z_all[b, hs] if need_grad else ws.get("z", (g, m, d))) if normalize else None
+                # Steps 1-2: per-block summaries S, z.
+                for c in group:
+                    phi_k = _load(k, b, c, plan, ws, "k", relu=True, mask_pad=True)
+                    v_b = _load(v, b, c, plan, ws, "v", copy=False)
+                    torch.matmul(phi_k.transpose(-1, -2), v_b, out=s[:, c.blocks])
+                    if normalize:
+                        torch.sum(phi_k, dim=-2, out=z[:, c.blocks])
+                # Step 3: mixing.
+                s_mix = _mix(mix, s, ws, "s_mix")
+                z_mix = _mix(mix, z, ws, "z_mix") if normalize else None
+                # Step 4: output, written straight into token order.
+                for c in group:
+                    phi_q = _load(q, b, c, plan, ws, "q", relu=True)
+                    num = torch.matmul(phi_q, s_mix[:, c.blocks], out=ws.get("num", (*phi_q.shape[:3], dv)))
+                    if normalize:
+                        prod = torch.mul(phi_q, z_mix[:, c.blocks, None, :], out=ws.get("prod", phi_q.shape))
+                        den = den_all[b, c.heads, c.blocks] if need_grad else ws.get("den", phi_q.shape[:3])
+                        torch.sum(prod, dim=-1, out=den).add_(eps)
+                        num.div_(den[..., None])
+                    _store(num, out, b, c)
+
+        ctx.save_for_backward(q, k, v, mixing, s_all, z_all, out, den_all)
+        ctx.layout, ctx.normalize = layout, normalize
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, mixing, s_all, z_all, out, den_all = ctx.saved_tensors
+        layout, normalize = ctx.layout, ctx.normalize
+        need_q, need_k, need_v, need_mix = ctx.needs_input_grad[:4]
+        acc, plan, groups, ws, mix = _setup(q, v, mixing, layout)
+        batch, heads, _, d = q.shape
+        dv, m = v.shape[-1], plan.num_blocks
+        mix_t = mix.t().contiguous()
+        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_q else None
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if need_k else None
+        dvv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if need_v else None
+        dmix = torch.zeros(m, m, dtype=acc, device=q.device)
+        for b in range(batch):
+            for group in groups:
+                hs, g = group[0].heads, group[0].h1 - group[0].h0
+                s, z = s_all[b, hs], (z_all[b, hs] if normalize else None)
+                s_mix = _mix(mix, s, ws, "s_mix")
+                z_mix = _mix(mix, z, ws, "z_mix") if normalize else None
+                # Query side: dq and the gradients of the mixed summaries dS~, dz~.
+                ds_mix = ws.get("ds_mix", (g, m, d, dv))
+                dz_mix = ws.get("dz_mix", (g, m, d)) if normalize else None
+                for c in group:
+                    phi_q = _load(q, b, c, plan, ws, "q", relu=True)
+                    gn = _load(grad_out, b, c, plan, ws, "g", mask_pad=True)  # padded slots: no gradient
+                    if normalize:
+                        gn.div_(den_all[b, c.heads, c.blocks, :, None])
+                        o = _load(out, b, c, plan, ws, "o", copy=False)
+                        gd = torch.mul(gn, o, out=ws.get("prod", gn.shape)).sum(-1, keepdim=True).neg_()
+                        prod = torch.mul(phi_q, gd, out=ws.get("prod", phi_q.shape))
+                        torch.sum(prod, dim=-2, out=dz_mix[:, c.blocks])
+                    torch.matmul(phi_q.transpose(-1, -2), gn, out=ds_mix[:, c.blocks])
+                    if need_q:
+                        da = torch.matmul(gn, s_mix[:, c.blocks].transpose(-1, -2), out=ws.get("da", phi_q.shape))
+                        if normalize:
+                            da.addcmul_(gd, z_mix[:, c.blocks, None, :])
+                        _store(_relu_grad_(da, phi_q), dq, b, c)
+                # Mixing: dMc += sum over heads of dS~ S^T (+ dz~ z^T); dS = Mc^T dS~, dz = Mc^T dz~.
+                if need_mix:
+                    dmix += torch.bmm(ds_mix.view(g, m, d * dv), s.reshape(g, m, d * dv).transpose(1, 2)).sum(0)
+                    if normalize:
+                        dmix += torch.bmm(dz_mix, z.transpose(1, 2)).sum(0)
+                if not (need_k or need_v):
+                    continue
+                ds = _mix(mix_t, ds_mix, ws, "ds")
+                dz = _mix(mix_t, dz_mix, ws, "dz") if normalize else None
+                # Key side: dv = phi(K) dS, dk = (V dS^T + dz) [k > 0].
+                for c in group:
+                    phi_k = _load(k, b, c, plan, ws, "k", relu=True, mask_pad=True)
+                    if need_v:
+                        dv_b = torch.matmul(phi_k, ds[:, c.blocks], out=ws.get("num", (*phi_k.shape[:3], dv)))
+                        _store(dv_b, dvv, b, c)
+                    if need_k:
+                        v_b = _load(v, b, c, plan, ws, "v", copy=False)
+                        dphi = torch.matmul(v_b, ds[:, c.blocks].transpose(-1, -2), out=ws.get("da", phi_k.shape))
+                        if normalize:
+                            dphi += dz[:, c.blocks, None, :]
+                        _store(_relu_grad_(dphi, phi_k), dk, b, c)
+        return dq, dk, dvv, dmix.to(mixing.dtype) if need_mix else None, None, None, None
 
 
 def mhla_attention_torch(
@@ -56,30 +352,7 @@ def mhla_attention_torch(
         eps: added to the denominator, in the accumulation dtype.
 
     Returns:
-        ``[B, heads, N, d_v]`` in the dtype of ``q``.
+        ``[B, heads, N, d_v]`` in the dtype of ``q`` (contiguous). Differentiable in q, k, v and
+        ``mixing`` (first order: the backward is hand-written).
     """
-    acc = compute_dtype(q.dtype)
-    m = layout.num_blocks
-    gather, scatter, valid, identity = layout.gather_tensors(q.device)
-
-    phi_q = torch.relu(_to_blocks(q, gather, identity, m, acc))  # [B, H, M, L, d]
-    phi_k = torch.relu(_to_blocks(k, gather, identity, m, acc))
-    v_b = _to_blocks(v, gather, identity, m, acc)
-    if valid is not None:  # padded slots must not contribute to any summary
-        phi_k = phi_k * valid[:, :, None].to(acc)
-
-    mix = mixing.to(device=q.device, dtype=acc)
-    summaries = phi_k.transpose(-1, -2) @ v_b  # [B, H, M, d, d_v]
-    b, h, _, d, dv = summaries.shape
-    mixed = (mix @ summaries.reshape(b, h, m, d * dv)).reshape(b, h, m, d, dv)  # S~ = Mc S
-    out = phi_q @ mixed  # [B, H, M, L, d_v]
-    if normalize:
-        z = phi_k.sum(dim=-2)  # [B, H, M, d]
-        z_mixed = mix @ z  # z~ = Mc z
-        den = (phi_q @ z_mixed.unsqueeze(-1)).squeeze(-1)  # [B, H, M, L]
-        out = out / (den.unsqueeze(-1) + eps)
-
-    out = out.reshape(b, h, m * out.shape[3], dv)
-    if not identity:
-        out = out.index_select(2, scatter)
-    return out.to(q.dtype)
+    return _MHLA.apply(q, k, v, mixing, layout, normalize, float(eps))
