@@ -33,6 +33,7 @@ query in block i (``a = phi(q)``, ``g`` the output gradient, ``den = a . z~_i + 
 from __future__ import annotations
 
 import math
+import threading
 from bisect import bisect_right
 from dataclasses import dataclass
 from functools import lru_cache
@@ -61,7 +62,7 @@ class _Plan:
     length: int  # L, the padded block length
     gather: torch.Tensor  # [M * L] token read into each padded slot
     scatter: torch.Tensor  # [N] slot of each token
-    pad: torch.Tensor | None  # [M, L, 1] bool, True on padded slots; None if no block is padded
+    valid: torch.Tensor | None  # [M, L, 1] 1.0 on real slots, 0.0 on padded ones; None if no block is padded
     identity: bool  # tokens are already block-major with equal blocks: slices suffice
     cuts: tuple[int, ...]  # block ids m where blocks [0, m) hold exactly tokens [0, first_token[m])
     first_token: tuple[int, ...]  # [M + 1] number of tokens in blocks [0, m)
@@ -80,7 +81,7 @@ def _plan(layout: BlockLayout, device: torch.device) -> _Plan:
         length=layout.max_block_size,
         gather=gather,
         scatter=scatter,
-        pad=None if valid is None else ~valid[:, :, None],
+        valid=None if valid is None else valid[:, :, None].float(),
         identity=identity,
         cuts=cuts,
         first_token=tuple(int(t) for t in first),
@@ -142,17 +143,39 @@ def _chunks(layout: BlockLayout, device: torch.device, heads: int, width: int, i
     return tuple(tuple(_Chunk(h0, h1, *run) for run in indexed) for h0, h1 in head_ranges)
 
 
+# CPU scratch buffers kept between calls, per thread: a fresh multi-megabyte allocation
+# costs more than the arithmetic done in it (the kernel maps and zeroes its pages on first touch),
+# so, like oneDNN's per-thread scratchpad, the workspace outlives the call. Buffers larger than
+# _CPU_KEEP_BYTES are allocated per call instead; _release_workspace() frees the kept ones.
+_CPU_KEEP_BYTES = 1 << 25
+_cpu_pool = threading.local()
+
+
+def _release_workspace() -> None:
+    """Free this thread's kept CPU scratch buffers."""
+    _cpu_pool.__dict__.clear()
+
+
 class _Workspace:
-    """Scratch buffers reused from chunk to chunk: ``ws.get(name, shape)`` (allocated once per call)."""
+    """Scratch buffers reused from chunk to chunk (and, on CPU, from call to call): ``ws.get(name, shape)``.
+
+    Buffers are in the accumulation dtype unless ``dtype`` says otherwise. A buffer is only ever
+    used inside one operator call; no view of it escapes.
+    """
 
     def __init__(self, dtype: torch.dtype, device: torch.device):
-        self.dtype, self.device, self.buffers = dtype, device, {}
+        self.dtype, self.device = dtype, device
+        kept = device.type == "cpu"
+        self.kept = _cpu_pool.__dict__.setdefault("buffers", {}) if kept else {}
+        self.keep_bytes = _CPU_KEEP_BYTES if kept else math.inf
+        self.local = {}
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        numel = math.prod(shape)
-        buf = self.buffers.get(name)
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        key, numel = (name, dtype or self.dtype), math.prod(shape)
+        buf = self.local.get(key, self.kept.get(key))
         if buf is None or buf.numel() < numel:
-            buf = self.buffers[name] = torch.empty(numel, dtype=self.dtype, device=self.device)
+            buf = torch.empty(numel, dtype=key[1], device=self.device)
+            (self.kept if numel * buf.element_size() <= self.keep_bytes else self.local)[key] = buf
         return buf[:numel].view(shape)
 
 
@@ -173,19 +196,23 @@ def _load(x, b, c: _Chunk, plan: _Plan, ws: _Workspace, name: str, *, relu=False
         dst.copy_(src)
     else:
         dst = ws.get(name, (g, c.gather.numel(), w))
-        if src.dtype == dst.dtype:
-            torch.index_select(src, 1, c.gather, out=dst)
-        else:
-            dst.copy_(src.index_select(1, c.gather))
+        gathered = dst if src.dtype == dst.dtype else ws.get(name, dst.shape, src.dtype)
+        if src.is_contiguous():
+            torch.index_select(src, 1, c.gather, out=gathered)
+        else:  # e.g. diffusers' [B, N, H, d] layout: a strided 3-D index_select would copy all of x first
+            for i in range(g):
+                torch.index_select(src[i], 0, c.gather, out=gathered[i])
+        if gathered is not dst:
+            dst.copy_(gathered)  # to the accumulation dtype
     dst = dst.view(shape)
     if relu:
         dst.relu_()
-    if mask_pad and plan.pad is not None:
-        dst.masked_fill_(plan.pad[c.m0 : c.m1], 0)
+    if mask_pad and plan.valid is not None:
+        dst.mul_(plan.valid[c.m0 : c.m1])  # a multiply: masked_fill_ with a broadcast mask is 10x slower
     return dst
 
 
-def _store(res: torch.Tensor, dest: torch.Tensor, b, c: _Chunk) -> None:
+def _store(res: torch.Tensor, dest: torch.Tensor, b, c: _Chunk, ws: _Workspace) -> None:
     """Write a block-major chunk result ``[G, m, L, w]`` to its token-order place ``dest[b, h0:h1, t0:t1]``."""
     g, w = res.shape[0], res.shape[-1]
     src = res.view(g, res.shape[1] * res.shape[2], w)
@@ -194,8 +221,17 @@ def _store(res: torch.Tensor, dest: torch.Tensor, b, c: _Chunk) -> None:
         dst.copy_(src)
     elif dst.dtype == src.dtype and dst.is_contiguous():
         torch.index_select(src, 1, c.scatter, out=dst)
-    else:
-        dst.copy_(src.index_select(1, c.scatter))
+    else:  # another dtype, or the [B, N, H, w] memory layout: reorder in cache, then cast / copy
+        dst.copy_(torch.index_select(src, 1, c.scatter, out=ws.get("store", dst.shape)))
+
+
+def _empty_like_layout(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, H, N, width]`` laid out like ``x``: diffusers passes ``[B, N, H, d]`` tensors viewed as
+    ``[B, H, N, d]``; an output in that layout makes its ``transpose(1, 2).reshape(B, N, H * d)`` free."""
+    b, h, n, _ = x.shape
+    if not x.is_contiguous() and x.transpose(1, 2).is_contiguous():
+        return torch.empty(b, n, h, width, dtype=dtype, device=x.device).transpose(1, 2)
+    return torch.empty(b, h, n, width, dtype=dtype, device=x.device)
 
 
 def _mix(mixing: torch.Tensor, summaries: torch.Tensor, ws: _Workspace, name: str) -> torch.Tensor:
@@ -240,7 +276,7 @@ class _MHLA(torch.autograd.Function):
         s_all = new(batch, heads, m, d, dv) if need_grad else None
         z_all = new(batch, heads, m, d) if need_grad and normalize else None
         den_all = new(batch, heads, m, length) if need_grad and normalize else None
-        out = torch.empty(batch, heads, n, dv, dtype=q.dtype, device=q.device)
+        out = _empty_like_layout(q, dv, q.dtype)
         for b in range(batch):
             for group in groups:
                 hs, g = group[0].heads, group[0].h1 - group[0].h0
@@ -265,7 +301,7 @@ class _MHLA(torch.autograd.Function):
                         den = den_all[b, c.heads, c.blocks] if need_grad else ws.get("den", phi_q.shape[:3])
                         torch.sum(prod, dim=-1, out=den).add_(eps)
                         num.div_(den[..., None])
-                    _store(num, out, b, c)
+                    _store(num, out, b, c, ws)
 
         ctx.save_for_backward(q, k, v, mixing, s_all, z_all, out, den_all)
         ctx.layout, ctx.normalize = layout, normalize
@@ -280,9 +316,9 @@ class _MHLA(torch.autograd.Function):
         batch, heads, _, d = q.shape
         dv, m = v.shape[-1], plan.num_blocks
         mix_t = mix.t().contiguous()
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device) if need_q else None
-        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if need_k else None
-        dvv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if need_v else None
+        dq = _empty_like_layout(q, d, q.dtype) if need_q else None
+        dk = _empty_like_layout(k, d, k.dtype) if need_k else None
+        dvv = _empty_like_layout(v, dv, v.dtype) if need_v else None
         dmix = torch.zeros(m, m, dtype=acc, device=q.device)
         for b in range(batch):
             for group in groups:
@@ -307,7 +343,7 @@ class _MHLA(torch.autograd.Function):
                         da = torch.matmul(gn, s_mix[:, c.blocks].transpose(-1, -2), out=ws.get("da", phi_q.shape))
                         if normalize:
                             da.addcmul_(gd, z_mix[:, c.blocks, None, :])
-                        _store(_relu_grad_(da, phi_q), dq, b, c)
+                        _store(_relu_grad_(da, phi_q), dq, b, c, ws)
                 # Mixing: dMc += sum over heads of dS~ S^T (+ dz~ z^T); dS = Mc^T dS~, dz = Mc^T dz~.
                 if need_mix:
                     dmix += torch.bmm(ds_mix.view(g, m, d * dv), s.reshape(g, m, d * dv).transpose(1, 2)).sum(0)
@@ -322,13 +358,13 @@ class _MHLA(torch.autograd.Function):
                     phi_k = _load(k, b, c, plan, ws, "k", relu=True, mask_pad=True)
                     if need_v:
                         dv_b = torch.matmul(phi_k, ds[:, c.blocks], out=ws.get("num", (*phi_k.shape[:3], dv)))
-                        _store(dv_b, dvv, b, c)
+                        _store(dv_b, dvv, b, c, ws)
                     if need_k:
                         v_b = _load(v, b, c, plan, ws, "v", copy=False)
                         dphi = torch.matmul(v_b, ds[:, c.blocks].transpose(-1, -2), out=ws.get("da", phi_k.shape))
                         if normalize:
                             dphi += dz[:, c.blocks, None, :]
-                        _store(_relu_grad_(dphi, phi_k), dk, b, c)
+                        _store(_relu_grad_(dphi, phi_k), dk, b, c, ws)
         return dq, dk, dvv, dmix.to(mixing.dtype) if need_mix else None, None, None, None
 
 
