@@ -2,24 +2,29 @@
 
 Cost O(N d^2 + M^2 d^2) per head, memory O(N d + M d^2): no ``N x N`` tensor and no per-token
 ``d x d`` tensor. Works on any device. Forward and backward are written out by hand (a
-``torch.autograd.Function``); the inputs ``q, k, v`` are never copied whole.
+``torch.autograd.Function``, first-order); the inputs ``q, k, v`` are never copied whole.
 
 Steps (MHLA paper, Sec. 3.2), per batch element and head, accumulating in fp32 (fp64 stays fp64):
     1. gather tokens into blocks:  Q_b, K_b, V_b  ``[M, L, d]`` (L = largest block; padded keys = 0)
     2. summaries:  S_b = phi(K_b)^T V_b  ``[M, d, d]``,  z_b = sum phi(K_b)  ``[M, d]``
-    3. mixing:     S~ = Mc S,  z~ = Mc z           (one GEMM over the block axis)
+    3. mixing:     S~ = Mc S,  z~ = Mc z           (a GEMM over the block axis, batched over heads)
     4. output:     o = phi(Q_b) S~_b / (phi(Q_b) . z~_b + eps), scattered back to token order.
 
-How it is fast (CPU numbers in benchmarks/README.md): steps 1-2 and 4 run over *chunks* of
-(heads x blocks) whose gathered operands fit in a small workspace (``_CPU_CHUNK_BYTES``) that is
-allocated once per call and reused, so every tensor a step touches is cache-resident and no
-full-size temporary is ever created: the only full-size allocation of the forward is the output
-(fresh multi-megabyte allocations are expensive on CPU: the kernel maps and zeroes their pages).
-Gathers write into the workspace (``index_select(out=)``), ReLU runs in place on those copies, the
-output is written straight into its token-order place, and the denominator is an elementwise
-product + row sum instead of a (slow) batched matrix-vector product. Chunks end where a run of
-blocks covers a contiguous range of tokens, so writing back is an ``index_select`` too. On CUDA a
-chunk is a whole batch element (all heads, all blocks).
+How it is fast (numbers: benchmarks/README.md). Steps 1-2 and 4 run over *chunks* of
+(heads x blocks) sized so that the gathered operands of a chunk (``_CPU_CHUNK_BYTES`` each) stay
+in cache; a group of heads goes through steps 1-4 before the next group starts, so its summaries
+are still in cache when they are mixed and used. Every intermediate lives in a workspace reused
+from chunk to chunk and, on CPU, from call to call: fresh multi-megabyte allocations cost more than
+the arithmetic done in them there (the kernel maps and zeroes their pages on first touch), so the
+only full-size allocation of an inference forward is the output (training adds the un-mixed
+summaries ``[B, H, M, d, d_v]`` and the denominator ``[B, H, M, L]`` for the backward). Gathers
+write straight into the workspace (``index_select(out=)``), ReLU runs in place on those copies,
+the denominator is an elementwise product + row sum (a batched matrix-vector product is ~4x
+slower), and results are written straight into their token-order place: chunks end where a run
+of blocks covers a contiguous range of tokens, so that is an ``index_select`` too. The output (and
+the input gradients) take the memory layout of ``q`` (diffusers' ``[B, N, H, d]`` viewed as
+``[B, H, N, d]`` stays that way, so the caller's ``transpose(1, 2).reshape(B, N, H * d)`` costs
+nothing). On CUDA a chunk is a whole batch element (all heads, all blocks).
 
 The backward recomputes the gathered operands chunk by chunk from ``q, k, v`` (the forward saves
 only the inputs, the output, the per-token denominator and the un-mixed summaries), with, for a
@@ -34,7 +39,7 @@ from __future__ import annotations
 
 import math
 import threading
-from bisect import bisect_right
+from bisect import bisect_left
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -44,9 +49,9 @@ from ..layout import BlockLayout
 
 __all__ = ["mhla_attention_torch", "compute_dtype"]
 
-# Bytes of one gathered operand per chunk on CPU (a few of them are live at once): small enough to
-# stay in L2 cache, large enough that the Python overhead per chunk (~20 ops) is negligible.
-_CPU_CHUNK_BYTES = 1 << 21
+# Bytes of one gathered operand per chunk on CPU (a few are live at once). Measured on a 1 MiB-L2
+# core: 1 MiB beats 2-4 MiB by up to 20% (cache) and 256 KiB (Python overhead, ~40 ops a chunk).
+_CPU_CHUNK_BYTES = 1 << 20
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -100,6 +105,7 @@ class _Chunk:
     t1: int
     gather: torch.Tensor | None  # [(m1 - m0) * L] token read into each padded slot (None: identity layout)
     scatter: torch.Tensor | None  # [t1 - t0] slot of each token, counted from the chunk's first slot
+    valid: torch.Tensor | None  # [m1 - m0, L, 1] 1.0 on real slots, 0.0 on padded ones (None: no padding)
 
     @property
     def heads(self) -> slice:
@@ -127,19 +133,24 @@ def _chunks(layout: BlockLayout, device: torch.device, heads: int, width: int, i
         head_ranges, runs = [(h, min(h + per, heads)) for h in range(0, heads, max(per, 1))], [(0, m)]
     else:
         head_ranges, runs, start, cuts = [(h, h + 1) for h in range(heads)], [], 0, plan.cuts
-        while start < m:
-            nearest = bisect_right(cuts, start)  # the first cut after start
-            furthest = bisect_right(cuts, start + rows // length) - 1  # the last cut within budget
-            end = cuts[max(nearest, furthest)]
-            runs.append((start, end))
-            start = end
+        count = -(-m * length // rows)  # runs of near-equal length, each ending at the cut nearest its target
+        for i in range(1, count + 1):
+            target, j = m * i // count, bisect_left(cuts, m * i // count)
+            ends = [c for c in cuts[max(j - 1, 0) : j + 1] if c > start]
+            if ends:
+                runs.append((start, min(ends, key=lambda c: abs(c - target))))
+                start = runs[-1][1]
+        if start < m:
+            runs.append((start, m))
     indexed = []
     for m0, m1 in runs:
         t0, t1 = first[m0], first[m1]
+        valid = None if plan.valid is None else plan.valid[m0:m1]
         if plan.identity:
-            indexed.append((m0, m1, t0, t1, None, None))
+            indexed.append((m0, m1, t0, t1, None, None, valid))
         else:
-            indexed.append((m0, m1, t0, t1, plan.gather[m0 * length : m1 * length], plan.scatter[t0:t1] - m0 * length))
+            gather, scatter = plan.gather[m0 * length : m1 * length], plan.scatter[t0:t1] - m0 * length
+            indexed.append((m0, m1, t0, t1, gather, scatter, valid))
     return tuple(tuple(_Chunk(h0, h1, *run) for run in indexed) for h0, h1 in head_ranges)
 
 
@@ -168,15 +179,19 @@ class _Workspace:
         kept = device.type == "cpu"
         self.kept = _cpu_pool.__dict__.setdefault("buffers", {}) if kept else {}
         self.keep_bytes = _CPU_KEEP_BYTES if kept else math.inf
-        self.local = {}
+        self.local, self.views = {}, {}
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
-        key, numel = (name, dtype or self.dtype), math.prod(shape)
-        buf = self.local.get(key, self.kept.get(key))
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=key[1], device=self.device)
-            (self.kept if numel * buf.element_size() <= self.keep_bytes else self.local)[key] = buf
-        return buf[:numel].view(shape)
+        key = (name, dtype or self.dtype, tuple(shape))
+        view = self.views.get(key)
+        if view is None:
+            numel = math.prod(shape)
+            buf = self.local.get(key[:2], self.kept.get(key[:2]))
+            if buf is None or buf.numel() < numel:
+                buf = torch.empty(numel, dtype=key[1], device=self.device)
+                (self.kept if numel * buf.element_size() <= self.keep_bytes else self.local)[key[:2]] = buf
+            view = self.views[key] = buf[:numel].view(shape)
+        return view
 
 
 def _load(x, b, c: _Chunk, plan: _Plan, ws: _Workspace, name: str, *, relu=False, mask_pad=False, copy=True):
@@ -207,8 +222,8 @@ def _load(x, b, c: _Chunk, plan: _Plan, ws: _Workspace, name: str, *, relu=False
     dst = dst.view(shape)
     if relu:
         dst.relu_()
-    if mask_pad and plan.valid is not None:
-        dst.mul_(plan.valid[c.m0 : c.m1])  # a multiply: masked_fill_ with a broadcast mask is 10x slower
+    if mask_pad and c.valid is not None:
+        dst.mul_(c.valid)  # a multiply: masked_fill_ with a broadcast mask is 10x slower
     return dst
 
 
@@ -267,11 +282,10 @@ class _MHLA(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mixing, layout, normalize, eps):
+    def forward(ctx, q, k, v, mixing, layout, normalize, eps, need_grad):
         acc, plan, groups, ws, mix = _setup(q, v, mixing, layout)
         batch, heads, n, d = q.shape
         dv, m, length = v.shape[-1], plan.num_blocks, plan.length
-        need_grad = any(ctx.needs_input_grad[:4])
         new = lambda *shape: torch.empty(shape, dtype=acc, device=q.device)  # noqa: E731
         s_all = new(batch, heads, m, d, dv) if need_grad else None
         z_all = new(batch, heads, m, d) if need_grad and normalize else None
@@ -365,7 +379,7 @@ class _MHLA(torch.autograd.Function):
                         if normalize:
                             dphi += dz[:, c.blocks, None, :]
                         _store(_relu_grad_(dphi, phi_k), dk, b, c, ws)
-        return dq, dk, dvv, dmix.to(mixing.dtype) if need_mix else None, None, None, None
+        return dq, dk, dvv, dmix.to(mixing.dtype) if need_mix else None, None, None, None, None
 
 
 def mhla_attention_torch(
@@ -378,7 +392,7 @@ def mhla_attention_torch(
     normalize: bool = True,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """MHLA forward in PyTorch (see module doc). Inputs are validated by :func:`mhla_attention`.
+    """MHLA in PyTorch (see module doc). Inputs are validated by :func:`mhla_attention`.
 
     Args:
         q, k: ``[B, heads, N, d]``; v: ``[B, heads, N, d_v]``; fp16, bf16, fp32 or fp64.
@@ -388,7 +402,9 @@ def mhla_attention_torch(
         eps: added to the denominator, in the accumulation dtype.
 
     Returns:
-        ``[B, heads, N, d_v]`` in the dtype of ``q`` (contiguous). Differentiable in q, k, v and
-        ``mixing`` (first order: the backward is hand-written).
+        ``[B, heads, N, d_v]`` in the dtype of ``q``, in ``q``'s memory layout (contiguous, or
+        ``[B, N, heads, d_v]`` transposed when ``q`` is). Differentiable in q, k, v and ``mixing``
+        (first order: the backward is hand-written).
     """
-    return _MHLA.apply(q, k, v, mixing, layout, normalize, float(eps))
+    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mixing))
+    return _MHLA.apply(q, k, v, mixing, layout, normalize, float(eps), need_grad)
