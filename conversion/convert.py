@@ -3,6 +3,9 @@
 
     python conversion/convert.py --family dit --src facebook/DiT-XL-2-256 --out dit-mhla --layers hybrid
     python conversion/convert.py --family dit --src demo/base_dit --out /tmp/dit-mhla --num-blocks 16
+    python conversion/convert.py --family sana --src Efficient-Large-Model/Sana_600M_1024px_diffusers --out sana-mhla
+    python conversion/convert.py --family sana --src Sana_600M_1024px.pth --config ./Sana_600M_1024px_diffusers \
+        --out sana-mhla --dtype bf16
 
 Writes the base checkpoint + transformer/mhla_config.json + transformer/mhla.safetensors
 (see mhla_diffusers.checkpoint). Exit code 2 for bad input, 3 if the source is already converted.
@@ -38,8 +41,15 @@ def parse_block_grid(text: str):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", required=True, help="model family: dit")
-    parser.add_argument("--src", required=True, help="Hub id, local pipeline folder or local transformer folder")
+    parser.add_argument("--family", required=True, help="model family: dit | sana")
+    parser.add_argument(
+        "--src", required=True, help="Hub id, local pipeline folder, local transformer folder, or original single file"
+    )
+    parser.add_argument(
+        "--config",
+        default=None,
+        help="single-file --src only: local diffusers pipeline folder (writes a pipeline), transformer folder, or Hub id",
+    )
     parser.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
     parser.add_argument("--layers", type=parse_layers, default="all", help="all | hybrid | comma-separated indices")
     group = parser.add_mutually_exclusive_group()
@@ -68,6 +78,7 @@ def main(argv=None) -> int:
             eps=args.eps,
             torch_dtype=dtype,
             overwrite=args.overwrite,
+            config=args.config,
         )
     except AlreadyConvertedError as err:
         print(f"convert.py: {err}", file=sys.stderr)

@@ -1,4 +1,9 @@
-"""Retrofit a pretrained diffusers checkpoint with MHLA and write it in the converted format."""
+"""Retrofit a pretrained diffusers checkpoint with MHLA and write it in the converted format.
+
+Sources: a Hub id, a local diffusers pipeline or transformer folder, or an original single-file
+checkpoint (``.safetensors`` / ``.pth`` of the model's own repository, e.g. SANA's
+``Sana_600M_1024px.pth``), read by diffusers' ``from_single_file`` with a diffusers ``config``.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from .checkpoint import (
     save_mhla_transformer,
     transformer_folder,
 )
-from .families import FAMILIES, family_of
+from .families import FAMILIES, family_of, get_family
 
 __all__ = ["convert_checkpoint", "AlreadyConvertedError"]
 
@@ -25,26 +30,90 @@ class AlreadyConvertedError(MHLACheckpointError):
     """The source checkpoint already has MHLA; conversion starts from the original model."""
 
 
-def _load_source(src: str, torch_dtype: torch.dtype | None):
-    """(pipeline or None, transformer) from a local pipeline/transformer folder or a Hub id."""
+SINGLE_FILE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt")
+
+
+def _is_hub_id(text: str) -> bool:
+    return not text.startswith((".", "/", "~")) and text.count("/") == 1
+
+
+def _load_single_file(src: Path, config: str | None, family: str | None, torch_dtype: torch.dtype | None):
+    """(pipeline or None, transformer) from an original single-file checkpoint and a diffusers config.
+
+    ``config``: a local diffusers pipeline folder (the other components are loaded from it and the
+    whole pipeline is written), a local transformer folder (the transformer alone is written), or a
+    Hub id of a diffusers pipeline (online, or cached).
+    """
+    from diffusers import DiffusionPipeline
+
+    from .checkpoint import _dtype_kwargs, _transformer_class
+
+    if (src.parent / "mhla_config.json").is_file():
+        raise AlreadyConvertedError(
+            f"{src} belongs to an MHLA checkpoint ({src.parent / 'mhla_config.json'}); nothing was written. Convert "
+            "from the original checkpoint, or load this one with mhla_diffusers.load_mhla_transformer."
+        )
+    if config is None:
+        raise ValueError(
+            f"{src} is a single-file checkpoint: pass config= (--config) naming a diffusers folder or Hub id with "
+            "the model's config.json, e.g. a local copy of Efficient-Large-Model/Sana_600M_1024px_diffusers; "
+            "diffusers would otherwise guess a model and fetch its config from the Hub"
+        )
+    folder = Path(config)
+    pipeline_folder = None
+    if folder.exists():
+        transformer_dir = transformer_folder(folder)
+        cls = _transformer_class(transformer_dir)
+        if transformer_dir != folder:
+            pipeline_folder = folder
+        load_kwargs = {"config": str(transformer_dir)}
+    elif _is_hub_id(str(config)):
+        if family is None:
+            raise ValueError(f"pass family= (--family) to convert {src} with the Hub config {config!r}")
+        import diffusers
+
+        cls = getattr(diffusers, get_family(family).model_classes[0])
+        pipeline_folder = str(config)
+        load_kwargs = {"config": str(config), "subfolder": "transformer"}
+    else:
+        raise FileNotFoundError(f"config {config} does not exist (and does not look like a Hub id 'owner/name')")
+    if not hasattr(cls, "from_single_file"):
+        raise ValueError(f"{cls.__name__} cannot be read from a single-file checkpoint (diffusers has no from_single_file for it)")
+    try:
+        model = cls.from_single_file(str(src), **load_kwargs, **_dtype_kwargs(torch_dtype))
+    except (KeyError, IndexError) as err:  # diffusers' key mapping fails on another model's file
+        raise ValueError(f"{src} is not an original {cls.__name__} checkpoint (missing key {err})") from err
+    if pipeline_folder is None:
+        return None, model
+    return DiffusionPipeline.from_pretrained(pipeline_folder, transformer=model, **_dtype_kwargs(torch_dtype)), None
+
+
+def _load_source(src: str, torch_dtype: torch.dtype | None, config: str | None = None, family: str | None = None):
+    """(pipeline or None, transformer) from a local pipeline/transformer folder, a Hub id, or a single file."""
     from diffusers import DiffusionPipeline
 
     from .checkpoint import _dtype_kwargs, _transformer_class
 
     path = Path(src)
+    if path.is_file():
+        if path.suffix not in SINGLE_FILE_SUFFIXES:
+            raise ValueError(f"{src} is a file but not a checkpoint ({', '.join(SINGLE_FILE_SUFFIXES)})")
+        return _load_single_file(path, config, family, torch_dtype)
+    if config is not None:
+        raise ValueError("config= (--config) is only for single-file checkpoints; a diffusers folder or Hub id carries its own")
     if path.exists():
         folder = transformer_folder(path)
-        config = read_mhla_config(folder)
-        if config is not None:
+        mhla = read_mhla_config(folder)
+        if mhla is not None:
             raise AlreadyConvertedError(
-                f"{src} is already an MHLA checkpoint (layers {config['layers']}, block grid {config['block_grid']}); "
+                f"{src} is already an MHLA checkpoint (layers {mhla['layers']}, block grid {mhla['block_grid']}); "
                 "nothing was written. Convert from the original checkpoint to change settings, or load this one "
                 "with mhla_diffusers.load_mhla_pipeline / load_mhla_transformer."
             )
         if (path / "model_index.json").is_file():
             return DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(torch_dtype)), None
         return None, _transformer_class(folder).from_pretrained(folder, **_dtype_kwargs(torch_dtype))
-    if src.startswith((".", "/", "~")) or src.count("/") != 1:
+    if not _is_hub_id(src):
         raise FileNotFoundError(f"{src} does not exist (and does not look like a Hub id 'owner/name')")
     try:
         return DiffusionPipeline.from_pretrained(src, **_dtype_kwargs(torch_dtype)), None
@@ -67,30 +136,39 @@ def convert_checkpoint(
     eps: float | None = None,
     torch_dtype: torch.dtype | None = None,
     overwrite: bool = False,
+    config: str | os.PathLike | None = None,
 ) -> dict:
     """Load a pretrained checkpoint, install MHLA, write it as a converted checkpoint.
 
     Args:
-        src: a Hub id (``facebook/DiT-XL-2-256``), a local diffusers pipeline folder or a local
-            transformer folder. A pipeline is written whole, a transformer folder alone.
+        src: a Hub id (``facebook/DiT-XL-2-256``, ``Efficient-Large-Model/Sana_600M_1024px_diffusers``),
+            a local diffusers pipeline folder or a local transformer folder (a pipeline is written
+            whole, a transformer folder alone), or an original single-file checkpoint
+            (``.safetensors``, ``.pth``, ...; SANA and other models diffusers' ``from_single_file``
+            reads) together with ``config``.
+        config: for a single-file ``src`` only: a local diffusers pipeline folder (its other
+            components are loaded from it and the whole pipeline is written), a local transformer
+            folder (the transformer alone is written), or a Hub id of a diffusers pipeline.
         out: output folder (written atomically; must not exist or be empty unless ``overwrite``).
-        family: expected model family (``"dit"``); checked against the loaded model when given.
+        family: expected model family (``"dit"``, ``"sana"``); checked against the loaded model when given.
         layers, num_blocks, block_grid, normalize, eps: see :func:`~mhla_diffusers.apply_mhla`.
-        torch_dtype: dtype to load (and save) the base weights in; ``None`` keeps the stored dtype.
+        torch_dtype: dtype to load (and save) the base weights in; ``None`` keeps the stored dtype
+            (for single files, the dtype diffusers gives them: the file's).
 
     Returns:
         The MHLA spec written to ``mhla_config.json`` plus ``"out"``.
 
     Raises:
         AlreadyConvertedError: ``src`` already has MHLA (C15): nothing is written.
-        ValueError: unknown family, family mismatch, bad layer or block options.
+        ValueError: unknown family, family mismatch, bad layer or block options, a single file
+            without ``config`` (or ``config`` without a single file), a file of another model.
         FileNotFoundError / OSError: ``src`` cannot be found or loaded.
     """
     from .apply import mhla_spec
 
     if family is not None and family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
-    pipe, transformer = _load_source(str(src), torch_dtype)
+    pipe, transformer = _load_source(str(src), torch_dtype, None if config is None else str(config), family)
     model = pipe.transformer if pipe is not None else transformer
     found = family_of(model)
     if family is not None and found.name != family:

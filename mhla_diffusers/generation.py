@@ -1,4 +1,5 @@
-"""Generation helpers over the stock diffusers pipelines (class-conditional DiT for now)."""
+"""Generation helpers over the stock diffusers pipelines: class-conditional (DiTPipeline) and
+text-to-image (SanaPipeline)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["GenerationError", "resolve_class_labels", "generate_class_images", "save_grid"]
+__all__ = ["GenerationError", "resolve_class_labels", "generate_class_images", "generate_text_images", "save_grid"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -77,12 +78,94 @@ def generate_class_images(
     if pipe is None:
         pipe = load_mhla_pipeline(checkpoint, torch_dtype=_DTYPES[dtype])
     if type(pipe).__name__ != "DiTPipeline":
-        raise GenerationError(f"{checkpoint} holds a {type(pipe).__name__}; class-label generation needs a DiTPipeline")
+        hint = " (it takes prompts: --prompt)" if _takes_prompt(pipe) else ""
+        raise GenerationError(
+            f"{checkpoint} holds a {type(pipe).__name__}; class-label generation needs a DiTPipeline{hint}"
+        )
     pipe = pipe.to(device)
     ids = resolve_class_labels(pipe, class_labels)
     generator = torch.Generator("cpu").manual_seed(seed)
     with torch.inference_mode():
         result = pipe(class_labels=ids, num_inference_steps=steps, guidance_scale=guidance_scale, generator=generator)
+    return result.images
+
+
+def _takes_prompt(pipe) -> bool:
+    import inspect
+
+    return "prompt" in inspect.signature(pipe.__call__).parameters
+
+
+def generate_text_images(
+    checkpoint: str | os.PathLike,
+    prompts: Sequence[str],
+    *,
+    negative_prompt: str = "",
+    height: int | None = None,
+    width: int | None = None,
+    steps: int = 20,
+    guidance_scale: float = 4.5,
+    seed: int = 0,
+    dtype: str = "fp32",
+    device: str | None = None,
+    use_resolution_binning: bool = True,
+    pipe=None,
+):
+    """Generate one image per prompt with the checkpoint's own text-to-image pipeline (``SanaPipeline``).
+
+    Args:
+        checkpoint: pipeline folder (plain or MHLA-converted); ignored when ``pipe`` is given.
+        prompts: one image each (generated as one batch, with one ``torch.Generator``).
+        negative_prompt: the classifier-free guidance negative prompt.
+        height, width: image size in pixels (multiples of 32 for SANA); ``None``: the model's native
+            size, ``transformer.config.sample_size * vae_scale_factor`` (1024 for SANA-1024px).
+        steps: denoising steps. guidance_scale: CFG scale (1 = off). seed: CPU generator seed.
+        dtype: ``"fp32" | "bf16" | "fp16"``. device: default CUDA when available, else CPU.
+        use_resolution_binning: SANA's own default: snap the size to the nearest trained aspect
+            ratio, generate there, resize back (MHLA builds its blocks on the true latent grid).
+        pipe: an already loaded pipeline (skips loading).
+
+    Returns:
+        A list of PIL images of size ``(width, height)``.
+
+    Raises:
+        GenerationError: not a text-to-image pipeline, no prompts, bad steps, dtype or size.
+    """
+    from .checkpoint import load_mhla_pipeline
+
+    prompts = [str(p) for p in prompts]
+    if not prompts:
+        raise GenerationError("give at least one prompt")
+    if steps < 1:
+        raise GenerationError(f"steps must be >= 1; got {steps}")
+    if dtype not in _DTYPES:
+        raise GenerationError(f"dtype must be one of {sorted(_DTYPES)}; got {dtype!r}")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if pipe is None:
+        pipe = load_mhla_pipeline(checkpoint, torch_dtype=_DTYPES[dtype])
+    if not _takes_prompt(pipe) or not hasattr(pipe, "vae_scale_factor"):
+        raise GenerationError(
+            f"{checkpoint} holds a {type(pipe).__name__}; text-to-image generation needs a pipeline that takes a "
+            "prompt (SanaPipeline). Class-conditional pipelines take class labels (--class-labels)."
+        )
+    native = int(pipe.transformer.config.sample_size) * int(pipe.vae_scale_factor)
+    height, width = height or native, width or native
+    multiple = int(pipe.vae_scale_factor) * int(pipe.transformer.config.patch_size)
+    if not use_resolution_binning and (height % multiple or width % multiple or height <= 0 or width <= 0):
+        raise GenerationError(f"height and width must be positive multiples of {multiple} px for this model; got {height} x {width}")
+    pipe = pipe.to(device)
+    generator = torch.Generator("cpu").manual_seed(seed)
+    with torch.inference_mode():
+        result = pipe(
+            prompt=prompts,
+            negative_prompt=negative_prompt,
+            height=height,
+            width=width,
+            num_inference_steps=steps,
+            guidance_scale=guidance_scale,
+            generator=generator,
+            use_resolution_binning=use_resolution_binning,
+        )
     return result.images
 
 

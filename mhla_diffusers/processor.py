@@ -30,12 +30,21 @@ class MHLAProcessor:
     """Attention processor that runs MHLA on self-attention layers (MHLA paper, Sec. 3.2).
 
     Install with ``mhla_diffusers.apply_mhla(transformer, ...)`` (self-attention layers only,
-    mixing matrices created eagerly) or ``mhla_diffusers.set_attn_processor(transformer,
-    MHLAProcessor())`` (every attention layer; works on models without the method, such as DiT).
+    mixing matrices created eagerly), the one-liner ``transformer.set_attn_processor(MHLAProcessor())``
+    (models that have the method: SANA), or ``mhla_diffusers.set_attn_processor(transformer,
+    MHLAProcessor())`` (every model, DiT included; creates the mixing matrices now).
     One processor object may serve many layers: each layer keeps its own mixing matrix, as the
     submodule ``<attention module>.mhla_mixing`` (in ``state_dict()``, following ``.to()``).
-    On a cross-attention call (``encoder_hidden_states`` given) the processor runs the stock
-    SDPA computation unchanged.
+
+    What it computes follows the model family's stock self-attention processor everywhere but the
+    attention itself (see :class:`~mhla_diffusers.families.Family`): the layer's own projections,
+    its q/k norms where the stock processor applies them (SANA: over all heads, before the head
+    split), the stock output dtype and path (SANA: ``to_out`` then the +-65504 clip for float16
+    inputs), and the family's eps (SANA 1e-15). With one block (``M = 1``) it is the plain linear
+    attention of the paper, i.e. on SANA the stock ``SanaLinearAttnProcessor2_0`` up to float
+    summation order. On a cross-attention call (``encoder_hidden_states`` given, or a layer built
+    for cross-attention) it runs the family's stock processor unchanged, bit for bit (SANA
+    ``SanaAttnProcessor2_0``; others ``AttnProcessor2_0``).
 
     Args:
         num_blocks: target number of blocks ``M`` when ``block_grid`` is not given; the block grid
@@ -44,12 +53,17 @@ class MHLAProcessor:
         block_grid: explicit ``(bt, bh, bw)`` (or ``(bh, bw)``). The block grid is fixed per layer;
             at another resolution the blocks stretch with the image.
         normalize: divide by ``phi(q) . z~ + eps`` (the paper's form) or not.
-        eps: denominator epsilon; ``None`` takes the model family's default (1e-6 for DiT).
+        eps: denominator epsilon; ``None`` takes the model family's default (DiT 1e-6, SANA 1e-15).
         backend: operator backend, ``"auto"`` or one of :func:`~mhla_diffusers.available_backends`.
+        family: model family (``"dit"``, ``"sana"``) whose stock behaviour to follow. ``None``
+            (default): the family of the transformer running the layer. Give it only to call
+            attention modules directly, outside their transformer (with
+            :func:`~mhla_diffusers.token_grid`); there, without it, the generic behaviour applies
+            (``AttnProcessor2_0`` for cross-attention, no clip, eps 1e-6).
 
     Raises (at call time):
         RuntimeError: when the token grid of the call is unknown (no hook published it), or does
-            not match the number of tokens.
+            not match the number of tokens; when ``family`` contradicts the running transformer.
         ValueError: when an attention mask is passed to a self-attention layer (MHLA has none).
     """
 
@@ -60,7 +74,10 @@ class MHLAProcessor:
         normalize: bool = True,
         eps: float | None = None,
         backend: str = "auto",
+        family: str | None = None,
     ):
+        from .families import get_family
+
         if num_blocks is not None and (isinstance(num_blocks, bool) or int(num_blocks) != num_blocks or num_blocks < 1):
             raise ValueError(f"num_blocks must be a positive integer or None; got {num_blocks!r}")
         self.block_grid = None if block_grid is None else normalize_grid(tuple(block_grid), "block_grid")
@@ -76,13 +93,16 @@ class MHLAProcessor:
         if backend != "auto" and backend not in available_backends():
             raise ValueError(f"unknown backend {backend!r}; choose 'auto' or one of {available_backends()}")
         self.backend = backend
-        self._stock = None
+        self.family = None if family is None else get_family(family)
+        self._stock: dict[str, object] = {}
         ensure_global_hook()
 
     def __repr__(self) -> str:
         return (
             f"MHLAProcessor(num_blocks={self.num_blocks}, block_grid={self.block_grid}, "
-            f"normalize={self.normalize}, eps={self.eps}, backend={self.backend!r})"
+            f"normalize={self.normalize}, eps={self.eps}, backend={self.backend!r}"
+            + ("" if self.family is None else f", family={self.family.name!r}")
+            + ")"
         )
 
     # -- per-layer state --------------------------------------------------------------------------
@@ -150,20 +170,34 @@ class MHLAProcessor:
         seen[num_tokens] = grid
         return grid
 
-    @staticmethod
-    def _default_eps() -> float:
+    def _family(self):
+        """The family whose stock behaviour this call follows: explicit, else the running model's, else ``None``."""
         from .families import find_family
 
         model = current_model()
-        family = None if model is None else find_family(model)
-        return 1e-6 if family is None else family.default_eps
+        running = None if model is None else find_family(model)
+        if self.family is None:
+            return running
+        if running is not None and running is not self.family:
+            raise RuntimeError(
+                f"this MHLAProcessor was built with family={self.family.name!r} but runs inside a "
+                f"{type(model).__name__} ({running.name}); build it without family= inside transformers"
+            )
+        return self.family
 
-    def _stock_call(self, attn, *args, **kwargs):
-        if self._stock is None:
-            from diffusers.models.attention_processor import AttnProcessor2_0
-
-            self._stock = AttnProcessor2_0()
-        return self._stock(attn, *args, **kwargs)
+    def _stock_call(self, family, attn, hidden_states, encoder_hidden_states, attention_mask, temb, args, kwargs):
+        """The family's stock cross-attention processor on the very same arguments."""
+        key = "" if family is None else family.name
+        stock = self._stock.get(key)
+        if stock is None:
+            stock = self._stock[key] = (
+                family.make_stock_cross_processor() if family is not None else _default_stock_processor()
+            )
+        if args:
+            return stock(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
+        if temb is not None:  # only AttnProcessor2_0-like processors take it; SANA's never receive one
+            kwargs = {"temb": temb, **kwargs}
+        return stock(attn, hidden_states, encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask, **kwargs)
 
     # -- the computation --------------------------------------------------------------------------
     def __call__(
@@ -176,11 +210,13 @@ class MHLAProcessor:
         *args,
         **kwargs,
     ) -> torch.Tensor:
+        family = self._family()
         if encoder_hidden_states is not None or getattr(attn, "is_cross_attention", False):
-            return self._stock_call(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
+            return self._stock_call(family, attn, hidden_states, encoder_hidden_states, attention_mask, temb, args, kwargs)
         if attention_mask is not None:
             raise ValueError("MHLA self-attention takes no attention mask; remove MHLA from this layer or drop the mask")
 
+        input_dtype = hidden_states.dtype
         residual = hidden_states
         if getattr(attn, "spatial_norm", None) is not None:
             hidden_states = attn.spatial_norm(hidden_states, temb)
@@ -192,30 +228,51 @@ class MHLAProcessor:
             hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
         batch, num_tokens, _ = hidden_states.shape
 
+        # the layer's own projections and q/k norms, where its stock processor applies them
         query = attn.to_q(hidden_states)
         key = attn.to_k(hidden_states)
         value = attn.to_v(hidden_states)
+        across_heads = family is not None and family.qk_norm_across_heads
+        if across_heads:
+            query, key = _qk_norm(attn, query, key)
         head_dim = key.shape[-1] // attn.heads
         query = query.view(batch, -1, attn.heads, head_dim).transpose(1, 2)  # [B, heads, N, d]
         key = key.view(batch, -1, attn.heads, head_dim).transpose(1, 2)
         value = value.view(batch, -1, attn.heads, value.shape[-1] // attn.heads).transpose(1, 2)
-        if getattr(attn, "norm_q", None) is not None:
-            query = attn.norm_q(query)
-        if getattr(attn, "norm_k", None) is not None:
-            key = attn.norm_k(key)
+        if not across_heads:
+            query, key = _qk_norm(attn, query, key)
 
+        # MHLA over the blocks of this call's token grid (phi = ReLU, fp32 accumulation)
         mixing = self._mixing(attn)
         layout = get_layout(self._grid(attn, num_tokens), mixing.block_grid)
-        eps = self.eps if self.eps is not None else self._default_eps()
+        eps = self.eps if self.eps is not None else (1e-6 if family is None else family.default_eps)
         hidden_states = mhla_attention(
             query, key, value, mixing.clamped(), layout, normalize=self.normalize, eps=eps, backend=self.backend
         )
-        hidden_states = hidden_states.transpose(1, 2).reshape(batch, num_tokens, -1).to(query.dtype)
+        out_dtype = input_dtype if family is not None and family.attention_output_dtype == "input" else query.dtype
+        hidden_states = hidden_states.transpose(1, 2).reshape(batch, num_tokens, -1).to(out_dtype)
 
+        # the stock output path
         hidden_states = attn.to_out[0](hidden_states)
         hidden_states = attn.to_out[1](hidden_states)
+        if family is not None and family.fp16_output_clip is not None and input_dtype == torch.float16:
+            hidden_states = hidden_states.clip(-family.fp16_output_clip, family.fp16_output_clip)
         if input_ndim == 4:
             hidden_states = hidden_states.transpose(-1, -2).reshape(batch, channel, height, width)
         if getattr(attn, "residual_connection", False):
             hidden_states = hidden_states + residual
         return hidden_states / getattr(attn, "rescale_output_factor", 1.0)
+
+
+def _qk_norm(attn, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if getattr(attn, "norm_q", None) is not None:
+        query = attn.norm_q(query)
+    if getattr(attn, "norm_k", None) is not None:
+        key = attn.norm_k(key)
+    return query, key
+
+
+def _default_stock_processor():
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    return AttnProcessor2_0()

@@ -73,7 +73,8 @@ def test_convert_then_generate(base_pipeline, tmp_path):
 
 def test_convert_rejects_bad_input(base_pipeline, tmp_path, capsys):
     cases = [
-        (["--family", "sana"], "unknown family"),  # not (yet) a family
+        (["--family", "nosuchfamily"], "unknown family"),
+        (["--family", "sana"], "holds a DiTTransformer2DModel"),  # a family, but not this model's
         (["--family", "dit", "--layers", "0,7"], "out of range"),
         (["--family", "dit", "--block-grid", "9,9"], "does not fit"),
     ]
