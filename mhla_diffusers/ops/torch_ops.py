@@ -382,6 +382,9 @@ class _MHLA(torch.autograd.Function):
         return dq, dk, dvv, dmix.to(mixing.dtype) if need_mix else None, None, None, None, None
 
 
+# torch.compile runs this op as it is (a graph break): tracing would unroll the chunk loops into
+# thousands of graph nodes and hit the layout's Python caches; the eager op is the optimised one.
+@torch.compiler.disable
 def mhla_attention_torch(
     q: torch.Tensor,
     k: torch.Tensor,
