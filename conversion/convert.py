@@ -57,7 +57,9 @@ def main(argv=None) -> int:
     group.add_argument("--block-grid", type=parse_block_grid, default=None, help="explicit block grid, e.g. 4,4")
     parser.add_argument("--no-normalize", action="store_true", help="drop the denominator (numerator only)")
     parser.add_argument("--eps", type=float, default=None, help="denominator epsilon (default: family default)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="keep", help="dtype of the written base weights")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="keep", help="dtype of the written base weights (keep: as stored)"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     args = parser.parse_args(argv)
 

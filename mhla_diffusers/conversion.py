@@ -7,6 +7,7 @@ checkpoint (``.safetensors`` / ``.pth`` of the model's own repository, e.g. SANA
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Sequence
@@ -31,6 +32,40 @@ class AlreadyConvertedError(MHLACheckpointError):
 
 
 SINGLE_FILE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt")
+_SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+
+
+def stored_dtype(path: str | os.PathLike) -> torch.dtype | None:
+    """The floating dtype holding most parameters of a ``.safetensors`` file, or of the safetensors
+    files of a diffusers model folder (read from the headers only); ``None`` if there is none.
+
+    diffusers and transformers load weights as float32 unless told otherwise, so converting "in the
+    stored dtype" needs this.
+    """
+    import struct
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path] if path.suffix == ".safetensors" else []
+    counts: dict[torch.dtype, int] = {}
+    for file in files:
+        with open(file, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        for key, info in header.items():
+            dtype = _SAFETENSORS_DTYPES.get(info.get("dtype")) if key != "__metadata__" else None
+            if dtype is not None:
+                start, end = info["data_offsets"]
+                counts[dtype] = counts.get(dtype, 0) + (end - start) // torch.empty((), dtype=dtype).element_size()
+    return max(counts, key=counts.get) if counts else None
+
+
+def _pipeline_dtypes(folder: Path) -> dict:
+    """``{component: stored dtype}`` for ``DiffusionPipeline.from_pretrained(dtype=...)`` (float32 default)."""
+    dtypes = {"default": torch.float32}
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
+        dtype = stored_dtype(sub)
+        if dtype is not None:
+            dtypes[sub.name] = dtype
+    return dtypes
 
 
 def _is_hub_id(text: str) -> bool:
@@ -79,13 +114,18 @@ def _load_single_file(src: Path, config: str | None, family: str | None, torch_d
         raise FileNotFoundError(f"config {config} does not exist (and does not look like a Hub id 'owner/name')")
     if not hasattr(cls, "from_single_file"):
         raise ValueError(f"{cls.__name__} cannot be read from a single-file checkpoint (diffusers has no from_single_file for it)")
+    if torch_dtype is None:
+        torch_dtype = stored_dtype(src)  # None for pickled files: diffusers' float32
     try:
         model = cls.from_single_file(str(src), **load_kwargs, **_dtype_kwargs(torch_dtype))
     except (KeyError, IndexError) as err:  # diffusers' key mapping fails on another model's file
         raise ValueError(f"{src} is not an original {cls.__name__} checkpoint (missing key {err})") from err
     if pipeline_folder is None:
         return None, model
-    return DiffusionPipeline.from_pretrained(pipeline_folder, transformer=model, **_dtype_kwargs(torch_dtype)), None
+    dtypes = _pipeline_dtypes(Path(pipeline_folder)) if Path(pipeline_folder).is_dir() else {}
+    if dtypes and torch_dtype is not None:
+        dtypes["transformer"] = torch_dtype
+    return DiffusionPipeline.from_pretrained(pipeline_folder, transformer=model, **_dtype_kwargs(dtypes or torch_dtype)), None
 
 
 def _load_source(src: str, torch_dtype: torch.dtype | None, config: str | None = None, family: str | None = None):
@@ -111,8 +151,10 @@ def _load_source(src: str, torch_dtype: torch.dtype | None, config: str | None =
                 "with mhla_diffusers.load_mhla_pipeline / load_mhla_transformer."
             )
         if (path / "model_index.json").is_file():
-            return DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(torch_dtype)), None
-        return None, _transformer_class(folder).from_pretrained(folder, **_dtype_kwargs(torch_dtype))
+            dtype = _pipeline_dtypes(path) if torch_dtype is None else torch_dtype
+            return DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(dtype)), None
+        dtype = stored_dtype(folder) if torch_dtype is None else torch_dtype
+        return None, _transformer_class(folder).from_pretrained(folder, **_dtype_kwargs(dtype))
     if not _is_hub_id(src):
         raise FileNotFoundError(f"{src} does not exist (and does not look like a Hub id 'owner/name')")
     try:
@@ -152,8 +194,9 @@ def convert_checkpoint(
         out: output folder (written atomically; must not exist or be empty unless ``overwrite``).
         family: expected model family (``"dit"``, ``"sana"``); checked against the loaded model when given.
         layers, num_blocks, block_grid, normalize, eps: see :func:`~mhla_diffusers.apply_mhla`.
-        torch_dtype: dtype to load (and save) the base weights in; ``None`` keeps the stored dtype
-            (for single files, the dtype diffusers gives them: the file's).
+        torch_dtype: dtype to load (and save) the base weights in (for a pipeline: every component);
+            ``None`` keeps the stored dtype of each local component (read from the safetensors
+            headers); Hub ids and pickled single files then load as float32 (diffusers' default).
 
     Returns:
         The MHLA spec written to ``mhla_config.json`` plus ``"out"``.

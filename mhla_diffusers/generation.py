@@ -129,7 +129,8 @@ def generate_text_images(
         A list of PIL images of size ``(width, height)``.
 
     Raises:
-        GenerationError: not a text-to-image pipeline, no prompts, bad steps, dtype or size.
+        GenerationError: not a text-to-image pipeline, no prompts, bad steps or dtype.
+        ValueError: from the pipeline, e.g. a size SANA does not take (multiples of 32 px).
     """
     from .checkpoint import load_mhla_pipeline
 
@@ -150,9 +151,6 @@ def generate_text_images(
         )
     native = int(pipe.transformer.config.sample_size) * int(pipe.vae_scale_factor)
     height, width = height or native, width or native
-    multiple = int(pipe.vae_scale_factor) * int(pipe.transformer.config.patch_size)
-    if not use_resolution_binning and (height % multiple or width % multiple or height <= 0 or width <= 0):
-        raise GenerationError(f"height and width must be positive multiples of {multiple} px for this model; got {height} x {width}")
     pipe = pipe.to(device)
     generator = torch.Generator("cpu").manual_seed(seed)
     with torch.inference_mode():
