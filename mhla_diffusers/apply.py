@@ -6,7 +6,7 @@ from typing import Mapping, Sequence
 
 from torch import nn
 
-from .families import family_of, self_attention_modules
+from .families import family_of, self_attention_modules, stock_processor
 from .grid import install_grid_hooks, remove_grid_hooks
 from .hybrid import select_layers
 from .processor import MHLAProcessor
@@ -101,7 +101,7 @@ def remove_mhla(transformer: nn.Module) -> list[str]:
         if had:
             del attn.mhla_mixing
         if isinstance(attn.processor, MHLAProcessor):
-            attn.set_processor(family.stock_self_processor())
+            attn.set_processor(stock_processor(family, key[: -len(".processor")]))
             had = True
         attn.__dict__.pop("_mhla_grids", None)
         if had:

@@ -397,12 +397,6 @@ def test_remove_mhla_after_apply_restores_stock_bitwise():
     assert torch.equal(run_sana(model, inputs), run_sana(stock, inputs))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="apply.remove_mhla restores family.stock_self_processor() on EVERY layer holding an MHLAProcessor, "
-    "so after the one-liner SANA's attn2 gets the linear-attention processor; it should call "
-    "families.stock_processor(family, module_name)",
-)
 def test_remove_mhla_after_one_liner_restores_cross_attention():
     model = tiny_sana(num_layers=2)
     stock = stock_copy(model)
