@@ -42,6 +42,8 @@ __all__ = [
     "apply_overrides",
     "build_models",
     "build_dataset",
+    "check_resolution",
+    "vae_scale_factor",
     "build_optimizer",
     "diffusion_loss",
     "disable_internal_label_dropout",
@@ -66,9 +68,10 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "vae": {"factor": 2, "in_channels": 3, "scaling_factor": 1.8},
         "noise_scheduler": {
             "num_train_timesteps": 1000,
-            "beta_schedule": "linear",
-            "beta_start": 0.0001,
-            "beta_end": 0.02,
+            "beta_schedule": "scaled_linear",
+            "beta_start": 0.00085,
+            "beta_end": 0.012,
+            "clip_sample": False,
             "prediction_type": "epsilon",
         },
     },
@@ -309,6 +312,27 @@ def build_models(config: dict) -> dict[str, Any]:
     transformer.train()
     vae.requires_grad_(False).eval()
     return {"transformer": transformer, "vae": vae, "noise_scheduler": noise_scheduler, "id2label": id2label, "mhla_applied": applied}
+
+
+def vae_scale_factor(vae) -> int:
+    """Pixels per latent pixel: ``config.factor`` (SpaceToDepthAutoencoder) or ``2 ** (levels - 1)`` (AutoencoderKL)."""
+    if "factor" in vae.config:
+        return int(vae.config.factor)
+    return 2 ** (len(vae.config.block_out_channels) - 1)
+
+
+def check_resolution(transformer, vae, resolution: int) -> None:
+    """Raise ``ValueError`` unless ``resolution / vae_scale_factor == transformer.config.sample_size``.
+
+    DiT's positional embedding and ``DiTPipeline`` are fixed to ``sample_size`` latent pixels.
+    """
+    f = vae_scale_factor(vae)
+    size = transformer.config.sample_size
+    if resolution % f or resolution // f != size:
+        raise ValueError(
+            f"data.resolution={resolution} px gives {resolution / f:g} latent pixels (vae factor {f}), but the "
+            f"transformer's sample_size is {size}: set data.resolution to {size * f}"
+        )
 
 
 def build_dataset(data: Mapping[str, Any]):
@@ -634,6 +658,7 @@ def train(config: dict) -> dict[str, Any]:
     label_dropout_backup = disable_internal_label_dropout(transformer)
     null_class = int(transformer.config.num_embeds_ada_norm)
     vae.to(accelerator.device)
+    check_resolution(transformer, vae, int(d_cfg["resolution"]))
     dataset = build_dataset(d_cfg)
     id2label = dataset.id2label  # the training data defines the classes
     if len(id2label) > null_class:

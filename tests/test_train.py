@@ -176,6 +176,8 @@ def test_config_loading_and_overrides(tmp_path):
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(ValueError, match="fewer than one optimizer step"):
         training.train(load_config(cfg_path, ["data.batch_size=64"]))
+    with pytest.raises(ValueError, match="set data.resolution to 16"):
+        training.train(load_config(cfg_path, ["data.resolution=32"]))
 
 
 def test_every_shipped_config_loads():
