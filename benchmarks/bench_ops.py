@@ -433,8 +433,11 @@ def summarize(rows, args) -> dict:
                 small = _get(rows, method=method, shape=shape, n=n_small, mode=mode)
                 large = _get(rows, method=method, shape=shape, n=n_large, mode=mode)
                 if small and large and n_large > n_small:
-                    scaling.append({"shape": shape, "method": method, "mode": mode, "n_small": n_small, "n_large": n_large,
-                                    "time_ratio": large["time_ms"] / small["time_ms"], "token_ratio": n_large / n_small})
+                    entry = {"shape": shape, "method": method, "mode": mode, "n_small": n_small, "n_large": n_large,
+                             "time_ratio": large["time_ms"] / small["time_ms"], "token_ratio": n_large / n_small}
+                    if small.get("cpu_ms") and large.get("cpu_ms"):
+                        entry["cpu_time_ratio"] = large["cpu_ms"] / small["cpu_ms"]
+                    scaling.append(entry)
     return {"ratios": ratios, "scaling": scaling}
 
 
@@ -485,7 +488,12 @@ def markdown(report: dict, args) -> str:
                     cells.append(_fmt_ms(next((r for r in rows if r["method"] == m and r["shape"] == shape and r["n"] == n and r["mode"] == mode), None)))
             rat = {e["mode"]: e for e in summary["ratios"] if e["shape"] == shape and e["n"] == n}
             f = lambda mode, key, fmt="{:.2f}x": fmt.format(rat[mode][key]) if mode in rat and key in rat[mode] else "-"  # noqa: E731
-            cells += [f("fwd", "mhla_over_linear_time"), f("fwdbwd", "mhla_over_linear_time"), f("fwd", "sdpa_over_mhla_time", "{:.1f}x")]
+
+            def with_cpu(mode):  # wall-clock ratio, and the CPU-time one (robust to a busy machine)
+                wall, cpu = f(mode, "mhla_over_linear_time"), f(mode, "mhla_over_linear_cpu_time")
+                return wall if cpu == "-" else f"{wall} (cpu {cpu})"
+
+            cells += [with_cpu("fwd"), with_cpu("fwdbwd"), f("fwd", "sdpa_over_mhla_time", "{:.1f}x")]
             m_fwd = _get(rows, method="mhla_torch", shape=shape, n=n, mode="fwd")
             cells.append(f"{m_fwd['gflops']:.1f} ({m_fwd['pct_of_gemm']:.0f}%)" if m_fwd and "gflops" in m_fwd else "-")
             cells.append(f("fwd", "mhla_pct_of_gemm_beyond_io_floor", "{:.0f}%"))
@@ -498,9 +506,10 @@ def markdown(report: dict, args) -> str:
         lines.append("")
         for e in summary["scaling"]:
             if e["shape"] == shape:
+                cpu = f" (CPU time {e['cpu_time_ratio']:.1f})" if "cpu_time_ratio" in e else ""
                 lines.append(
                     f"- scaling {e['method']} {'fwd' if e['mode'] == 'fwd' else 'fwd+bwd'}: time(N={e['n_large']:,}) / time(N={e['n_small']:,}) "
-                    f"= {e['time_ratio']:.1f} ({e['token_ratio']:g}x the tokens)"
+                    f"= {e['time_ratio']:.1f}{cpu} ({e['token_ratio']:g}x the tokens)"
                 )
         skipped = [r for r in rows if r["shape"] == shape and "skipped" in r]
         for r in skipped:
