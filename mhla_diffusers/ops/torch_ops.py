@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..layout import BlockLayout
 
@@ -322,6 +323,7 @@ class _MHLA(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, mixing, s_all, z_all, out, den_all = ctx.saved_tensors
         layout, normalize = ctx.layout, ctx.normalize
