@@ -624,3 +624,36 @@ def test_gradcheck_float64_uneven_layout(normalize):
     leaves = tuple(t.clone().requires_grad_(True) for t in (q, k, v, mixing))
     fn = lambda q, k, v, m: mhla_attention(q, k, v, m, layout, normalize=normalize, backend="torch")  # noqa: E731
     assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 256, 1 << 40], ids=["one-slot chunks", "small chunks", "one chunk"])
+@pytest.mark.parametrize("keep_bytes", [0, 1 << 25], ids=["no kept workspace", "kept workspace"])
+@pytest.mark.parametrize(
+    "grid,block_grid",
+    [((7, 9), (2, 3)), ((3, 5, 7), (2, 2, 3)), ((16,), (4,)), ((4, 8), (4, 1))],
+    ids=["uneven-2d", "uneven-3d", "identity-1d", "full-rows"],
+)
+def test_every_chunking_and_workspace_path_matches_reference(monkeypatch, chunk_bytes, keep_bytes, grid, block_grid):
+    """The CPU backend splits heads x blocks into chunks by a byte budget and keeps scratch buffers
+    between calls; every split (one slot per chunk, runs of blocks, everything in one chunk) and both
+    workspace policies must give the reference's outputs and gradients, twice in a row (reuse)."""
+    from mhla_diffusers.ops import torch_ops
+
+    monkeypatch.setattr(torch_ops, "_CPU_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(torch_ops, "_CPU_KEEP_BYTES", keep_bytes)
+    torch_ops._chunks.cache_clear()
+    torch_ops._release_workspace()
+    try:
+        layout = BlockLayout(grid, block_grid)
+        for dtype in (torch.float64, torch.float32):
+            q, k, v = make_inputs(2, 3, layout.num_tokens, 8, dv=5, dtype=dtype)
+            mixing = make_mixing(layout, "rand", dtype)
+            grad_out = torch.randn(2, 3, layout.num_tokens, 5, dtype=dtype)
+            out_ref, grads_ref = oracle_and_grads(mhla_attention_reference, q, k, v, mixing, layout, grad_out)
+            for _ in range(2):
+                out, grads = fast_and_grads(q, k, v, mixing, layout, grad_out)
+                for a, e in zip((out, *grads), (out_ref, *grads_ref)):
+                    assert rel_err(a, e) < TOL[dtype] * 10, (dtype, rel_err(a, e))
+    finally:
+        torch_ops._chunks.cache_clear()
+        torch_ops._release_workspace()
