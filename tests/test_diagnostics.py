@@ -49,6 +49,9 @@ def test_rank_bound_formula():
     assert D.rank_bound(uneven, 2) == 4 and D.rank_bound(uneven, 3) == 5 and D.rank_bound(uneven, 1) == 2
     video = BlockLayout((2, 3, 3), (2, 1, 1))  # 2 blocks of 9
     assert D.rank_bound(video, 4) == 8 and D.rank_bound(video, 4, "linear") == 4
+    mixed = BlockLayout((3, 10), (2, 2))  # blocks of 10, 10, 5, 5 tokens: some above d, some below
+    assert mixed.block_sizes.tolist() == [10, 10, 5, 5]
+    assert D.rank_bound(mixed, 7) == 7 + 7 + 5 + 5  # not min(N, M d) = 28
     one = BlockLayout((4, 4), (1, 1))  # M = 1: MHLA is linear attention
     assert D.rank_bound(one, 3) == D.rank_bound(one, 3, "linear") == 3
     with pytest.raises(ValueError, match="unknown attention kind"):
@@ -98,7 +101,7 @@ def test_linear_rank_at_most_d():
 
 def test_matrix_rank_tolerance():
     """rtol is relative to the largest singular value; an all-zero matrix has rank 0."""
-    A = torch.diag(torch.tensor([1.0, 1e-3, 1e-9], dtype=torch.float64))
+    A = torch.diag(torch.tensor([1.0, 1e-3, 1e-9], dtype=torch.float64)) * 1e6  # relative, not absolute
     assert int(D.matrix_rank(A)) == 3
     assert int(D.matrix_rank(A, rtol=1e-6)) == 2
     assert int(D.matrix_rank(A, rtol=1e-2)) == 1
@@ -218,6 +221,12 @@ def test_captured_qk_reproduce_the_layer_output():
     """q, k, v captured in a real forward give back each layer's own output: softmax A v through to_out
     equals the stock layer's output, MHLA A v (the layer's clamped matrix) equals the MHLA layer's."""
     model = tiny_dit(num_layers=3, patch_size=1)  # 8 x 8 = 64 tokens, 2 heads x 8
+    first = model.transformer_blocks[0].attn1  # per-head q/k norms, as AttnProcessor2_0 applies them
+    first.norm_q, first.norm_k = torch.nn.LayerNorm(8), torch.nn.LayerNorm(8)
+    with torch.no_grad():
+        for norm in (first.norm_q, first.norm_k):
+            norm.weight.uniform_(0.5, 2.0)
+            norm.bias.normal_()
     latent, t, y = dit_inputs(batch=2)
     inputs = {"hidden_states": latent, "timestep": t, "class_labels": y}
     names = [f"transformer_blocks.{i}.attn1" for i in range(3)]
