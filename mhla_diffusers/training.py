@@ -46,6 +46,7 @@ __all__ = [
     "vae_scale_factor",
     "build_optimizer",
     "diffusion_loss",
+    "evaluate_loss",
     "disable_internal_label_dropout",
     "write_loss_csv",
     "read_loss_csv",
@@ -110,6 +111,11 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "resume": False,  # resume from the latest complete state in output_dir/checkpoints
         "seed": 0,  # model init, noise, timesteps, label dropout
         "log_every": 10,  # tqdm postfix and loss CSV flush, in steps
+    },
+    "eval": {
+        "samples": 0,  # > 0: held-out epsilon MSE on this many fixed crops, before and after training
+        "seed": 12345,  # crops, noise; timesteps are evenly spaced over [0, T - 1]
+        "batch_size": 16,
     },
     "export": {
         "sampler": "dpm",  # dpm | ddim | ddpm : the scheduler of the exported pipeline
@@ -447,6 +453,56 @@ def diffusion_loss(
     return F.mse_loss(pred.float(), noise, reduction="mean")
 
 
+@torch.no_grad()
+def evaluate_loss(
+    transformer: torch.nn.Module,
+    vae: torch.nn.Module,
+    noise_scheduler,
+    dataset,
+    *,
+    num_samples: int = 160,
+    batch_size: int = 16,
+    seed: int = 12345,
+) -> float:
+    """Held-out epsilon MSE on a fixed set: the same number for every model given the same arguments.
+
+    Item ``i`` of ``dataset`` (its current epoch; ``i`` wraps around ``len(dataset)``) is noised at
+    timestep ``round(i * (T - 1) / (num_samples - 1))`` (evenly spaced over ``[0, T - 1]``) with
+    noise drawn from ``torch.Generator().manual_seed(seed)`` on the CPU; labels are kept (no
+    dropout). The model runs in eval mode (restored after).
+
+    Returns:
+        Mean squared error per element, a Python float.
+
+    Raises:
+        ValueError: ``num_samples < 1`` or an empty dataset.
+    """
+    if num_samples < 1 or len(dataset) == 0:
+        raise ValueError(f"need num_samples >= 1 and a non-empty dataset; got {num_samples}, {len(dataset)} items")
+    was_training = transformer.training
+    transformer.eval()
+    device = next(transformer.parameters()).device
+    g = torch.Generator().manual_seed(int(seed))
+    T = noise_scheduler.config.num_train_timesteps
+    total, count = 0.0, 0
+    try:
+        for start in range(0, num_samples, batch_size):
+            idx = list(range(start, min(start + batch_size, num_samples)))
+            items = [dataset[i % len(dataset)] for i in idx]
+            pixels = torch.stack([it["pixel_values"] for it in items]).to(device)
+            labels = torch.stack([it["class_labels"] for it in items]).to(device)
+            latents = vae.encode(pixels.to(vae.dtype)).latent_dist.sample().float() * vae.config.scaling_factor
+            noise = torch.randn(latents.shape, generator=g).to(device)
+            t = torch.tensor([round(i * (T - 1) / max(num_samples - 1, 1)) for i in idx], device=device)
+            pred = transformer(noise_scheduler.add_noise(latents, noise, t), timestep=t, class_labels=labels).sample
+            pred = pred[:, : latents.shape[1]].float()
+            total += F.mse_loss(pred, noise, reduction="sum").item()
+            count += noise.numel()
+    finally:
+        transformer.train(was_training)
+    return total / count
+
+
 # -- logs and plots --------------------------------------------------------------------------------
 def _atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
@@ -616,7 +672,9 @@ def train(config: dict) -> dict[str, Any]:
         The summary dict (also written to ``train_summary.json``): ``final_dir``, ``steps``,
         ``final_loss`` (mean of the last ``log_every`` steps), ``wall_time_s``, ``step_time_s``
         (mean wall seconds per optimizer step in this run), ``step_cpu_time_s`` (CPU seconds of this
-        process per step), ``num_parameters``, ``mhla``, ``mhla_layers``, ``mixing_range``.
+        process per step), ``num_parameters``, ``mhla``, ``mhla_layers``, ``mixing_range``,
+        ``eval_loss_start`` / ``eval_loss`` (held-out epsilon MSE before / after, see
+        :func:`evaluate_loss`; ``None`` unless ``eval.samples > 0``).
 
     Raises:
         ValueError: invalid config (see :func:`load_config`), a dataset smaller than one batch,
@@ -706,6 +764,17 @@ def train(config: dict) -> dict[str, Any]:
     elif _complete_checkpoints(ckpt_root):
         raise ValueError(f"{ckpt_root} already holds checkpoints: pass --resume to continue, or use a new output_dir")
 
+    # Held-out loss before training (for a converted checkpoint: the cost of the conversion).
+    e_cfg = config["eval"]
+    eval_set = None
+    if int(e_cfg["samples"]) > 0:
+        eval_set = build_dataset({**d_cfg, "seed": int(e_cfg["seed"])})
+    eval_kwargs = dict(num_samples=int(e_cfg["samples"]), batch_size=int(e_cfg["batch_size"]), seed=int(e_cfg["seed"]))
+    eval_start = None
+    if eval_set is not None and accelerator.is_main_process and step == 0:
+        eval_start = evaluate_loss(accelerator.unwrap_model(transformer), vae, noise_scheduler, eval_set, **eval_kwargs)
+        accelerator.print(f"held-out loss before training: {eval_start:.5f}")
+
     # The loop.
     num_params = sum(p.numel() for p in accelerator.unwrap_model(transformer).parameters())
     progress = tqdm(total=max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process, dynamic_ncols=True)
@@ -786,6 +855,7 @@ def train(config: dict) -> dict[str, Any]:
             plot_loss_curves({Path(out).name: ([r[0] for r in rows], [r[1] for r in rows])}, out / LOSS_PNG)
         recent = [r[1] for r in rows[-log_every:]]
         mixing = mixing_parameters(model)
+        eval_end = evaluate_loss(model, vae, noise_scheduler, eval_set, **eval_kwargs) if eval_set is not None else None
         summary = {
             "final_dir": str(final_dir),
             "steps": step,
@@ -799,6 +869,8 @@ def train(config: dict) -> dict[str, Any]:
             "mhla_layers": len(mixing),
             "mixing_range": [min(float(p.detach().min()) for p in mixing), max(float(p.detach().max()) for p in mixing)] if mixing else None,
             "batch_size": batch_size * accelerator.num_processes * accum,
+            "eval_loss_start": eval_start,  # None when eval.samples = 0 or when resumed
+            "eval_loss": eval_end,
         }
         _atomic_write_json(out / SUMMARY, summary)
     accelerator.wait_for_everyone()

@@ -52,7 +52,7 @@ def generate(folder, n=2):
 
 
 def test_train_from_scratch_writes_everything(tmp_path):
-    summary = training.train(load_config(tiny_config(tmp_path / "run")))
+    summary = training.train(load_config(tiny_config(tmp_path / "run"), ["eval.samples=6", "eval.batch_size=4"]))
     out = tmp_path / "run"
     rows = read_loss_csv(out / "loss.csv")
     assert [r[0] for r in rows] == [1, 2, 3] and all(r[1] > 0 and r[2] > 0 for r in rows)
@@ -60,9 +60,15 @@ def test_train_from_scratch_writes_everything(tmp_path):
     assert yaml.safe_load((out / "config.yaml").read_text())["train"]["max_steps"] == 3
     assert json.loads((out / "train_summary.json").read_text())["steps"] == 3
     assert summary["steps"] == 3 and not summary["mhla"] and summary["step_time_s"] > 0
+    assert summary["eval_loss_start"] > 0 and summary["eval_loss"] > 0
     pipe, images = generate(out / "final")
     assert images.shape == (2, 16, 16, 3)
     assert not mhla_diffusers.is_mhla_model(pipe.transformer)
+    from diffusers import DDPMScheduler
+
+    eval_set = training.build_dataset({**load_config(tiny_config(tmp_path / "run"))["data"], "seed": 12345})
+    again = training.evaluate_loss(pipe.transformer, pipe.vae, DDPMScheduler.from_config(pipe.scheduler.config), eval_set, num_samples=6, batch_size=4)
+    assert again == pytest.approx(summary["eval_loss"], rel=1e-5)  # deterministic, same set
     assert type(pipe.vae).__name__ == "SpaceToDepthAutoencoder"
     assert type(pipe.scheduler).__name__ == "DPMSolverMultistepScheduler"
     assert pipe.labels == {"cat": 0, "coffee": 1, "flower": 2}  # id2label survives save / load
