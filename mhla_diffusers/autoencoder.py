@@ -71,8 +71,11 @@ class SpaceToDepthAutoencoder(ModelMixin, ConfigMixin):
     Drop-in ``vae`` for :class:`diffusers.DiTPipeline` (and any code that calls
     ``vae.encode(x).latent_dist.sample()`` / ``vae.decode(z).sample`` / ``vae.config.scaling_factor``).
     It has no parameters and no persistent buffers, so ``save_pretrained`` writes its config and an
-    empty weights file; ``from_pretrained`` and ``DiffusionPipeline.from_pretrained`` (library
-    ``mhla_diffusers`` in ``model_index.json``) load it offline.
+    empty weights file; ``from_pretrained`` and ``DiffusionPipeline.from_pretrained`` load it
+    offline. ``model_index.json`` names its module (``["mhla_diffusers.autoencoder",
+    "SpaceToDepthAutoencoder"]``) and diffusers 0.42 only resolves modules that are already imported:
+    ``import mhla_diffusers`` before ``DiTPipeline.from_pretrained`` (else diffusers raises a
+    ``ValueError`` saying so); :func:`mhla_diffusers.load_mhla_pipeline` does it for you.
 
     Args:
         factor: spatial downsampling ``f`` (int >= 1). Latent channels are ``in_channels * f * f``.
