@@ -22,7 +22,7 @@ from mhla_diffusers.training import load_config, train
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="YAML config file (sections model, mhla, data, train, export; output_dir)")
+    p.add_argument("--config", required=True, help="YAML config file (sections model, mhla, data, train, eval, export; output_dir)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. train.max_steps=10 (repeatable; VALUE is YAML)")
     p.add_argument("--output_dir", help="shortcut for --set output_dir=...")

@@ -852,7 +852,10 @@ def train(config: dict) -> dict[str, Any]:
         export_pipeline(model, vae, noise_scheduler, final_dir, sampler=config["export"]["sampler"], id2label=id2label)
         write_loss_csv(out / LOSS_CSV, rows)
         if rows:
-            plot_loss_curves({Path(out).name: ([r[0] for r in rows], [r[1] for r in rows])}, out / LOSS_PNG)
+            try:
+                plot_loss_curves({Path(out).name: ([r[0] for r in rows], [r[1] for r in rows])}, out / LOSS_PNG)
+            except ImportError:
+                accelerator.print(f"matplotlib is not installed: {LOSS_PNG} skipped (pip install matplotlib)")
         recent = [r[1] for r in rows[-log_every:]]
         mixing = mixing_parameters(model)
         eval_end = evaluate_loss(model, vae, noise_scheduler, eval_set, **eval_kwargs) if eval_set is not None else None
