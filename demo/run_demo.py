@@ -7,11 +7,10 @@ photos that ship inside the scikit-image / scikit-learn wheels), it:
 1. converts it with ``conversion/convert.py``'s library call: MHLA on all layers, the hybrid
    (softmax kept on layers 0, 3, ...), and plain linear attention (MHLA with one block, M = 1)
    as the control; the softmax original is kept as the reference;
-2. measures each model's held-out loss right after conversion (fixed crops, noise, timesteps);
-3. fine-tunes each for the same number of steps with the accelerate recipe
-   (``finetune/train.py``'s ``train``, config ``finetune/configs/dit_demo_finetune.yaml``);
-4. measures the held-out loss again and generates one image per class through the stock
-   ``DiTPipeline``;
+2. fine-tunes each for the same number of steps with the accelerate recipe
+   (``finetune/train.py``'s ``train``, config ``finetune/configs/dit_demo_finetune.yaml``), which
+   also measures the held-out loss (fixed crops, noise and timesteps) before and after;
+3. generates one image per class through the stock ``DiTPipeline``;
 5. writes ``<out>/``: ``samples_<model>.png``, ``real_crops.png``, ``loss_curves.png``,
    ``report.md`` and ``report.json``, and the checkpoints under ``<out>/checkpoints``.
 
@@ -53,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--num-blocks", type=int, default=16, help="MHLA blocks M (16 -> 4 x 4 blocks of 4 x 4 tokens)")
     p.add_argument("--sample-steps", type=int, default=25, help="DPM-Solver steps when generating")
     p.add_argument("--guidance-scale", type=float, default=4.0)
-    p.add_argument("--val-samples", type=int, default=64, help="held-out crops for the validation loss")
+    p.add_argument("--val-samples", type=int, default=None, help="held-out crops for the loss (default: the config's)")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--quick", action="store_true", help="2 steps, 16 validation crops, 2 sampling steps: wiring only")
     return p.parse_args(argv)
@@ -71,7 +70,6 @@ def main(argv=None) -> int:
     from mhla_diffusers import load_mhla_pipeline
     from mhla_diffusers.conversion import convert_checkpoint
     from mhla_diffusers.data import PHOTO_NAMES, PhotoCrops
-    from mhla_diffusers.evaluation import validation_loss
     from mhla_diffusers.generation import generate_class_images, save_grid
     from mhla_diffusers.training import load_config, plot_loss_curves, read_loss_csv, train
 
@@ -92,10 +90,12 @@ def main(argv=None) -> int:
     (out / "checkpoints").mkdir(parents=True)
     t_start = time.perf_counter()
     overrides = [] if args.steps is None else [f"train.max_steps={args.steps}"]
+    if args.val_samples is not None:
+        overrides.append(f"eval.samples={args.val_samples}")
     base_config = load_config(args.config, overrides)
-    val_set = PhotoCrops(resolution=base_config["data"]["resolution"], short_side=base_config["data"]["short_side"],
-                         crops_per_photo=max(1, -(-args.val_samples // len(PHOTO_NAMES))), seed=10_000)
-    save_grid([_to_pil(val_set[i]["pixel_values"]) for i in range(len(PHOTO_NAMES))], out / "real_crops.png")
+    data = base_config["data"]
+    crops = PhotoCrops(resolution=data["resolution"], short_side=data["short_side"], crops_per_photo=1, seed=10_000)
+    save_grid([_to_pil(crops[i]["pixel_values"]) for i in range(len(PHOTO_NAMES))], out / "real_crops.png")
     class_ids = list(range(len(PHOTO_NAMES)))
     results, curves = {}, {}
 
@@ -110,16 +110,12 @@ def main(argv=None) -> int:
             if "block_grid" not in options:
                 options["num_blocks"] = args.num_blocks
             spec = convert_checkpoint(base, ckpt, family="dit", **options)
-        pipe = load_mhla_pipeline(ckpt)
-        before = validation_loss(pipe.transformer, pipe.vae, _ddpm(pipe), val_set, num_samples=args.val_samples)
-        del pipe
         t_convert = time.perf_counter() - t0
 
         config = load_config(args.config, overrides + [f"model.pretrained={ckpt}", f"output_dir={out / 'runs' / name}"])
         summary = train(config)
         final = Path(summary["final_dir"])
         pipe = load_mhla_pipeline(final)
-        after = validation_loss(pipe.transformer, pipe.vae, _ddpm(pipe), val_set, num_samples=args.val_samples)
         t1 = time.perf_counter()
         images = generate_class_images(final, class_ids, steps=args.sample_steps, guidance_scale=args.guidance_scale,
                                        seed=0, pipe=pipe)
@@ -131,19 +127,17 @@ def main(argv=None) -> int:
         results[name] = {
             "label": LABELS[name],
             "mhla": spec,
-            "val_loss_after_conversion": before["loss"],
-            "val_loss_after_finetune": after["loss"],
-            "val_loss_after_finetune_low_t": after["loss_low_t"],
-            "val_loss_after_finetune_high_t": after["loss_high_t"],
+            "val_loss_after_conversion": summary["eval_loss_start"],
+            "val_loss_after_finetune": summary["eval_loss"],
             "train_loss_last_20pct": sum(tail) / len(tail),
             "steps": summary["steps"],
             "step_time_s": summary["step_time_s"],
-            "convert_and_eval_s": round(t_convert, 1),
+            "convert_s": round(t_convert, 1),
             "train_s": summary["wall_time_s"],
             "generate_s": round(t_generate, 1),
             "checkpoint": str(final),
         }
-        print(f"[demo] {name}: val loss {before['loss']:.4f} -> {after['loss']:.4f}", flush=True)
+        print(f"[demo] {name}: held-out loss {summary['eval_loss_start']:.4f} -> {summary['eval_loss']:.4f}", flush=True)
         del pipe
 
     plot_loss_curves(curves, out / "loss_curves.png", title="fine-tuning from the softmax DiT")
@@ -152,7 +146,7 @@ def main(argv=None) -> int:
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
                     "threads": torch.get_num_threads()},
         "settings": {"steps": base_config["train"]["max_steps"] if args.steps is None else args.steps,
-                     "num_blocks": args.num_blocks, "val_samples": args.val_samples, "sample_steps": args.sample_steps,
+                     "num_blocks": args.num_blocks, "val_samples": base_config["eval"]["samples"], "sample_steps": args.sample_steps,
                      "guidance_scale": args.guidance_scale, "quick": args.quick, "base": str(base)},
         "results": results,
     }
@@ -160,13 +154,6 @@ def main(argv=None) -> int:
     (out / "report.md").write_text(_markdown(report))
     print((out / "report.md").read_text())
     return 0
-
-
-def _ddpm(pipe):
-    """The training noise schedule (DDPM) matching the pipeline's sampling scheduler config."""
-    from diffusers import DDPMScheduler
-
-    return DDPMScheduler.from_config(pipe.scheduler.config)
 
 
 def _to_pil(pixels):
@@ -182,19 +169,18 @@ def _markdown(report: dict) -> str:
         "# MHLA demo report",
         "",
         f"Base: `{s['base']}` (softmax DiT trained on photo crops). Fine-tuning: {s['steps']} steps per model. "
-        f"MHLA: M = {s['num_blocks']} blocks. Validation: {s['val_samples']} held-out crops x 4 stratified timesteps, "
-        f"same noise for every model. Sampling: {s['sample_steps']} DPM-Solver steps, guidance {s['guidance_scale']}.",
+        f"MHLA: M = {s['num_blocks']} blocks. Held-out loss: epsilon MSE on {s['val_samples']} fixed crops at evenly "
+        f"spaced timesteps, same noise for every model. Sampling: {s['sample_steps']} DPM-Solver steps, guidance {s['guidance_scale']}.",
         "",
         f"Wall time: {report['wall_time_s']} s on {report['machine']['platform']}, torch {report['machine']['torch']}, "
         f"{report['machine']['threads']} thread(s).",
         "",
-        "| model | val loss after conversion | val loss after fine-tune | (t < 500) | (t >= 500) | train loss, last 20% | s/step |",
-        "|---|---|---|---|---|---|---|",
+        "| model | held-out loss after conversion | after fine-tuning | train loss, last 20% | s/step |",
+        "|---|---|---|---|---|",
     ]
     for r in report["results"].values():
         lines.append(
             f"| {r['label']} | {r['val_loss_after_conversion']:.4f} | {r['val_loss_after_finetune']:.4f} | "
-            f"{r['val_loss_after_finetune_low_t']:.4f} | {r['val_loss_after_finetune_high_t']:.4f} | "
             f"{r['train_loss_last_20pct']:.4f} | {r['step_time_s']} |"
         )
     lines += ["", "Samples: `samples_<model>.png` (one image per photo class); real crops: `real_crops.png`; "

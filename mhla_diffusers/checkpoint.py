@@ -65,6 +65,9 @@ def atomic_directory(out_dir: str | os.PathLike, overwrite: bool = False) -> Ite
         raise FileExistsError(f"{out} exists and is not empty; choose another folder or pass overwrite=True")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it owner-only; the result is an ordinary folder
     try:
         yield tmp
         old = None
