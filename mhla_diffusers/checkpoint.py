@@ -62,7 +62,12 @@ def atomic_directory(out_dir: str | os.PathLike, overwrite: bool = False) -> Ite
     """
     out = Path(out_dir).resolve()
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty; choose another folder or pass overwrite=True")
+        raise FileExistsError(
+            f"{out} exists and is not empty; choose another folder or pass overwrite=True (--overwrite on the command "
+            "line), which replaces the folder's whole content"
+        )
+    if overwrite and out.exists() and Path.cwd().resolve().is_relative_to(out):
+        raise ValueError(f"refusing to replace {out}: it contains the current directory")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     umask = os.umask(0)
@@ -171,6 +176,13 @@ def read_mhla_config(path: str | os.PathLike) -> dict | None:
     if not config_file.is_file():
         if weights_file.is_file():
             raise MHLACheckpointError(f"{weights_file} exists but {config_file.name} is missing: the checkpoint is incomplete")
+        stray = _mhla_keys_in_base(folder)
+        if stray:
+            raise MHLACheckpointError(
+                f"{folder} holds MHLA mixing matrices inside its base weights ({stray[0]}, ...) but no {MHLA_CONFIG_NAME}: "
+                "it was written with a plain save_pretrained, which diffusers cannot load back with MHLA. Re-save the "
+                "model with mhla_diffusers.save_mhla_transformer / save_mhla_pipeline"
+            )
         return None
     try:
         config = json.loads(config_file.read_text())
@@ -185,6 +197,22 @@ def read_mhla_config(path: str | os.PathLike) -> dict | None:
         if key not in config:
             raise MHLACheckpointError(f"{config_file} lacks the key {key!r}")
     return config
+
+
+def _mhla_keys_in_base(folder: Path) -> list[str]:
+    """MHLA keys found in the base ``*.safetensors`` weights of a transformer folder (headers only)."""
+    from safetensors import safe_open
+
+    found = []
+    for file in sorted(folder.glob("*.safetensors")):
+        if file.name == MHLA_WEIGHTS_NAME:
+            continue
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                found += [key for key in f.keys() if ".mhla_mixing." in key]
+        except Exception:  # unreadable base weights: diffusers' own loader reports them
+            continue
+    return found
 
 
 def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike, expected_sha256: str | None = None) -> None:

@@ -209,6 +209,9 @@ def convert_checkpoint(
     """
     from .apply import mhla_spec
 
+    src_path, out_path = Path(src).resolve(), Path(out).resolve()
+    if Path(src).exists() and (src_path == out_path or src_path.is_relative_to(out_path)):
+        raise ValueError(f"--out {out} would replace the source {src}; write the converted checkpoint elsewhere")
     if family is not None and family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
     pipe, transformer = _load_source(str(src), torch_dtype, None if config is None else str(config), family)

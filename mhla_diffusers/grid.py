@@ -32,7 +32,7 @@ from .layout import normalize_grid
 __all__ = ["install_grid_hooks", "remove_grid_hooks", "current_grid", "token_grid", "ensure_global_hook"]
 
 _local = threading.local()
-_HOOKED: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+_HOOKED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _global_handle = None
 
 
@@ -89,10 +89,19 @@ def _exit(model: nn.Module, args, output) -> None:
             break
 
 
-def _publish(model_ref, module: nn.Module, args) -> None:
-    model = model_ref()
+class _PublishGrid:
+    """Patch-embedding pre-hook of one model (a plain object, so hooked models pickle and deep-copy)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, module: nn.Module, args) -> None:
+        _publish(self.model, module, args)
+
+
+def _publish(model: nn.Module, module: nn.Module, args) -> None:
     frames = _frames()
-    if model is None or not frames or frames[-1].model is not model or not args:
+    if not frames or frames[-1].model is not model or not args:
         return
     latent = args[0]
     if not isinstance(latent, torch.Tensor):
@@ -112,28 +121,33 @@ def install_grid_hooks(model: nn.Module) -> bool:
     if model in _HOOKED:
         return False
     family = family_of(model)
+    _HOOKED.add(model)
+    if any(hook is _enter for hook in model._forward_pre_hooks.values()):
+        return False  # a copy (deepcopy / unpickling) of a hooked model carries its hooks along
     patch = model.get_submodule(family.patch_embed)
-    ref = weakref.ref(model)
-    handles = [
-        model.register_forward_pre_hook(_enter),
-        model.register_forward_hook(_exit, always_call=True),
-        patch.register_forward_pre_hook(lambda module, args: _publish(ref, module, args)),
-    ]
-    _HOOKED[model] = handles
+    model.register_forward_pre_hook(_enter)
+    model.register_forward_hook(_exit, always_call=True)
+    patch.register_forward_pre_hook(_PublishGrid(model))
     return True
 
 
 def remove_grid_hooks(model: nn.Module) -> None:
     """Remove the hooks installed by :func:`install_grid_hooks` (no-op if none)."""
-    for handle in _HOOKED.pop(model, []):
-        handle.remove()
+    _HOOKED.discard(model)
+    for hooks, ours in ((model._forward_pre_hooks, _enter), (model._forward_hooks, _exit)):
+        for hook_id in [i for i, hook in hooks.items() if hook is ours]:
+            del hooks[hook_id]
+            model._forward_hooks_always_called.pop(hook_id, None)
+    for module in model.modules():
+        for hook_id in [i for i, hook in module._forward_pre_hooks.items() if isinstance(hook, _PublishGrid)]:
+            del module._forward_pre_hooks[hook_id]
 
 
 def _global_pre_hook(module: nn.Module, args) -> None:
     if module in _HOOKED or find_family(module) is None:
         return
-    install_grid_hooks(module)
-    _enter(module, args)  # the model's own pre-hook was registered too late for this call
+    if install_grid_hooks(module):
+        _enter(module, args)  # the model's own pre-hook was registered too late for this call
 
 
 def ensure_global_hook() -> None:

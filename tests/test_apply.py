@@ -253,3 +253,28 @@ def test_processor_contradicting_existing_mixing_raises():
         set_attn_processor(model, MHLAProcessor(block_grid=(4, 1)))
     set_attn_processor(model, MHLAProcessor(num_blocks=4))  # the same M is fine
     assert mhla_spec(model)["num_blocks"] == 4
+
+
+def test_model_with_mhla_pickles_and_deep_copies():
+    """Hooks are plain objects: torch.save / deepcopy of an MHLA model work, the copy publishes its own
+    grid (no double hooks), and remove_mhla on it leaves no hook behind."""
+    import copy
+    import io
+
+    from mhla_diffusers.grid import _PublishGrid
+
+    model = tiny_dit(num_layers=2)
+    apply_mhla(model, num_blocks=4)
+    inputs = dit_inputs()
+    expected = run_dit(model, inputs)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for clone in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        with no_grid_frames():
+            assert torch.equal(run_dit(clone, inputs), expected)
+        publishers = [h for m in clone.modules() for h in m._forward_pre_hooks.values() if isinstance(h, _PublishGrid)]
+        assert len(publishers) == 1 and publishers[0].model is clone
+        remove_mhla(clone)
+        assert not any(isinstance(h, _PublishGrid) for m in clone.modules() for h in m._forward_pre_hooks.values())
+        assert not clone._forward_pre_hooks and not clone._forward_hooks

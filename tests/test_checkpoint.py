@@ -462,3 +462,32 @@ def test_silent_data_damage_caught_by_digest(saved, tmp_path):
     data[-3] ^= 0x01  # low mantissa bits of the last fp32 value: still finite, still parses
     path.write_bytes(bytes(data))
     _expect_error(folder, "sha256")
+
+
+def test_plain_save_pretrained_of_an_mhla_model_is_refused_on_load(tmp_path):
+    """A model with MHLA written by plain save_pretrained carries its mixing matrices inside the base
+    weights, which diffusers drops on load: loading it must say so, not return a softmax model."""
+    from mhla_diffusers import MHLACheckpointError, apply_mhla, load_mhla_transformer
+
+    model = tiny_dit(num_layers=2)
+    apply_mhla(model, num_blocks=4)
+    model.save_pretrained(tmp_path / "plain")
+    with pytest.raises(MHLACheckpointError, match="save_mhla_transformer"):
+        load_mhla_transformer(tmp_path / "plain")
+
+
+def test_overwrite_never_replaces_the_source_or_the_working_directory(tmp_path, monkeypatch):
+    from mhla_diffusers.checkpoint import atomic_directory
+    from mhla_diffusers.conversion import convert_checkpoint
+
+    src = tmp_path / "work" / "base"
+    tiny_dit(num_layers=2).save_pretrained(src)
+    for out in (src, src.parent):
+        with pytest.raises(ValueError, match="replace the source"):
+            convert_checkpoint(src, out, overwrite=True)
+    assert (src / "config.json").is_file()
+    monkeypatch.chdir(src.parent)
+    with pytest.raises(ValueError, match="current directory"):
+        with atomic_directory(src.parent, overwrite=True):
+            pass
+    assert (src / "config.json").is_file()
