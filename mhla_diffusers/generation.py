@@ -18,6 +18,20 @@ class GenerationError(ValueError):
     """Bad generation request (unknown label, wrong pipeline kind, ...)."""
 
 
+def _prepare(checkpoint, pipe, steps: int, dtype: str, device: str | None):
+    """Validate the common generation arguments; load the pipeline unless given. Returns ``(pipe, device)``."""
+    from .checkpoint import load_mhla_pipeline
+
+    if steps < 1:
+        raise GenerationError(f"steps must be >= 1; got {steps}")
+    if dtype not in _DTYPES:
+        raise GenerationError(f"dtype must be one of {sorted(_DTYPES)}; got {dtype!r}")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if pipe is None:
+        pipe = load_mhla_pipeline(checkpoint, torch_dtype=_DTYPES[dtype])
+    return pipe, device
+
+
 def resolve_class_labels(pipe, labels: Sequence[int | str]) -> list[int]:
     """Class ids from ints, digit strings or class names (names need the pipeline's ``id2label``).
 
@@ -68,15 +82,7 @@ def generate_class_images(
     Raises:
         GenerationError: not a class-conditional pipeline, bad labels or steps.
     """
-    from .checkpoint import load_mhla_pipeline
-
-    if steps < 1:
-        raise GenerationError(f"steps must be >= 1; got {steps}")
-    if dtype not in _DTYPES:
-        raise GenerationError(f"dtype must be one of {sorted(_DTYPES)}; got {dtype!r}")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if pipe is None:
-        pipe = load_mhla_pipeline(checkpoint, torch_dtype=_DTYPES[dtype])
+    pipe, device = _prepare(checkpoint, pipe, steps, dtype, device)
     if type(pipe).__name__ != "DiTPipeline":
         hint = " (it takes prompts: --prompt)" if _takes_prompt(pipe) else ""
         raise GenerationError(
@@ -132,18 +138,10 @@ def generate_text_images(
         GenerationError: not a text-to-image pipeline, no prompts, bad steps or dtype.
         ValueError: from the pipeline, e.g. a size SANA does not take (multiples of 32 px).
     """
-    from .checkpoint import load_mhla_pipeline
-
     prompts = [str(p) for p in prompts]
     if not prompts:
         raise GenerationError("give at least one prompt")
-    if steps < 1:
-        raise GenerationError(f"steps must be >= 1; got {steps}")
-    if dtype not in _DTYPES:
-        raise GenerationError(f"dtype must be one of {sorted(_DTYPES)}; got {dtype!r}")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if pipe is None:
-        pipe = load_mhla_pipeline(checkpoint, torch_dtype=_DTYPES[dtype])
+    pipe, device = _prepare(checkpoint, pipe, steps, dtype, device)
     if not _takes_prompt(pipe) or not hasattr(pipe, "vae_scale_factor"):
         raise GenerationError(
             f"{checkpoint} holds a {type(pipe).__name__}; text-to-image generation needs a pipeline that takes a "
