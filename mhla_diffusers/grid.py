@@ -92,22 +92,14 @@ def _exit(model: nn.Module, args, output) -> None:
 class _PublishGrid:
     """Patch-embedding pre-hook of one model (a plain object, so hooked models pickle and deep-copy)."""
 
-    def __init__(self, model: nn.Module):
-        self.model = model
+    def __init__(self, model: nn.Module, family):
+        self.model, self.family = model, family
 
     def __call__(self, module: nn.Module, args) -> None:
-        _publish(self.model, module, args)
-
-
-def _publish(model: nn.Module, module: nn.Module, args) -> None:
-    frames = _frames()
-    if not frames or frames[-1].model is not model or not args:
-        return
-    latent = args[0]
-    if not isinstance(latent, torch.Tensor):
-        return
-    family = find_family(model)
-    frames[-1].grid = family.grid_from_latent(latent, model.config)
+        frames = _frames()
+        if not frames or frames[-1].model is not self.model or not args or not isinstance(args[0], torch.Tensor):
+            return
+        frames[-1].grid = self.family.grid_from_latent(args[0], self.model.config)
 
 
 def install_grid_hooks(model: nn.Module) -> bool:
@@ -127,7 +119,7 @@ def install_grid_hooks(model: nn.Module) -> bool:
     patch = model.get_submodule(family.patch_embed)
     model.register_forward_pre_hook(_enter)
     model.register_forward_hook(_exit, always_call=True)
-    patch.register_forward_pre_hook(_PublishGrid(model))
+    patch.register_forward_pre_hook(_PublishGrid(model, family))
     return True
 
 
