@@ -14,6 +14,7 @@ short side is ``short_side`` pixels. The randomness of item ``i`` is a pure func
 
 from __future__ import annotations
 
+import abc
 import os
 from typing import Callable, Sequence
 
@@ -112,7 +113,7 @@ def _check_sizes(resolution: int, short_side: int | None) -> int:
     return int(short_side)
 
 
-class _RandomCrops(Dataset):
+class _RandomCrops(Dataset, abc.ABC):
     """Shared crop / flip / normalise logic; subclasses provide ``_image(k)`` and ``_label(k)``."""
 
     resolution: int
@@ -134,11 +135,13 @@ class _RandomCrops(Dataset):
         x = (self.seed * 0x9E3779B97F4A7C15 + self.epoch * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) % (1 << 63)
         return torch.Generator().manual_seed(x)
 
-    def _image(self, k: int) -> torch.Tensor:  # uint8 [3, H, W]
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _image(self, k: int) -> torch.Tensor:
+        """Image ``k`` as uint8 ``[3, H, W]`` (each concrete dataset reads its own source)."""
 
+    @abc.abstractmethod
     def _label(self, k: int) -> int:
-        raise NotImplementedError
+        """Class id of image ``k``."""
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not -len(self) <= index < len(self):

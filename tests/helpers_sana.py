@@ -28,26 +28,7 @@ __all__ = [
     "original_sana_state_dict",
 ]
 
-# transformer/config.json of Efficient-Large-Model/Sana_600M_1024px_diffusers (as diffusers'
-# scripts/convert_sana_to_diffusers.py writes it for "SanaMS_600M_P1_D28").
-SANA_600M = dict(
-    in_channels=32,
-    out_channels=32,
-    num_attention_heads=36,
-    attention_head_dim=32,
-    num_layers=28,
-    num_cross_attention_heads=16,
-    cross_attention_head_dim=72,
-    cross_attention_dim=1152,
-    caption_channels=2304,
-    mlp_ratio=2.5,
-    dropout=0.0,
-    attention_bias=False,
-    sample_size=32,
-    patch_size=1,
-    norm_elementwise_affine=False,
-    norm_eps=1e-6,
-)
+from mhla_diffusers.configs import SANA_600M  # noqa: E402  (the published SANA-600M config)
 
 
 def tiny_sana(
