@@ -196,3 +196,22 @@ def no_grid_frames():
     yield
     after = list(grid._frames())
     assert after == before, f"grid frames leaked: {len(before)} before, {len(after)} after"
+
+
+def load_script(path: str):
+    """Import a repository script (e.g. ``"benchmarks/bench_ops.py"``) as a module, so its
+    ``main(argv)`` runs in-process without a new interpreter's import cost."""
+    import importlib.util
+    from pathlib import Path
+
+    file = Path(__file__).resolve().parents[1] / path
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_main(path: str, *args, capsys) -> tuple[int, str]:
+    """``load_script(path).main(args)`` -> ``(exit code, captured stderr)``."""
+    code = load_script(path).main([str(a) for a in args])
+    return code, capsys.readouterr().err

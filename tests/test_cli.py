@@ -12,25 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import tiny_dit_pipeline
+from helpers import run_main, tiny_dit_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-
-
-def _script(path: str):
-    """Import a top-level script as a module (its ``main(argv)`` runs in-process, no import cost)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _main(path: str, *args, capsys) -> tuple[int, str]:
-    code = _script(path).main([str(a) for a in args])
-    return code, capsys.readouterr().err
 
 
 def _run(*args, cwd=ROOT):
@@ -79,17 +64,17 @@ def test_convert_rejects_bad_input(base_pipeline, tmp_path, capsys):
         (["--family", "dit", "--block-grid", "9,9"], "does not fit"),
     ]
     for extra, message in cases:
-        code, err = _main("conversion/convert.py", "--src", base_pipeline, "--out", tmp_path / "x", *extra, capsys=capsys)
+        code, err = run_main("conversion/convert.py", "--src", base_pipeline, "--out", tmp_path / "x", *extra, capsys=capsys)
         assert code == 2 and message in err, (extra, err)
         assert not (tmp_path / "x").exists()
-    code, err = _main("conversion/convert.py", "--family", "dit", "--src", tmp_path / "nothing", "--out", tmp_path / "y",
+    code, err = run_main("conversion/convert.py", "--family", "dit", "--src", tmp_path / "nothing", "--out", tmp_path / "y",
                       capsys=capsys)
     assert code == 2 and "does not exist" in err
 
 
 def test_generate_rejects_unknown_label(base_pipeline, tmp_path, capsys):
     for label, message in (("zebra", "unknown class label 'zebra'"), ("1000", "outside")):
-        code, err = _main("pipelines/generate.py", "--checkpoint", base_pipeline, "--class-labels", label,
+        code, err = run_main("pipelines/generate.py", "--checkpoint", base_pipeline, "--class-labels", label,
                           "--steps", "1", "--out", tmp_path / "g.png", capsys=capsys)
         assert code == 2 and message in err, err
     assert not (tmp_path / "g.png").exists()

@@ -3,7 +3,6 @@ Sec. 3.2 and 4.3), q/k captured from a real forward, the pictures, and benchmark
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import struct
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import AttnCapture, dit_inputs, randomize_mixing_, tiny_dit
+from helpers import AttnCapture, dit_inputs, load_script, randomize_mixing_, tiny_dit
 from mhla_diffusers import BlockLayout, apply_mhla, mhla_attention, mhla_attention_reference, mixing_init
 from mhla_diffusers import diagnostics as D
 
@@ -317,9 +316,7 @@ def test_plots_write_valid_pngs(tmp_path):
 
 # -- the CLI -------------------------------------------------------------------------------------------------
 def _diagnose_main():
-    spec = importlib.util.spec_from_file_location("diagnose", ROOT / "benchmarks" / "diagnose.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks/diagnose.py")
     return lambda *args: module.main([str(a) for a in args])
 
 

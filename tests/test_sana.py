@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import mhla_diffusers
-from helpers import AttnCapture, no_grid_frames, randomize_mixing_, realign_
+from helpers import AttnCapture, no_grid_frames, randomize_mixing_, realign_, run_main
 from helpers_sana import (
     SANA_600M,
     original_sana_state_dict,
@@ -500,18 +500,6 @@ def test_pipeline_end_to_end_all_hybrid_and_one_block():
     assert (everything - hybrid).abs().max() > 1e-3
 
 
-def _script(path: str):
-    spec = importlib.util.spec_from_file_location(Path(path).stem, ROOT / path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _main(path: str, *args, capsys) -> tuple[int, str]:
-    code = _script(path).main([str(a) for a in args])
-    return code, capsys.readouterr().err
-
-
 @pytest.fixture(scope="module")
 def base_pipeline(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sana") / "base"
@@ -524,7 +512,7 @@ def test_convert_folder_dtype_load_generate_and_refuse_again(base_pipeline, tmp_
     gives a ready SanaPipeline whose images equal the same conversion done in memory; generate.py
     --prompt writes the PNG; converting the result again is refused (C15)."""
     out = tmp_path / "mhla"
-    code, err = _main("conversion/convert.py", "--family", "sana", "--src", base_pipeline, "--out", out,
+    code, err = run_main("conversion/convert.py", "--family", "sana", "--src", base_pipeline, "--out", out,
                       "--layers", "hybrid", "--dtype", "bf16", capsys=capsys)
     assert code == 0, err
     config = json.loads((out / "transformer" / "mhla_config.json").read_text())
@@ -544,14 +532,14 @@ def test_convert_folder_dtype_load_generate_and_refuse_again(base_pipeline, tmp_
     assert torch.equal(_image(pipe), _image(expected))
 
     png = tmp_path / "out.png"
-    code, err = _main("pipelines/generate.py", "--checkpoint", out, "--prompt", "a cat", "a dog", "--height", "64",
+    code, err = run_main("pipelines/generate.py", "--checkpoint", out, "--prompt", "a cat", "a dog", "--height", "64",
                       "--width", "32", "--no-resolution-binning", "--steps", "2", "--out", png, capsys=capsys)
     assert code == 0, err
     from PIL import Image
 
     assert Image.open(png).size == (2 * 32, 64)
 
-    code, err = _main("conversion/convert.py", "--family", "sana", "--src", out, "--out", tmp_path / "again", capsys=capsys)
+    code, err = run_main("conversion/convert.py", "--family", "sana", "--src", out, "--out", tmp_path / "again", capsys=capsys)
     assert code == 3 and "already an MHLA checkpoint" in err and not (tmp_path / "again").exists()
 
 
@@ -567,7 +555,7 @@ def test_generate_rejects_the_wrong_kind(base_pipeline, tmp_path, capsys):
         ((base_pipeline, "--prompt", "a cat", "--height", "48", "--no-resolution-binning"), "divisible by 32"),
     ]
     for (src, *extra), message in cases:
-        code, err = _main("pipelines/generate.py", "--checkpoint", src, *extra, "--steps", "1",
+        code, err = run_main("pipelines/generate.py", "--checkpoint", src, *extra, "--steps", "1",
                           "--out", tmp_path / "g.png", capsys=capsys)
         assert code == 2 and message in err, (extra, err)
     assert not (tmp_path / "g.png").exists()
@@ -587,7 +575,7 @@ def test_convert_original_single_file(base_pipeline, tmp_path, capsys):
     torch.save({"state_dict": original}, pth)
 
     out = tmp_path / "from_st"
-    code, err = _main("conversion/convert.py", "--family", "sana", "--src", st, "--config", base_pipeline, "--out", out,
+    code, err = run_main("conversion/convert.py", "--family", "sana", "--src", st, "--config", base_pipeline, "--out", out,
                       "--layers", "hybrid", capsys=capsys)
     assert code == 0, err
     assert (out / "model_index.json").is_file()
@@ -598,7 +586,7 @@ def test_convert_original_single_file(base_pipeline, tmp_path, capsys):
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
 
     out2 = tmp_path / "from_pth"
-    code, err = _main("conversion/convert.py", "--family", "sana", "--src", pth, "--config", base_pipeline / "transformer",
+    code, err = run_main("conversion/convert.py", "--family", "sana", "--src", pth, "--config", base_pipeline / "transformer",
                       "--out", out2, "--dtype", "fp16", capsys=capsys)
     assert code == 0, err
     assert not (out2 / "model_index.json").exists() and (out2 / "mhla_config.json").is_file()
@@ -614,7 +602,7 @@ def test_convert_original_single_file(base_pipeline, tmp_path, capsys):
          "belongs to an MHLA checkpoint"),
     ]
     for extra, message in cases:
-        code, err = _main("conversion/convert.py", "--family", "sana", *extra, "--out", tmp_path / "x", capsys=capsys)
+        code, err = run_main("conversion/convert.py", "--family", "sana", *extra, "--out", tmp_path / "x", capsys=capsys)
         assert code in (2, 3) and message in err, (extra, err)
         assert not (tmp_path / "x").exists()
 
