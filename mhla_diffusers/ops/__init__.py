@@ -6,11 +6,13 @@ O(N^2) oracle. A new backend is one file in this package plus one entry in ``_BA
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..layout import BlockLayout
 from .reference import implied_attention, mhla_attention_reference
-from .torch_ops import mhla_attention_torch
+from .torch_ops import compute_dtype, mhla_attention_torch
 
 __all__ = ["mhla_attention", "mhla_attention_reference", "implied_attention", "available_backends", "resolve_backend"]
 
@@ -50,6 +52,8 @@ def mhla_attention(
     normalize: bool = True,
     eps: float = 1e-6,
     backend: str = "auto",
+    feature_map: str | None = "relu",
+    rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Multi-Head Linear Attention over the blocks of ``layout`` (MHLA paper, Sec. 3.2).
 
@@ -58,6 +62,14 @@ def mhla_attention(
 
         out = phi(q) S~_i / (phi(q) . z~_i + eps)     if normalize
         out = phi(q) S~_i                             otherwise
+
+    With ``rotary = R`` (Wan 2.1's RoPE after the feature map, as the authors' video model and
+    DESIGN.md do) the numerator uses rotated features and the denominator un-rotated ones::
+
+        S_b = (R phi(K_b))^T V_b,   out = (R phi(q)) S~_i / (phi(q) . z~_i + eps)
+
+    computed as one numerator call of the backend on the rotated features (``feature_map`` off)
+    plus an O(N d) denominator in PyTorch (autograd); both in the accumulation dtype.
 
     Summaries, normaliser and mixing are accumulated in fp32 (fp64 for fp64 inputs) whatever the
     input dtype; the output has the dtype of ``q``. Cost O(N d^2 + M^2 d^2); gradients for q, k,
@@ -72,13 +84,19 @@ def mhla_attention(
         normalize: apply the denominator (default) or return the numerator only.
         eps: added to the denominator (in the accumulation dtype).
         backend: ``"auto"`` or one of :func:`available_backends`.
+        feature_map: ``"relu"`` (phi = ReLU, the paper's) or ``None``: q and k are features
+            already (e.g. computed by the caller); with ``normalize`` they should then be
+            non-negative, or the denominator may vanish.
+        rotary: ``None`` or a function mapping a ``[B, heads, N, d]`` feature tensor (float32 /
+            float64, possibly a non-contiguous view) to its rotated version of the same shape.
 
     Returns:
         ``[B, heads, N, d_v]`` tensor in ``q.dtype``.
 
     Raises:
         ValueError: on shapes that do not match each other, the layout or the mixing matrix, on
-            non-floating dtypes, on tensors on different devices, or on an unknown backend.
+            non-floating dtypes, on tensors on different devices, on an unknown backend or
+            feature map, or when ``rotary`` changes the shape of its input.
     """
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a mhla_diffusers.BlockLayout; got {type(layout).__name__}")
@@ -106,5 +124,32 @@ def mhla_attention(
         raise ValueError(f"mixing must be [{m}, {m}] for {layout}; got {tuple(mixing.shape)}")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0; got {eps}")
+    if feature_map not in ("relu", None):
+        raise ValueError(f'feature_map must be "relu" (phi = ReLU) or None (q, k are features already); got {feature_map!r}')
     fn = _BACKENDS[resolve_backend(backend, q.device)]
-    return fn(q, k, v, mixing, layout, normalize=normalize, eps=eps)
+    if rotary is None:
+        return fn(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map == "relu")
+    return _rotary_attention(fn, q, k, v, mixing, layout, rotary, normalize=normalize, eps=eps, feature_map=feature_map)
+
+
+def _rotary_attention(fn, q, k, v, mixing, layout, rotary, *, normalize, eps, feature_map):
+    """The RoPE variant (see :func:`mhla_attention`): rotated features in the numerator only."""
+    acc = compute_dtype(q.dtype)
+    phi_q, phi_k = q.to(acc), k.to(acc)
+    if feature_map == "relu":
+        phi_q, phi_k = torch.relu(phi_q), torch.relu(phi_k)
+    rot_q, rot_k = rotary(phi_q), rotary(phi_k)
+    for name, rot in (("q", rot_q), ("k", rot_k)):
+        if not isinstance(rot, torch.Tensor) or rot.shape != q.shape:
+            got = tuple(rot.shape) if isinstance(rot, torch.Tensor) else type(rot).__name__
+            raise ValueError(f"rotary must return a tensor of the shape of its input {tuple(q.shape)}; got {got} for {name}")
+    # The backend's output has the dtype of its q: the accumulation dtype here, so the numerator
+    # is divided before any rounding to a 16-bit input dtype.
+    num = fn(rot_q.to(acc), rot_k.to(acc), v, mixing, layout, normalize=False, eps=eps, feature_map=False)
+    if normalize:
+        idx = layout.block_index.to(q.device)
+        z = phi_k.new_zeros(*phi_k.shape[:2], layout.num_blocks, phi_k.shape[-1]).index_add_(2, idx, phi_k)
+        z_mix = torch.matmul(mixing.to(acc), z)  # [B, heads, M, d]: z~ = Mc z
+        den = (phi_q * z_mix.index_select(2, idx)).sum(dim=-1, keepdim=True) + eps
+        num = num / den
+    return num.to(q.dtype)

@@ -283,7 +283,7 @@ class _MHLA(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, mixing, layout, normalize, eps, need_grad):
+    def forward(ctx, q, k, v, mixing, layout, normalize, eps, feature_map, need_grad):
         acc, plan, groups, ws, mix = _setup(q, v, mixing, layout)
         batch, heads, n, d = q.shape
         dv, m, length = v.shape[-1], plan.num_blocks, plan.length
@@ -299,7 +299,7 @@ class _MHLA(torch.autograd.Function):
                 z = (z_all[b, hs] if need_grad else ws.get("z", (g, m, d))) if normalize else None
                 # Steps 1-2: per-block summaries S, z.
                 for c in group:
-                    phi_k = _load(k, b, c, plan, ws, "k", relu=True, mask_pad=True)
+                    phi_k = _load(k, b, c, plan, ws, "k", relu=feature_map, mask_pad=True)
                     v_b = _load(v, b, c, plan, ws, "v", copy=False)
                     torch.matmul(phi_k.transpose(-1, -2), v_b, out=s[:, c.blocks])
                     if normalize:
@@ -309,7 +309,7 @@ class _MHLA(torch.autograd.Function):
                 z_mix = _mix(mix, z, ws, "z_mix") if normalize else None
                 # Step 4: output, written straight into token order.
                 for c in group:
-                    phi_q = _load(q, b, c, plan, ws, "q", relu=True)
+                    phi_q = _load(q, b, c, plan, ws, "q", relu=feature_map)
                     num = torch.matmul(phi_q, s_mix[:, c.blocks], out=ws.get("num", (*phi_q.shape[:3], dv)))
                     if normalize:
                         prod = torch.mul(phi_q, z_mix[:, c.blocks, None, :], out=ws.get("prod", phi_q.shape))
@@ -319,14 +319,15 @@ class _MHLA(torch.autograd.Function):
                     _store(num, out, b, c, ws)
 
         ctx.save_for_backward(q, k, v, mixing, s_all, z_all, out, den_all)
-        ctx.layout, ctx.normalize = layout, normalize
+        ctx.layout, ctx.normalize, ctx.feature_map = layout, normalize, feature_map
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, mixing, s_all, z_all, out, den_all = ctx.saved_tensors
-        layout, normalize = ctx.layout, ctx.normalize
+        layout, normalize, feature_map = ctx.layout, ctx.normalize, ctx.feature_map
+        relu_grad_ = _relu_grad_ if feature_map else (lambda grad, phi: grad)  # noqa: E731
         need_q, need_k, need_v, need_mix = ctx.needs_input_grad[:4]
         acc, plan, groups, ws, mix = _setup(q, v, mixing, layout)
         batch, heads, _, d = q.shape
@@ -346,7 +347,7 @@ class _MHLA(torch.autograd.Function):
                 ds_mix = ws.get("ds_mix", (g, m, d, dv))
                 dz_mix = ws.get("dz_mix", (g, m, d)) if normalize else None
                 for c in group:
-                    phi_q = _load(q, b, c, plan, ws, "q", relu=True)
+                    phi_q = _load(q, b, c, plan, ws, "q", relu=feature_map)
                     gn = _load(grad_out, b, c, plan, ws, "g", mask_pad=True)  # padded slots: no gradient
                     if normalize:
                         gn.div_(den_all[b, c.heads, c.blocks, :, None])
@@ -359,7 +360,7 @@ class _MHLA(torch.autograd.Function):
                         da = torch.matmul(gn, s_mix[:, c.blocks].transpose(-1, -2), out=ws.get("da", phi_q.shape))
                         if normalize:
                             da.addcmul_(gd, z_mix[:, c.blocks, None, :])
-                        _store(_relu_grad_(da, phi_q), dq, b, c, ws)
+                        _store(relu_grad_(da, phi_q), dq, b, c, ws)
                 # Mixing: dMc += sum over heads of dS~ S^T (+ dz~ z^T); dS = Mc^T dS~, dz = Mc^T dz~.
                 if need_mix:
                     dmix += torch.bmm(ds_mix.view(g, m, d * dv), s.reshape(g, m, d * dv).transpose(1, 2)).sum(0)
@@ -371,7 +372,7 @@ class _MHLA(torch.autograd.Function):
                 dz = _mix(mix_t, dz_mix, ws, "dz") if normalize else None
                 # Key side: dv = phi(K) dS, dk = (V dS^T + dz) [k > 0].
                 for c in group:
-                    phi_k = _load(k, b, c, plan, ws, "k", relu=True, mask_pad=True)
+                    phi_k = _load(k, b, c, plan, ws, "k", relu=feature_map, mask_pad=True)
                     if need_v:
                         dv_b = torch.matmul(phi_k, ds[:, c.blocks], out=ws.get("num", (*phi_k.shape[:3], dv)))
                         _store(dv_b, dvv, b, c, ws)
@@ -380,8 +381,8 @@ class _MHLA(torch.autograd.Function):
                         dphi = torch.matmul(v_b, ds[:, c.blocks].transpose(-1, -2), out=ws.get("da", phi_k.shape))
                         if normalize:
                             dphi += dz[:, c.blocks, None, :]
-                        _store(_relu_grad_(dphi, phi_k), dk, b, c, ws)
-        return dq, dk, dvv, dmix.to(mixing.dtype) if need_mix else None, None, None, None, None
+                        _store(relu_grad_(dphi, phi_k), dk, b, c, ws)
+        return dq, dk, dvv, dmix.to(mixing.dtype) if need_mix else None, None, None, None, None, None
 
 
 # torch.compile runs this op as it is (a graph break): tracing would unroll the chunk loops into
@@ -396,6 +397,7 @@ def mhla_attention_torch(
     *,
     normalize: bool = True,
     eps: float = 1e-6,
+    feature_map: bool = True,
 ) -> torch.Tensor:
     """MHLA in PyTorch (see module doc). Inputs are validated by :func:`mhla_attention`.
 
@@ -405,6 +407,8 @@ def mhla_attention_torch(
         layout: the :class:`BlockLayout` of the ``N`` tokens.
         normalize: divide by ``phi(q) . z~ + eps`` (True) or return the numerator (False).
         eps: added to the denominator, in the accumulation dtype.
+        feature_map: apply phi = ReLU to q and k (True) or take them as features already (False:
+            no ReLU in the forward, no ReLU derivative in the backward).
 
     Returns:
         ``[B, heads, N, d_v]`` in the dtype of ``q``, in ``q``'s memory layout (contiguous, or
@@ -412,4 +416,4 @@ def mhla_attention_torch(
         (first order: the backward is hand-written).
     """
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mixing))
-    return _MHLA.apply(q, k, v, mixing, layout, normalize, float(eps), need_grad)
+    return _MHLA.apply(q, k, v, mixing, layout, normalize, float(eps), bool(feature_map), need_grad)
