@@ -1,0 +1,539 @@
+"""MHLA in Triton: fused forward and backward kernels behind a ``torch.autograd.Function``.
+
+Imported lazily (``mhla_attention(..., backend="triton")`` imports it); importing
+``mhla_diffusers`` never imports this module. Runs on CUDA tensors, or on CPU tensors under the
+Triton interpreter (``TRITON_INTERPRET=1`` set before this module is first imported; tests only).
+
+The math is the MHLA paper's (Sec. 3.2), the same as ``torch_ops`` (see its module docstring for
+the backward formulas). Per batch element and head, with ``phi = ReLU`` when ``feature_map`` (else
+the identity: q and k are already features), for blocks ``b`` of the layout:
+
+    S_b = phi(K_b)^T V_b   [d, d_v],     z_b = sum_{t in b} phi(k_t)   [d]
+    S~  = Mc S,   z~ = Mc z                          (one GEMM over the block axis, all heads at once)
+    out = phi(q) S~_{b(q)} / (phi(q) . z~_{b(q)} + eps)    (or the numerator when not normalize)
+
+Kernels (a program never reads a token of another block; no atomics, so results are
+deterministic and do not depend on the launch order):
+
+    _fwd_summaries   grid (M * P, B * H): a program walks the tokens of one split of one block
+                     (``P`` splits per block, usually 1), gathering rows of k and v through the
+                     layout's block-major token order (tokens of a block are not contiguous in
+                     token order), applying phi at load, accumulating S and z in fp32 (fp64 for
+                     fp64 inputs). Writes ``[P, M, B*H, d, d_v]`` partial summaries.
+    mixing           torch: ``S~ = Mc @ S`` as one ``[M, M] x [M, B*H*d*d_v]`` GEMM in fp32/fp64.
+    _fwd_output      grid (M * tiles, B * H): a tile of a block's queries; phi at load; numerator
+                     ``phi(q) S~`` and denominator ``phi(q) . z~ + eps`` in fp32; the output is
+                     written once, in the input dtype, in place in token order.
+    _bwd_query       grid (M * P, B * H): recomputes numerator and denominator of a tile (no saved
+                     output needed); ``gn = g / den``, ``gd = -(gn . num) / den``; writes dq and
+                     accumulates ``dS~ = sum phi(q)^T gn``, ``dz~ = sum phi(q) gd`` per block.
+    mixing backward  torch: ``dS = Mc^T dS~``, ``dz = Mc^T dz~``, ``dMc = dS~ S^T + dz~ z^T``
+                     (GEMMs over ``[M, B*H*d*d_v]``: the sum over heads and batch is free).
+    _bwd_key         grid (M * tiles, B * H): ``dv = phi(K) dS``, ``dk = (V dS^T + dz) [k > 0]``.
+
+Nothing of size ``N x N`` or ``N x d x d`` exists; the forward reads q, k, v once and writes the
+output once (plus the fp32 summaries ``[M, B*H, d, d_v]``, saved for the backward).
+
+Precision: summaries, mixing, numerator and denominator in fp32 (fp64 for fp64 inputs). The
+``phi(K)^T V`` product runs on the inputs' own dtype when k and v are both fp16 or both bf16
+(tensor cores, fp32 accumulation); every product with an fp32 operand (``phi(q) S~`` and the
+backward's) uses TF32 for fp16/bf16 inputs (a relative rounding of 2^-11, below the output's own
+rounding to the input dtype) and full fp32 ("ieee") for fp32 inputs.
+
+Head dims: ``d`` and ``d_v`` up to 256, any value (72 is padded to a 128-wide tile with masks).
+Layouts: any :class:`~mhla_diffusers.BlockLayout` (uneven blocks, partial tiles, single tokens).
+Inputs: any strides (diffusers' ``[B, N, H, d]`` viewed as ``[B, H, N, d]`` is read in place; the
+output and the input gradients take that memory layout too), dtypes may differ between q, k, v.
+Configs are fixed per head dim (no autotuning).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+from ..layout import BlockLayout
+
+__all__ = ["mhla_attention_triton", "interpreter_enabled", "MAX_HEAD_DIM"]
+
+MAX_HEAD_DIM = 256
+
+# Programs the summary kernels aim for on a GPU before they split blocks (P > 1): ~2 waves on an
+# H100/H200 (132 SMs). Under the interpreter every program costs ~1 ms per op, so no splitting
+# unless a test asks for it through _INTERPRET_SPLIT_TOKENS.
+_TARGET_PROGRAMS = 264
+_MIN_SPLIT_TOKENS = 256
+_INTERPRET_SPLIT_TOKENS: int | None = None  # tests: force splits of this many tokens under the interpreter
+_INTERPRET_BLOCK_T = 256  # token-tile cap under the interpreter (large tiles: few programs)
+
+
+def interpreter_enabled() -> bool:
+    """True when the Triton interpreter is on (``TRITON_INTERPRET=1``): kernels then run on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+
+
+@triton.jit
+def _fwd_summaries(
+    k_ptr, v_ptr, order_ptr, start_ptr, size_ptr, s_ptr, z_ptr,
+    H, D, DV, BH, M, P, split_tokens,
+    skb, skh, skn, skd, svb, svh, svn, svd,
+    FEATURE_MAP: tl.constexpr, NORMALIZE: tl.constexpr,
+    ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """S_b = phi(K_b)^T V_b and z_b = sum phi(K_b) over one split of one block, for one (batch, head)."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    m = pid // P
+    p = pid % P
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    start = tl.load(start_ptr + m)
+    size = tl.load(size_ptr + m)
+    lo = p * split_tokens
+    hi = tl.minimum(lo + split_tokens, size)
+
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_e = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < D
+    mask_e = offs_e < DV
+    k_base = k_ptr + b * skb + h * skh
+    v_base = v_ptr + b * svb + h * svh
+
+    acc = tl.zeros([BLOCK_D, BLOCK_DV], dtype=ACC)
+    zacc = tl.zeros([BLOCK_D], dtype=ACC)
+    for t0 in range(lo, hi, BLOCK_T):
+        slot = t0 + offs_t
+        mask_t = slot < hi
+        tok = tl.load(order_ptr + start + slot, mask=mask_t, other=0).to(tl.int64)
+        kk = tl.load(k_base + tok[:, None] * skn + offs_d[None, :] * skd, mask=mask_t[:, None] & mask_d[None, :], other=0.0)
+        vv = tl.load(v_base + tok[:, None] * svn + offs_e[None, :] * svd, mask=mask_t[:, None] & mask_e[None, :], other=0.0)
+        kk = kk.to(DOT)
+        if FEATURE_MAP:
+            kk = tl.maximum(kk, 0.0)
+        acc = tl.dot(tl.trans(kk), vv.to(DOT), acc, input_precision=PREC, out_dtype=ACC)
+        if NORMALIZE:
+            zacc += tl.sum(kk.to(ACC), axis=0)
+
+    row = ((p * M + m) * BH + bh).to(tl.int64)
+    s_out = s_ptr + row * D * DV + offs_d[:, None] * DV + offs_e[None, :]
+    tl.store(s_out, acc, mask=mask_d[:, None] & mask_e[None, :])
+    if NORMALIZE:
+        tl.store(z_ptr + row * D + offs_d, zacc, mask=mask_d)
+
+
+@triton.jit
+def _fwd_output(
+    q_ptr, st_ptr, zt_ptr, eps_ptr, o_ptr, order_ptr, start_ptr, size_ptr,
+    H, D, DV, BH, TILES,
+    sqb, sqh, sqn, sqd, sob, soh, son, sod,
+    FEATURE_MAP: tl.constexpr, NORMALIZE: tl.constexpr,
+    ACC: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """out = phi(q) S~_b / (phi(q) . z~_b + eps) for one tile of block b's queries, one (batch, head)."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    m = pid // TILES
+    tile = pid % TILES
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    start = tl.load(start_ptr + m)
+    size = tl.load(size_ptr + m)
+
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_e = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < D
+    mask_e = offs_e < DV
+    slot = tile * BLOCK_T + offs_t
+    mask_t = slot < size
+    tok = tl.load(order_ptr + start + slot, mask=mask_t, other=0).to(tl.int64)
+
+    qq = tl.load(q_ptr + b * sqb + h * sqh + tok[:, None] * sqn + offs_d[None, :] * sqd,
+                 mask=mask_t[:, None] & mask_d[None, :], other=0.0).to(ACC)
+    if FEATURE_MAP:
+        qq = tl.maximum(qq, 0.0)
+    row = (m * BH + bh).to(tl.int64)
+    st = tl.load(st_ptr + row * D * DV + offs_d[:, None] * DV + offs_e[None, :], mask=mask_d[:, None] & mask_e[None, :], other=0.0)
+    num = tl.dot(qq, st, input_precision=PREC, out_dtype=ACC)
+    if NORMALIZE:
+        zt = tl.load(zt_ptr + row * D + offs_d, mask=mask_d, other=0.0)
+        den = tl.sum(qq * zt[None, :], axis=1) + tl.load(eps_ptr)
+        num = num / den[:, None]
+    o_out = o_ptr + b * sob + h * soh + tok[:, None] * son + offs_e[None, :] * sod
+    tl.store(o_out, num.to(o_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_e[None, :])
+
+
+@triton.jit
+def _bwd_query(
+    q_ptr, g_ptr, st_ptr, zt_ptr, eps_ptr, dq_ptr, dst_ptr, dzt_ptr, order_ptr, start_ptr, size_ptr,
+    H, D, DV, BH, M, P, split_tokens,
+    sqb, sqh, sqn, sqd, sgb, sgh, sgn, sgd, sdb, sdh, sdn, sdd,
+    FEATURE_MAP: tl.constexpr, NORMALIZE: tl.constexpr, STORE_DQ: tl.constexpr,
+    ACC: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Query side of the backward for one split of one block: dq, and partial dS~, dz~ of the block."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    m = pid // P
+    p = pid % P
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    start = tl.load(start_ptr + m)
+    size = tl.load(size_ptr + m)
+    lo = p * split_tokens
+    hi = tl.minimum(lo + split_tokens, size)
+
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_e = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < D
+    mask_e = offs_e < DV
+    mask_de = mask_d[:, None] & mask_e[None, :]
+    row = (m * BH + bh).to(tl.int64)
+    st = tl.load(st_ptr + row * D * DV + offs_d[:, None] * DV + offs_e[None, :], mask=mask_de, other=0.0)
+    if NORMALIZE:
+        zt = tl.load(zt_ptr + row * D + offs_d, mask=mask_d, other=0.0)
+        eps = tl.load(eps_ptr)
+    q_base = q_ptr + b * sqb + h * sqh
+    g_base = g_ptr + b * sgb + h * sgh
+    dq_base = dq_ptr + b * sdb + h * sdh
+
+    dst = tl.zeros([BLOCK_D, BLOCK_DV], dtype=ACC)
+    dzt = tl.zeros([BLOCK_D], dtype=ACC)
+    for t0 in range(lo, hi, BLOCK_T):
+        slot = t0 + offs_t
+        mask_t = slot < hi
+        tok = tl.load(order_ptr + start + slot, mask=mask_t, other=0).to(tl.int64)
+        mask_td = mask_t[:, None] & mask_d[None, :]
+        qraw = tl.load(q_base + tok[:, None] * sqn + offs_d[None, :] * sqd, mask=mask_td, other=0.0).to(ACC)
+        if FEATURE_MAP:
+            qq = tl.maximum(qraw, 0.0)
+        else:
+            qq = qraw
+        gn = tl.load(g_base + tok[:, None] * sgn + offs_e[None, :] * sgd, mask=mask_t[:, None] & mask_e[None, :], other=0.0).to(ACC)
+        if NORMALIZE:
+            num = tl.dot(qq, st, input_precision=PREC, out_dtype=ACC)
+            den = tl.sum(qq * zt[None, :], axis=1) + eps
+            den = tl.where(mask_t, den, 1.0)  # padded rows: g = 0, keep 0 / den finite even with eps = 0
+            gn = gn / den[:, None]
+            gd = -tl.sum(gn * num, axis=1) / den
+            dzt += tl.sum(qq * gd[:, None], axis=0)
+        dst = tl.dot(tl.trans(qq), gn, dst, input_precision=PREC, out_dtype=ACC)
+        if STORE_DQ:
+            da = tl.dot(gn, tl.trans(st), input_precision=PREC, out_dtype=ACC)
+            if NORMALIZE:
+                da += gd[:, None] * zt[None, :]
+            if FEATURE_MAP:
+                da = tl.where(qraw > 0.0, da, 0.0)
+            tl.store(dq_base + tok[:, None] * sdn + offs_d[None, :] * sdd, da.to(dq_ptr.dtype.element_ty), mask=mask_td)
+
+    out_row = ((p * M + m) * BH + bh).to(tl.int64)
+    tl.store(dst_ptr + out_row * D * DV + offs_d[:, None] * DV + offs_e[None, :], dst, mask=mask_de)
+    if NORMALIZE:
+        tl.store(dzt_ptr + out_row * D + offs_d, dzt, mask=mask_d)
+
+
+@triton.jit
+def _bwd_key(
+    k_ptr, v_ptr, ds_ptr, dz_ptr, dk_ptr, dv_ptr, order_ptr, start_ptr, size_ptr,
+    H, D, DV, BH, TILES,
+    skb, skh, skn, skd, svb, svh, svn, svd,
+    sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
+    FEATURE_MAP: tl.constexpr, NORMALIZE: tl.constexpr, NEED_DK: tl.constexpr, NEED_DV: tl.constexpr,
+    ACC: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Key side of the backward for one tile of block b's tokens: dv = phi(K) dS_b, dk = (V dS_b^T + dz_b) [k > 0]."""
+    pid = tl.program_id(0)
+    bh = tl.program_id(1)
+    m = pid // TILES
+    tile = pid % TILES
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    start = tl.load(start_ptr + m)
+    size = tl.load(size_ptr + m)
+
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_e = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < D
+    mask_e = offs_e < DV
+    slot = tile * BLOCK_T + offs_t
+    mask_t = slot < size
+    tok = tl.load(order_ptr + start + slot, mask=mask_t, other=0).to(tl.int64)
+    mask_td = mask_t[:, None] & mask_d[None, :]
+    mask_te = mask_t[:, None] & mask_e[None, :]
+    row = (m * BH + bh).to(tl.int64)
+    ds = tl.load(ds_ptr + row * D * DV + offs_d[:, None] * DV + offs_e[None, :], mask=mask_d[:, None] & mask_e[None, :], other=0.0)
+
+    kraw = tl.load(k_ptr + b * skb + h * skh + tok[:, None] * skn + offs_d[None, :] * skd, mask=mask_td, other=0.0).to(ACC)
+    if NEED_DV:
+        if FEATURE_MAP:
+            kk = tl.maximum(kraw, 0.0)
+        else:
+            kk = kraw
+        dvv = tl.dot(kk, ds, input_precision=PREC, out_dtype=ACC)
+        tl.store(dv_ptr + b * sdvb + h * sdvh + tok[:, None] * sdvn + offs_e[None, :] * sdvd,
+                 dvv.to(dv_ptr.dtype.element_ty), mask=mask_te)
+    if NEED_DK:
+        vv = tl.load(v_ptr + b * svb + h * svh + tok[:, None] * svn + offs_e[None, :] * svd, mask=mask_te, other=0.0).to(ACC)
+        dphi = tl.dot(vv, tl.trans(ds), input_precision=PREC, out_dtype=ACC)
+        if NORMALIZE:
+            dz = tl.load(dz_ptr + row * D + offs_d, mask=mask_d, other=0.0)
+            dphi += dz[None, :]
+        if FEATURE_MAP:
+            dphi = tl.where(kraw > 0.0, dphi, 0.0)
+        tl.store(dk_ptr + b * sdkb + h * sdkh + tok[:, None] * sdkn + offs_d[None, :] * sdkd,
+                 dphi.to(dk_ptr.dtype.element_ty), mask=mask_td)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host side
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float64: tl.float64}
+
+
+@lru_cache(maxsize=64)
+def _index(layout: BlockLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(order [N], start [M], size [M])`` int32 on ``device``: tokens sorted by block (row-major
+    inside a block), where each block's run starts, and its length."""
+    order = torch.argsort(layout.block_index, stable=True)
+    sizes = layout.block_sizes
+    starts = torch.cumsum(sizes, 0) - sizes
+    return tuple(t.to(device=device, dtype=torch.int32) for t in (order, starts, sizes))
+
+
+def _next_pow2(x: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(int(x)))
+
+
+def _config(d: int, dv: int, length: int, device: torch.device) -> dict:
+    """Fixed launch configuration by head dim (no autotuning): tile sizes and warps."""
+    block_d, block_dv = _next_pow2(d), _next_pow2(dv)
+    if device.type != "cuda":  # interpreter: one large tile per block, few programs
+        block_t = min(_next_pow2(length), _INTERPRET_BLOCK_T)
+        return dict(BLOCK_T=block_t, BLOCK_T_BWD=block_t, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4, num_warps_bwd=4)
+    widest = max(block_d, block_dv)
+    if widest <= 64:
+        return dict(BLOCK_T=128, BLOCK_T_BWD=64, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4, num_warps_bwd=4)
+    if widest <= 128:
+        return dict(BLOCK_T=64, BLOCK_T_BWD=32, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=8, num_warps_bwd=8)
+    return dict(BLOCK_T=32, BLOCK_T_BWD=16, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=8, num_warps_bwd=8)
+
+
+def _split_tokens(length: int, programs: int, block_t: int, device: torch.device) -> int:
+    """Tokens per split of a block (a multiple of ``block_t``) for the kernels that reduce over a block."""
+    if device.type != "cuda":
+        target = _INTERPRET_SPLIT_TOKENS or length
+    else:
+        want = -(-_TARGET_PROGRAMS // max(programs, 1))  # splits per block wanted
+        target = max(_MIN_SPLIT_TOKENS, -(-length // want))
+    return max(block_t, -(-max(1, target) // block_t) * block_t)
+
+
+def _empty_like_layout(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, H, N, width]`` in ``x``'s memory layout (``[B, N, H, w]`` transposed when ``x`` is)."""
+    b, h, n, _ = x.shape
+    if not x.is_contiguous() and x.transpose(1, 2).is_contiguous():
+        return torch.empty(b, n, h, width, dtype=dtype, device=x.device).transpose(1, 2)
+    return torch.empty(b, h, n, width, dtype=dtype, device=x.device)
+
+
+def _precision(q_dtype: torch.dtype) -> str:
+    return "tf32" if q_dtype in _LOW_PRECISION else "ieee"
+
+
+def _mix(mix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``Mc @ x`` over the leading block axis: ``[M, M] x [M, ...] -> [M, ...]`` (one GEMM)."""
+    return torch.mm(mix, x.reshape(x.shape[0], -1)).view(x.shape)
+
+
+class _MHLATriton(torch.autograd.Function):
+    """Forward and backward by the Triton kernels above (first order)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mixing, layout, normalize, eps, feature_map, need_grad):
+        batch, heads, n, d = q.shape
+        dv = v.shape[-1]
+        bh, m, length = batch * heads, layout.num_blocks, layout.max_block_size
+        device = q.device
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dot = k.dtype if (k.dtype == v.dtype and k.dtype in _LOW_PRECISION) else acc
+        prec = _precision(q.dtype)
+        order, starts, sizes = _index(layout, device)
+        cfg = _config(d, dv, length, device)
+        mix = mixing.to(device=device, dtype=acc)
+        eps_t = torch.full((1,), eps, dtype=acc, device=device)
+        out = _empty_like_layout(q, dv, q.dtype)
+
+        split = _split_tokens(length, bh * m, cfg["BLOCK_T"], device)
+        parts = -(-length // split)
+        s_parts = torch.empty(parts, m, bh, d, dv, dtype=acc, device=device)
+        z_parts = torch.empty(parts, m, bh, d, dtype=acc, device=device) if normalize else s_parts
+        _fwd_summaries[(m * parts, bh)](
+            k, v, order, starts, sizes, s_parts, z_parts,
+            heads, d, dv, bh, m, parts, split,
+            *k.stride(), *v.stride(),
+            FEATURE_MAP=feature_map, NORMALIZE=normalize, ACC=_TL_DTYPE[acc], DOT=_TL_DTYPE[dot], PREC=prec,
+            BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"],
+        )
+        s = s_parts[0] if parts == 1 else s_parts.sum(0)
+        z = (z_parts[0] if parts == 1 else z_parts.sum(0)) if normalize else None
+        s_mix = _mix(mix, s)
+        z_mix = _mix(mix, z) if normalize else s_mix
+
+        tiles = -(-length // cfg["BLOCK_T"])
+        _fwd_output[(m * tiles, bh)](
+            q, s_mix, z_mix, eps_t, out, order, starts, sizes,
+            heads, d, dv, bh, tiles,
+            *q.stride(), *out.stride(),
+            FEATURE_MAP=feature_map, NORMALIZE=normalize, ACC=_TL_DTYPE[acc], PREC=prec,
+            BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"],
+        )
+        if need_grad:
+            ctx.save_for_backward(q, k, v, mixing, s, z)
+            ctx.layout, ctx.normalize, ctx.eps, ctx.feature_map = layout, normalize, eps, feature_map
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, mixing, s, z = ctx.saved_tensors
+        layout, normalize, eps, feature_map = ctx.layout, ctx.normalize, ctx.eps, ctx.feature_map
+        need_q, need_k, need_v, need_mix = ctx.needs_input_grad[:4]
+        batch, heads, n, d = q.shape
+        dv = v.shape[-1]
+        bh, m, length = batch * heads, layout.num_blocks, layout.max_block_size
+        device = q.device
+        acc = s.dtype
+        prec = _precision(q.dtype)
+        order, starts, sizes = _index(layout, device)
+        cfg = _config(d, dv, length, device)
+        mix = mixing.to(device=device, dtype=acc)
+        eps_t = torch.full((1,), eps, dtype=acc, device=device)
+        s_mix = _mix(mix, s)
+        z_mix = _mix(mix, z) if normalize else s_mix
+
+        dq = _empty_like_layout(q, d, q.dtype) if need_q else s_mix  # placeholder pointer when unused
+        split = _split_tokens(length, bh * m, cfg["BLOCK_T_BWD"], device)
+        parts = -(-length // split)
+        ds_parts = torch.empty(parts, m, bh, d, dv, dtype=acc, device=device)
+        dz_parts = torch.empty(parts, m, bh, d, dtype=acc, device=device) if normalize else ds_parts
+        dq_strides = dq.stride() if need_q else (0, 0, 0, 0)
+        _bwd_query[(m * parts, bh)](
+            q, grad_out, s_mix, z_mix, eps_t, dq, ds_parts, dz_parts, order, starts, sizes,
+            heads, d, dv, bh, m, parts, split,
+            *q.stride(), *grad_out.stride(), *dq_strides,
+            FEATURE_MAP=feature_map, NORMALIZE=normalize, STORE_DQ=bool(need_q), ACC=_TL_DTYPE[acc], PREC=prec,
+            BLOCK_T=cfg["BLOCK_T_BWD"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps_bwd"],
+        )
+        ds_mix = ds_parts[0] if parts == 1 else ds_parts.sum(0)
+        dz_mix = (dz_parts[0] if parts == 1 else dz_parts.sum(0)) if normalize else None
+
+        dmix = None
+        if need_mix:  # dMc[i, j] = sum over batch and heads of <dS~_i, S_j> (+ <dz~_i, z_j>)
+            dmix = torch.mm(ds_mix.reshape(m, -1), s.reshape(m, -1).t())
+            if normalize:
+                dmix += torch.mm(dz_mix.reshape(m, -1), z.reshape(m, -1).t())
+            dmix = dmix.to(mixing.dtype)
+
+        dk = dvv = None
+        if need_k or need_v:
+            mix_t = mix.t()
+            ds = _mix(mix_t, ds_mix)
+            dz = _mix(mix_t, dz_mix) if normalize else ds
+            dk = _empty_like_layout(k, d, k.dtype) if need_k else ds
+            dvv = _empty_like_layout(v, dv, v.dtype) if need_v else ds
+            tiles = -(-length // cfg["BLOCK_T"])
+            _bwd_key[(m * tiles, bh)](
+                k, v, ds, dz, dk, dvv, order, starts, sizes,
+                heads, d, dv, bh, tiles,
+                *k.stride(), *v.stride(),
+                *(dk.stride() if need_k else (0, 0, 0, 0)), *(dvv.stride() if need_v else (0, 0, 0, 0)),
+                FEATURE_MAP=feature_map, NORMALIZE=normalize, NEED_DK=bool(need_k), NEED_DV=bool(need_v),
+                ACC=_TL_DTYPE[acc], PREC=prec,
+                BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"],
+            )
+            dk = dk if need_k else None
+            dvv = dvv if need_v else None
+        return (dq if need_q else None), dk, dvv, dmix, None, None, None, None, None
+
+
+def check_supported(q: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise ``ValueError`` when the Triton backend cannot run these tensors.
+
+    Supported: CUDA tensors, or CPU tensors with the interpreter on; ``d, d_v <= MAX_HEAD_DIM``.
+    """
+    if q.device.type == "cpu":
+        if not interpreter_enabled():
+            raise ValueError(
+                "the Triton MHLA backend runs on CUDA tensors; these are on the CPU (set TRITON_INTERPRET=1 "
+                "before importing mhla_diffusers.ops.triton_ops to run the kernels in Triton's CPU interpreter, "
+                "for tests only), or use backend='torch'"
+            )
+    elif q.device.type != "cuda":
+        raise ValueError(f"the Triton MHLA backend runs on CUDA tensors; got {q.device.type} tensors. Use backend='torch'")
+    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        raise ValueError(
+            f"the Triton MHLA backend supports head dims up to {MAX_HEAD_DIM}; got d={q.shape[-1]}, "
+            f"d_v={v.shape[-1]}. Use backend='torch'"
+        )
+
+
+@torch.compiler.disable
+def mhla_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mixing: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    feature_map: bool = True,
+) -> torch.Tensor:
+    """MHLA by the Triton kernels (module docstring). Inputs are validated by :func:`mhla_attention`.
+
+    Implements, per batch element and head (MHLA paper, Sec. 3.2), for a query in block ``i``::
+
+        out = phi(q) S~_i / (phi(q) . z~_i + eps),  S~ = Mc S,  z~ = Mc z,
+        S_b = phi(K_b)^T V_b,  z_b = sum_{t in b} phi(k_t),  phi = ReLU (identity if not feature_map)
+
+    Args:
+        q, k: ``[B, heads, N, d]``; v: ``[B, heads, N, d_v]``; float16, bfloat16, float32 or
+            float64 (fp32/fp64 only under the interpreter: its bf16 arithmetic is wrong); any strides.
+            CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1``.
+        mixing: ``[M, M]``, used as given (no clamping).
+        layout: the :class:`BlockLayout` of the ``N`` tokens.
+        normalize: divide by ``phi(q) . z~ + eps`` (True) or return the numerator (False).
+        eps: added to the denominator, in fp32 (fp64 for fp64 ``q``).
+        feature_map: apply ``phi = ReLU`` to q and k inside the kernels (True), or treat q and k as
+            features already (False: no ReLU, no ReLU derivative in the backward).
+
+    Returns:
+        ``[B, heads, N, d_v]`` in ``q.dtype`` and ``q``'s memory layout. Differentiable (first
+        order) in q, k, v and ``mixing``; gradients in each input's dtype.
+
+    Raises:
+        ValueError: for CPU tensors without the interpreter, other devices, or head dims above
+            :data:`MAX_HEAD_DIM`.
+    """
+    check_supported(q, v)
+    if q.numel() == 0 or v.numel() == 0:
+        return _empty_like_layout(q, v.shape[-1], q.dtype) * mixing.sum().to(q.dtype)
+    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mixing))
+    return _MHLATriton.apply(q, k, v, mixing, layout, bool(normalize), float(eps), bool(feature_map), need_grad)
