@@ -6,6 +6,9 @@ O(N^2) oracle. A new backend is one file in this package plus one entry in ``_BA
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
 from collections.abc import Callable
 
 import torch
@@ -17,28 +20,78 @@ from .torch_ops import compute_dtype, mhla_attention_torch
 __all__ = ["mhla_attention", "mhla_attention_reference", "implied_attention", "available_backends", "resolve_backend"]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_BACKENDS = {"torch": mhla_attention_torch}
+
+
+def _triton_backend(q, k, v, mixing, layout, **kwargs):
+    """The Triton kernels, imported on first use (importing mhla_diffusers never imports triton)."""
+    from .triton_ops import mhla_attention_triton
+
+    return mhla_attention_triton(q, k, v, mixing, layout, **kwargs)
+
+
+_BACKENDS = {"torch": mhla_attention_torch, "triton": _triton_backend}
+
+
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_gpu_problem() -> str | None:
+    """Why Triton cannot launch GPU kernels here (``None`` when it can); checked once per process."""
+    if not _triton_installed():
+        return "triton is not installed (pip install 'mhla_diffusers[triton]')"
+    try:
+        import triton
+
+        triton.runtime.driver.active.get_current_target()
+    except Exception as err:  # e.g. "0 active drivers" on a machine without a GPU driver
+        return f"Triton found no working GPU driver ({type(err).__name__}: {err})"
+    return None
+
+
+def _interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
 def available_backends() -> list[str]:
-    """Names accepted by ``backend=`` besides ``"auto"``."""
-    return sorted(_BACKENDS)
+    """Names accepted by ``backend=`` besides ``"auto"``: ``"torch"``, and ``"triton"`` when the
+    ``triton`` package is installed (it then runs on CUDA tensors; see :func:`resolve_backend`)."""
+    return sorted(name for name in _BACKENDS if name != "triton" or _triton_installed())
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Map ``"auto"`` to a concrete backend for tensors on ``device``; validate explicit names.
 
-    ``"auto"`` picks the fastest backend that works for the device (today: ``"torch"`` everywhere;
-    a Triton backend is planned for CUDA tensors).
+    ``"auto"``: ``"triton"`` for CUDA tensors when triton is installed and has a working GPU
+    driver, ``"torch"`` otherwise (never the Triton interpreter). ``"triton"`` explicitly: CUDA
+    tensors, or CPU tensors when ``TRITON_INTERPRET=1`` is set (the interpreter: slow, for tests).
 
     Raises:
-        ValueError: for an unknown or unavailable backend name.
+        ValueError: for an unknown backend name, or ``"triton"`` where it cannot run (not
+            installed, no GPU driver, CPU tensors without the interpreter, other devices).
     """
+    device = torch.device(device)
     if backend == "auto":
-        return "torch"
+        return "triton" if device.type == "cuda" and _triton_gpu_problem() is None else "torch"
     if backend not in _BACKENDS:
-        hint = " (the Triton backend is not part of this release yet)" if backend == "triton" else ""
-        raise ValueError(f"unknown MHLA backend {backend!r}{hint}; choose one of {['auto', *available_backends()]}")
+        raise ValueError(f"unknown MHLA backend {backend!r}; choose one of {['auto', *available_backends()]}")
+    if backend == "triton":
+        if device.type == "cuda":
+            problem = _triton_gpu_problem()
+        elif device.type != "cpu":
+            problem = f"the Triton backend runs on CUDA tensors, not {device.type}"
+        elif not _triton_installed():
+            problem = "triton is not installed (pip install 'mhla_diffusers[triton]')"
+        elif not _interpreter_on():
+            problem = (
+                "the Triton backend runs on CUDA tensors and these are on the CPU (TRITON_INTERPRET=1 runs "
+                "the kernels in Triton's CPU interpreter, for tests only)"
+            )
+        else:
+            problem = None
+        if problem is not None:
+            raise ValueError(f"MHLA backend 'triton' is not usable here: {problem}. Use backend='torch' or 'auto'")
     return backend
 
 

@@ -40,7 +40,9 @@ Precision: summaries, mixing, numerator and denominator in fp32 (fp64 for fp64 i
 backward's) uses TF32 for fp16/bf16 inputs (a relative rounding of 2^-11, below the output's own
 rounding to the input dtype) and full fp32 ("ieee") for fp32 inputs.
 
-Head dims: ``d`` and ``d_v`` up to 256, any value (72 is padded to a 128-wide tile with masks).
+Head dims: ``d`` and ``d_v`` up to 128, any value (72 is padded to a 128-wide tile with masks);
+larger head dims, and float64 inputs on a GPU, run through the torch backend instead (same
+numbers; see ``torch_fallback_reason``). Under the interpreter fp64 runs through the kernels.
 Layouts: any :class:`~mhla_diffusers.BlockLayout` (uneven blocks, partial tiles, single tokens).
 Inputs: any strides (diffusers' ``[B, N, H, d]`` viewed as ``[B, H, N, d]`` is read in place; the
 output and the input gradients take that memory layout too), dtypes may differ between q, k, v.
@@ -59,9 +61,9 @@ from torch.autograd.function import once_differentiable
 
 from ..layout import BlockLayout
 
-__all__ = ["mhla_attention_triton", "interpreter_enabled", "MAX_HEAD_DIM"]
+__all__ = ["mhla_attention_triton", "interpreter_enabled", "check_supported", "torch_fallback_reason", "MAX_HEAD_DIM"]
 
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 128
 
 # Programs the summary kernels aim for on a GPU before they split blocks (P > 1): ~2 waves on an
 # H100/H200 (132 SMs). Under the interpreter every program costs ~1 ms per op, so no splitting
@@ -71,11 +73,19 @@ _MIN_SPLIT_TOKENS = 256
 _INTERPRET_SPLIT_TOKENS: int | None = None  # tests: force splits of this many tokens under the interpreter
 _INTERPRET_BLOCK_T = 256  # token-tile cap under the interpreter (large tiles: few programs)
 
+# When a list, kernel launches are appended to it as (kernel, grid, args, meta) instead of run, and
+# the GPU launch configuration is used whatever the device: lets a test compile the exact launches
+# of a CUDA run for an sm_90 target on a machine without a GPU (see tests/triton_compile_check.py).
+_RECORD: list | None = None
+
 
 def interpreter_enabled() -> bool:
     """True when the Triton interpreter is on (``TRITON_INTERPRET=1``): kernels then run on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
+
+# Whether the kernels below are defined for the interpreter: Triton decides when they are defined.
+_INTERPRETED = interpreter_enabled()
 
 # ----------------------------------------------------------------------------------------------
 # Kernels
@@ -321,23 +331,42 @@ def _next_pow2(x: int, floor: int = 16) -> int:
     return max(floor, triton.next_power_of_2(int(x)))
 
 
-def _config(d: int, dv: int, length: int, device: torch.device) -> dict:
-    """Fixed launch configuration by head dim (no autotuning): tile sizes and warps."""
+def _on_gpu(device: torch.device) -> bool:
+    return device.type == "cuda" or _RECORD is not None
+
+
+def _launch(kernel, grid, *args, **meta) -> None:
+    if _RECORD is not None:
+        _RECORD.append((kernel, grid, args, meta))
+    else:
+        kernel[grid](*args, **meta)
+
+
+def _config(d: int, dv: int, length: int, device: torch.device, prec: str) -> dict:
+    """Fixed launch configuration (no autotuning): tile sizes, warps and stages by head dim and precision.
+
+    Chosen by compiling every kernel for sm_90 (``tests/triton_compile_check.py``): no register
+    spills (a few bytes in ``_bwd_query`` at d > 64) and shared memory within an H100/H200's 227 KiB.
+    ``BLOCK_T``: tokens per tile of the forward kernels and ``_bwd_key``; ``BLOCK_T_BWD``: of ``_bwd_query``.
+    Not yet timed on a GPU.
+    """
     block_d, block_dv = _next_pow2(d), _next_pow2(dv)
-    if device.type != "cuda":  # interpreter: one large tile per block, few programs
-        block_t = min(_next_pow2(length), _INTERPRET_BLOCK_T)
-        return dict(BLOCK_T=block_t, BLOCK_T_BWD=block_t, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4, num_warps_bwd=4)
     widest = max(block_d, block_dv)
-    if widest <= 64:
-        return dict(BLOCK_T=128, BLOCK_T_BWD=64, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=4, num_warps_bwd=4)
-    if widest <= 128:
-        return dict(BLOCK_T=64, BLOCK_T_BWD=32, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=8, num_warps_bwd=8)
-    return dict(BLOCK_T=32, BLOCK_T_BWD=16, BLOCK_D=block_d, BLOCK_DV=block_dv, num_warps=8, num_warps_bwd=8)
+    if not _on_gpu(device):  # interpreter: one large tile per block, few programs
+        block_t = min(_next_pow2(length), _INTERPRET_BLOCK_T)
+        tiles = (block_t, block_t, 4, 4)
+    elif prec == "ieee":  # fp32 inputs: FMA products, small tiles keep operands in registers
+        tiles = (32, 32, 4, 4) if widest <= 32 else (32, 16, 8, 8) if widest <= 64 else (16, 16, 8, 8)
+    else:  # fp16 / bf16 inputs: tensor cores
+        tiles = (128, 32, 4, 4) if widest <= 64 else (64, 16, 8, 8)
+    block_t, block_t_bwd, warps, warps_bwd = tiles
+    return dict(BLOCK_T=block_t, BLOCK_T_BWD=block_t_bwd, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                num_warps=warps, num_warps_bwd=warps_bwd, num_stages=2)
 
 
 def _split_tokens(length: int, programs: int, block_t: int, device: torch.device) -> int:
     """Tokens per split of a block (a multiple of ``block_t``) for the kernels that reduce over a block."""
-    if device.type != "cuda":
+    if not _on_gpu(device):
         target = _INTERPRET_SPLIT_TOKENS or length
     else:
         want = -(-_TARGET_PROGRAMS // max(programs, 1))  # splits per block wanted
@@ -353,8 +382,10 @@ def _empty_like_layout(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch
     return torch.empty(b, h, n, width, dtype=dtype, device=x.device)
 
 
-def _precision(q_dtype: torch.dtype) -> str:
-    return "tf32" if q_dtype in _LOW_PRECISION else "ieee"
+def _precision(*tensors: torch.Tensor) -> str:
+    """``tl.dot`` precision of products with an fp32 operand: TF32 when any input is fp16/bf16
+    (the result is at best that precise anyway), full fp32 ("ieee") for fp32/fp64 inputs."""
+    return "tf32" if any(t.dtype in _LOW_PRECISION for t in tensors) else "ieee"
 
 
 def _mix(mix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -373,9 +404,9 @@ class _MHLATriton(torch.autograd.Function):
         device = q.device
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         dot = k.dtype if (k.dtype == v.dtype and k.dtype in _LOW_PRECISION) else acc
-        prec = _precision(q.dtype)
+        prec = _precision(q, k, v)
         order, starts, sizes = _index(layout, device)
-        cfg = _config(d, dv, length, device)
+        cfg = _config(d, dv, length, device, prec)
         mix = mixing.to(device=device, dtype=acc)
         eps_t = torch.full((1,), eps, dtype=acc, device=device)
         out = _empty_like_layout(q, dv, q.dtype)
@@ -384,12 +415,13 @@ class _MHLATriton(torch.autograd.Function):
         parts = -(-length // split)
         s_parts = torch.empty(parts, m, bh, d, dv, dtype=acc, device=device)
         z_parts = torch.empty(parts, m, bh, d, dtype=acc, device=device) if normalize else s_parts
-        _fwd_summaries[(m * parts, bh)](
+        _launch(
+            _fwd_summaries, (m * parts, bh),
             k, v, order, starts, sizes, s_parts, z_parts,
             heads, d, dv, bh, m, parts, split,
             *k.stride(), *v.stride(),
             FEATURE_MAP=feature_map, NORMALIZE=normalize, ACC=_TL_DTYPE[acc], DOT=_TL_DTYPE[dot], PREC=prec,
-            BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"],
+            BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         s = s_parts[0] if parts == 1 else s_parts.sum(0)
         z = (z_parts[0] if parts == 1 else z_parts.sum(0)) if normalize else None
@@ -397,12 +429,13 @@ class _MHLATriton(torch.autograd.Function):
         z_mix = _mix(mix, z) if normalize else s_mix
 
         tiles = -(-length // cfg["BLOCK_T"])
-        _fwd_output[(m * tiles, bh)](
+        _launch(
+            _fwd_output, (m * tiles, bh),
             q, s_mix, z_mix, eps_t, out, order, starts, sizes,
             heads, d, dv, bh, tiles,
             *q.stride(), *out.stride(),
             FEATURE_MAP=feature_map, NORMALIZE=normalize, ACC=_TL_DTYPE[acc], PREC=prec,
-            BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"],
+            BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         if need_grad:
             ctx.save_for_backward(q, k, v, mixing, s, z)
@@ -420,9 +453,9 @@ class _MHLATriton(torch.autograd.Function):
         bh, m, length = batch * heads, layout.num_blocks, layout.max_block_size
         device = q.device
         acc = s.dtype
-        prec = _precision(q.dtype)
+        prec = _precision(q, k, v)
         order, starts, sizes = _index(layout, device)
-        cfg = _config(d, dv, length, device)
+        cfg = _config(d, dv, length, device, prec)
         mix = mixing.to(device=device, dtype=acc)
         eps_t = torch.full((1,), eps, dtype=acc, device=device)
         s_mix = _mix(mix, s)
@@ -434,12 +467,13 @@ class _MHLATriton(torch.autograd.Function):
         ds_parts = torch.empty(parts, m, bh, d, dv, dtype=acc, device=device)
         dz_parts = torch.empty(parts, m, bh, d, dtype=acc, device=device) if normalize else ds_parts
         dq_strides = dq.stride() if need_q else (0, 0, 0, 0)
-        _bwd_query[(m * parts, bh)](
+        _launch(
+            _bwd_query, (m * parts, bh),
             q, grad_out, s_mix, z_mix, eps_t, dq, ds_parts, dz_parts, order, starts, sizes,
             heads, d, dv, bh, m, parts, split,
             *q.stride(), *grad_out.stride(), *dq_strides,
             FEATURE_MAP=feature_map, NORMALIZE=normalize, STORE_DQ=bool(need_q), ACC=_TL_DTYPE[acc], PREC=prec,
-            BLOCK_T=cfg["BLOCK_T_BWD"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps_bwd"],
+            BLOCK_T=cfg["BLOCK_T_BWD"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps_bwd"], num_stages=cfg["num_stages"],
         )
         ds_mix = ds_parts[0] if parts == 1 else ds_parts.sum(0)
         dz_mix = (dz_parts[0] if parts == 1 else dz_parts.sum(0)) if normalize else None
@@ -459,27 +493,31 @@ class _MHLATriton(torch.autograd.Function):
             dk = _empty_like_layout(k, d, k.dtype) if need_k else ds
             dvv = _empty_like_layout(v, dv, v.dtype) if need_v else ds
             tiles = -(-length // cfg["BLOCK_T"])
-            _bwd_key[(m * tiles, bh)](
+            _launch(
+                _bwd_key, (m * tiles, bh),
                 k, v, ds, dz, dk, dvv, order, starts, sizes,
                 heads, d, dv, bh, tiles,
                 *k.stride(), *v.stride(),
                 *(dk.stride() if need_k else (0, 0, 0, 0)), *(dvv.stride() if need_v else (0, 0, 0, 0)),
                 FEATURE_MAP=feature_map, NORMALIZE=normalize, NEED_DK=bool(need_k), NEED_DV=bool(need_v),
                 ACC=_TL_DTYPE[acc], PREC=prec,
-                BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"],
+                BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             )
             dk = dk if need_k else None
             dvv = dvv if need_v else None
         return (dq if need_q else None), dk, dvv, dmix, None, None, None, None, None
 
 
-def check_supported(q: torch.Tensor, v: torch.Tensor) -> None:
-    """Raise ``ValueError`` when the Triton backend cannot run these tensors.
-
-    Supported: CUDA tensors, or CPU tensors with the interpreter on; ``d, d_v <= MAX_HEAD_DIM``.
-    """
+def check_supported(q: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless the kernels can run on ``q``'s device: CUDA tensors, or CPU
+    tensors with the interpreter on (``TRITON_INTERPRET=1``)."""
     if q.device.type == "cpu":
-        if not interpreter_enabled():
+        if interpreter_enabled() and not _INTERPRETED:
+            raise ValueError(
+                "TRITON_INTERPRET=1 was set after mhla_diffusers.ops.triton_ops was imported: its kernels are "
+                "compiled for a GPU. Set it before the first import (e.g. in the environment of the process)"
+            )
+        if not _INTERPRETED:
             raise ValueError(
                 "the Triton MHLA backend runs on CUDA tensors; these are on the CPU (set TRITON_INTERPRET=1 "
                 "before importing mhla_diffusers.ops.triton_ops to run the kernels in Triton's CPU interpreter, "
@@ -487,11 +525,20 @@ def check_supported(q: torch.Tensor, v: torch.Tensor) -> None:
             )
     elif q.device.type != "cuda":
         raise ValueError(f"the Triton MHLA backend runs on CUDA tensors; got {q.device.type} tensors. Use backend='torch'")
+
+
+def torch_fallback_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why these inputs go to the torch backend instead of the kernels, or ``None``.
+
+    On a GPU: float64 ``q`` (an fp64 ``S~`` tile of 128 x 128 needs more shared memory than an
+    H100/H200 has; fp64 is for oracles, not speed), and head dims above :data:`MAX_HEAD_DIM`.
+    Under the interpreter only the head-dim limit applies.
+    """
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
-        raise ValueError(
-            f"the Triton MHLA backend supports head dims up to {MAX_HEAD_DIM}; got d={q.shape[-1]}, "
-            f"d_v={v.shape[-1]}. Use backend='torch'"
-        )
+        return f"head dims d={q.shape[-1]}, d_v={v.shape[-1]} above {MAX_HEAD_DIM}"
+    if q.device.type == "cuda" and q.dtype == torch.float64:
+        return "float64 on a GPU"
+    return None
 
 
 @torch.compiler.disable
@@ -528,11 +575,17 @@ def mhla_attention_triton(
         ``[B, heads, N, d_v]`` in ``q.dtype`` and ``q``'s memory layout. Differentiable (first
         order) in q, k, v and ``mixing``; gradients in each input's dtype.
 
+    Falls back to the torch backend (same numbers, see :func:`torch_fallback_reason`) for float64
+    inputs on a GPU and for head dims above :data:`MAX_HEAD_DIM` (128).
+
     Raises:
-        ValueError: for CPU tensors without the interpreter, other devices, or head dims above
-            :data:`MAX_HEAD_DIM`.
+        ValueError: for CPU tensors without the interpreter, or tensors on other devices.
     """
-    check_supported(q, v)
+    check_supported(q)
+    if torch_fallback_reason(q, v) is not None:
+        from .torch_ops import mhla_attention_torch
+
+        return mhla_attention_torch(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map)
     if q.numel() == 0 or v.numel() == 0:
         return _empty_like_layout(q, v.shape[-1], q.dtype) * mixing.sum().to(q.dtype)
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mixing))
