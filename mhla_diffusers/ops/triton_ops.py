@@ -180,6 +180,7 @@ def _fwd_output(
     if NORMALIZE:
         zt = tl.load(zt_ptr + row * D + offs_d, mask=mask_d, other=0.0)
         den = tl.sum(qq * zt[None, :], axis=1) + tl.load(eps_ptr)
+        den = tl.where(mask_t, den, 1.0)  # padded rows are not stored; keep them finite even with eps = 0
         num = num / den[:, None]
     o_out = o_ptr + b * sob + h * soh + tok[:, None] * son + offs_e[None, :] * sod
     tl.store(o_out, num.to(o_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_e[None, :])
