@@ -29,11 +29,12 @@ def apply_mhla(
     layers: str | Sequence[int] = "all",
     *,
     num_blocks: int | None = None,
-    block_grid: Sequence[int] | None = None,
+    block_grid: Sequence[int] | str | None = None,
     normalize: bool = True,
     eps: float | None = None,
     backend: str = "auto",
     init: str = "locality",
+    output_norm: bool | None = None,
 ) -> list[str]:
     """Replace self-attention with MHLA on the selected layers of a diffusers transformer.
 
@@ -43,12 +44,17 @@ def apply_mhla(
     layers (others keep their processor, bit for bit) and the hooks that publish the token grid.
 
     Args:
-        transformer: a supported diffusers transformer (``DiTTransformer2DModel``).
-        layers: ``"all"``, ``"hybrid"`` (softmax kept on layers 0, 3, 6, ...) or layer indices.
+        transformer: a supported diffusers transformer (``DiTTransformer2DModel``,
+            ``SanaTransformer2DModel``, ``WanTransformer3DModel``).
+        layers: ``"all"``, ``"hybrid"`` (the stock attention kept on layers 0, 3, 6, ...; Wan2.1-1.3B:
+            MHLA on 20 of 30) or layer indices.
         num_blocks: target number of blocks ``M`` (block grid chosen from the model's native token
-            grid, near-square blocks, ``M^2 <= N``); ``None``: ``round(sqrt(N) / 2)``.
-        block_grid: explicit ``(bt, bh, bw)``; overrides ``num_blocks``.
-        normalize, eps, backend: see :class:`MHLAProcessor` (``eps=None``: the family default).
+            grid, near-square blocks, ``M^2 <= N``); ``None``: the family default (Wan: 105, the
+            paper's, = ``(3, 5, 7)`` on 21 x 30 x 52), else ``round(sqrt(N) / 2)``.
+        block_grid: explicit ``(bt, bh, bw)`` or a preset name of the family (Wan: ``"paper"``,
+            ``"authors"`` = ``(3, 5, 10)``); overrides ``num_blocks``.
+        normalize, eps, backend, output_norm: see :class:`MHLAProcessor` (``eps=None``: the family
+            default; ``output_norm=None``: Wan gets the per-head output RMSNorm when ``normalize=False``).
         init: ``"locality"`` (paper) or ``"uniform"`` (all ones = plain linear attention at init).
 
     Returns:
@@ -68,9 +74,11 @@ def apply_mhla(
         normalize=normalize,
         eps=family.default_eps if eps is None else eps,
         backend=backend,
+        output_norm=output_norm,
     )
-    resolved = processor.resolve_block_grid(reference)
-    processor.block_grid = resolved
+    resolved = processor.resolve_block_grid(reference, family)
+    processor.block_grid, processor.block_grid_preset = resolved, None
+    processor.output_norm = processor.resolve_output_norm(family)
     for axis, (n, b) in enumerate(zip(reference, resolved)):
         if b > n:
             raise ValueError(
@@ -82,7 +90,7 @@ def apply_mhla(
     names = []
     for i in chosen:
         name, attn = modules[i]
-        processor.attach(attn, reference, init=init)
+        processor.attach(attn, reference, init=init, family=family)
         attn.set_processor(processor)
         names.append(name)
     install_grid_hooks(transformer)
@@ -98,8 +106,8 @@ def remove_mhla(transformer: nn.Module) -> list[str]:
     removed = []
     for key, attn in attention_modules(transformer).items():
         had = getattr(attn, "mhla_mixing", None) is not None
-        if had:
-            del attn.mhla_mixing
+        for name in [n for n in attn._modules if n.startswith("mhla_")]:  # mixing matrix, output norm
+            delattr(attn, name)
         if isinstance(attn.processor, MHLAProcessor):
             attn.set_processor(stock_processor(family, key[: -len(".processor")]))
             had = True
@@ -140,7 +148,7 @@ def set_attn_processor(model: nn.Module, processor) -> None:
         for name, attn in self_attention_modules(model, family):
             proc = mapping.get(f"{name}.processor")
             if isinstance(proc, MHLAProcessor):
-                proc.attach(attn, reference)
+                proc.attach(attn, reference, family=family)
     if hasattr(model, "set_attn_processor"):
         model.set_attn_processor(dict(mapping))
     else:
@@ -158,6 +166,10 @@ def is_mhla_model(model: nn.Module) -> bool:
 def mhla_spec(transformer: nn.Module) -> dict | None:
     """The MHLA settings of a model as written to ``mhla_config.json``, or ``None`` without MHLA.
 
+    Keys: family, model_class, num_layers, layers, block_grid, num_blocks, normalize, eps, backend,
+    and ``output_norm: true`` only for models whose MHLA layers have the per-head output RMSNorm
+    (absent means none, as in checkpoints written before it existed).
+
     Raises:
         ValueError: when the MHLA layers disagree on settings (not representable in one config).
     """
@@ -173,12 +185,14 @@ def mhla_spec(transformer: nn.Module) -> dict | None:
             raise ValueError(f"{name} has a mixing matrix but its processor is {type(proc).__name__}, not MHLAProcessor")
         layers.append(i)
         eps = family.default_eps if proc.eps is None else proc.eps
-        specs.add((mixing.block_grid, proc.normalize, eps, proc.backend))
+        output_norm = getattr(attn, "mhla_output_norm", None) is not None
+        specs.add((mixing.block_grid, proc.normalize, eps, proc.backend, output_norm))
     if not layers:
         return None
     if len(specs) > 1:
         raise ValueError(f"MHLA layers use different settings {sorted(specs)}; one checkpoint config holds one setting")
-    block_grid, normalize, eps, backend = specs.pop()
+    block_grid, normalize, eps, backend, output_norm = specs.pop()
+    extra = {"output_norm": True} if output_norm else {}  # absent = no output norm (format version 1)
     return {
         "family": family.name,
         "model_class": type(transformer).__name__,
@@ -189,4 +203,5 @@ def mhla_spec(transformer: nn.Module) -> dict | None:
         "normalize": normalize,
         "eps": eps,
         "backend": backend,
+        **extra,
     }

@@ -5,7 +5,9 @@ keys) plus, in the transformer's folder:
 
 * ``mhla_config.json`` — ``format_version``, family, model class, layers, block grid, normalize,
   eps, backend (see :func:`~mhla_diffusers.mhla_spec`);
-* ``mhla.safetensors`` — the mixing matrices, fp32, keyed ``<attention path>.mhla_mixing.weight``.
+* ``mhla.safetensors`` — the MHLA parameters, fp32: the mixing matrices, keyed
+  ``<attention path>.mhla_mixing.weight``, and any other per-layer MHLA submodule's parameters
+  (Wan's per-head output RMSNorm: ``<attention path>.mhla_output_norm.weight``).
 
 Loading: the base ``from_pretrained``, ``apply_mhla`` from the config, then the MHLA weights
 strictly: a missing file, unknown, missing or mis-shaped key is an error, never a silent
@@ -88,17 +90,30 @@ def atomic_directory(out_dir: str | os.PathLike, overwrite: bool = False) -> Ite
 
 
 @contextlib.contextmanager
-def _without_mixing(model: nn.Module) -> Iterator[dict[str, nn.Module]]:
-    """Temporarily detach every ``mhla_mixing`` submodule (so ``save_pretrained`` writes the base model)."""
+def _without_mixing(model: nn.Module) -> Iterator[dict[tuple[str, str], nn.Module]]:
+    """Temporarily detach every MHLA submodule (``mhla_mixing``, ``mhla_output_norm``, any ``mhla_*``)
+    so that ``save_pretrained`` writes the base model."""
     detached = {}
     for name, module in list(model.named_modules()):
-        if "mhla_mixing" in module._modules:
-            detached[name] = module._modules.pop("mhla_mixing")
+        for child in [c for c in module._modules if c.startswith("mhla_")]:
+            detached[(name, child)] = module._modules.pop(child)
     try:
         yield detached
     finally:
-        for name, mixing in detached.items():
-            model.get_submodule(name)._modules["mhla_mixing"] = mixing
+        for (name, child), sub in detached.items():
+            model.get_submodule(name)._modules[child] = sub
+
+
+def _mhla_parameters(transformer: nn.Module) -> dict[str, torch.Tensor]:
+    """``{state-dict key: tensor}`` of every MHLA parameter / buffer of the self-attention layers:
+    ``<attention path>.<mhla_* submodule>.<name>`` (e.g. ``blocks.1.attn1.mhla_mixing.weight``)."""
+    out = {}
+    for name, attn in self_attention_modules(transformer):
+        for child, sub in attn._modules.items():
+            if child.startswith("mhla_") and sub is not None:
+                for key, tensor in sub.state_dict(keep_vars=True).items():
+                    out[f"{name}.{child}.{key}"] = tensor
+    return out
 
 
 def _write_mhla_files(transformer: nn.Module, folder: Path) -> None:
@@ -110,11 +125,7 @@ def _write_mhla_files(transformer: nn.Module, folder: Path) -> None:
     if spec is None:
         return
     config = {"format_version": FORMAT_VERSION, "mhla_diffusers_version": mhla_diffusers.__version__, **spec}
-    tensors = {
-        f"{name}.mhla_mixing.weight": attn.mhla_mixing.weight.detach().to("cpu", torch.float32).contiguous()
-        for name, attn in self_attention_modules(transformer)
-        if getattr(attn, "mhla_mixing", None) is not None
-    }
+    tensors = {key: t.detach().to("cpu", torch.float32).contiguous() for key, t in _mhla_parameters(transformer).items()}
     save_file(tensors, str(folder / MHLA_WEIGHTS_NAME), metadata={"format": "pt", "mhla_format_version": str(FORMAT_VERSION)})
     config["weights_sha256"] = _sha256(folder / MHLA_WEIGHTS_NAME)
     (folder / MHLA_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
@@ -209,7 +220,7 @@ def _mhla_keys_in_base(folder: Path) -> list[str]:
             continue
         try:
             with safe_open(str(file), framework="pt") as f:
-                found += [key for key in f.keys() if ".mhla_mixing." in key]
+                found += [key for key in f.keys() if ".mhla_" in key]
         except Exception:  # unreadable base weights: diffusers' own loader reports them
             continue
     return found
@@ -235,11 +246,7 @@ def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike, expecte
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as err:
         raise MHLACheckpointError(f"{path} is corrupted or not a safetensors file: {err}") from err
-    params = {
-        f"{name}.mhla_mixing.weight": attn.mhla_mixing.weight
-        for name, attn in self_attention_modules(transformer)
-        if getattr(attn, "mhla_mixing", None) is not None
-    }
+    params = _mhla_parameters(transformer)
     missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
     if missing or unexpected:
         raise MHLACheckpointError(f"{path} does not match the model: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
@@ -276,6 +283,7 @@ def _install_from_config(transformer: nn.Module, config: dict, folder: Path) -> 
             normalize=bool(config["normalize"]),
             eps=float(config["eps"]),
             backend=_usable_backend(config.get("backend", "auto")),
+            output_norm=bool(config.get("output_norm", False)),
         )
     except (ValueError, TypeError) as err:  # layers, block grid or settings that do not fit this model
         raise MHLACheckpointError(f"{folder / MHLA_CONFIG_NAME} does not fit the base model: {err}") from err

@@ -13,6 +13,14 @@ Families:
 * ``sana`` — ``SanaTransformer2DModel``: ReLU linear self-attention (``SanaLinearAttnProcessor2_0``:
   eps 1e-15, q/k norms over all heads before the head split, output cast to the layer input's dtype
   and clipped to +-65504 for fp16 inputs), softmax cross-attention (``SanaAttnProcessor2_0``).
+* ``wan`` — ``WanTransformer3DModel`` (Wan 2.1 text-to-video and image-to-video): ``WanAttention``
+  modules calling ``WanAttnProcessor`` positionally ``(attn, hidden_states, encoder_hidden_states,
+  attention_mask, rotary_emb)``; q/k RMSNorm over all heads before the head split; interleaved 3D
+  RoPE (:class:`WanRotary`), which MHLA applies after the feature map, in the numerator only; token
+  grid ``(F / p_t, H / p_h, W / p_w)`` from the latent ``[B, C, F, H, W]`` entering
+  ``patch_embedding``; the paper's ``M = 105`` blocks by default (``(3, 5, 7)`` on the native
+  21 x 30 x 52 grid of 81 frames at 480 x 832 px), presets ``"paper"`` and ``"authors"``
+  (``(3, 5, 10)``, M = 150, the authors' released configuration).
 """
 
 from __future__ import annotations
@@ -24,7 +32,17 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["Family", "FAMILIES", "family_of", "find_family", "get_family", "self_attention_modules", "stock_processor"]
+__all__ = [
+    "Family",
+    "FAMILIES",
+    "WanRotary",
+    "attention_family",
+    "family_of",
+    "find_family",
+    "get_family",
+    "self_attention_modules",
+    "stock_processor",
+]
 
 
 @dataclass(frozen=True)
@@ -57,6 +75,27 @@ class Family:
         fp16_output_clip: when set, the self-attention output (after ``to_out``) is clipped to
             ``[-clip, clip]`` if the layer's input is float16, as the stock processor does (SANA:
             65504, part of the trained function).
+        processor_call: ``"keywords"`` — the attention module calls its processor as the legacy
+            diffusers ``Attention`` does (``encoder_hidden_states=``, ``attention_mask=``, named
+            extras such as ``temb=``); ``"positional"`` — as ``WanAttention`` does:
+            ``(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)``.
+        rotary: ``rotary_emb -> callable`` turning the model's rotary embedding into the map that
+            rotates a ``[B, heads, N, d]`` feature tensor (Wan: :class:`WanRotary`); ``None`` when the
+            family has no RoPE.
+        attention_classes: class names of attention modules found only in this family's models
+            (``WanAttention``): an MHLA processor called on such a module outside its transformer
+            follows this family.
+        default_num_blocks: target ``M`` when the user gives neither ``num_blocks`` nor
+            ``block_grid`` (``None``: :func:`~mhla_diffusers.default_num_blocks`); the block grid is
+            then :func:`~mhla_diffusers.choose_block_grid` of the reference grid and this ``M``.
+        block_grid_presets: ``((name, (bt, bh, bw)), ...)``: named block grids for this family.
+        empty_blocks: when a forward's token grid has fewer tokens than the layer's block grid on
+            an axis (Wan at 1 frame or a small size), run with the blocks that hold tokens and the
+            matching rows / columns of the mixing matrix (exactly MHLA with the other blocks empty)
+            instead of raising.
+        output_norm_without_normalize: an MHLA processor with ``normalize=False`` and
+            ``output_norm=None`` puts a per-head RMSNorm on the attention output (the authors' Wan
+            recipe: numerator only, then RMSNorm).
     """
 
     name: str
@@ -72,10 +111,31 @@ class Family:
     qk_norm_across_heads: bool = False
     attention_output_dtype: str = "query"
     fp16_output_clip: float | None = None
+    processor_call: str = "keywords"
+    rotary: Callable[[object], Callable[[torch.Tensor], torch.Tensor]] | None = None
+    attention_classes: tuple[str, ...] = ()
+    default_num_blocks: int | None = None
+    block_grid_presets: tuple[tuple[str, tuple[int, int, int]], ...] = ()
+    empty_blocks: bool = False
+    output_norm_without_normalize: bool = False
 
     def __post_init__(self):
         if self.attention_output_dtype not in ("query", "input"):
             raise ValueError(f"attention_output_dtype must be 'query' or 'input'; got {self.attention_output_dtype!r}")
+        if self.processor_call not in ("keywords", "positional"):
+            raise ValueError(f"processor_call must be 'keywords' or 'positional'; got {self.processor_call!r}")
+
+    def preset(self, name: str) -> tuple[int, int, int]:
+        """The block grid of the preset ``name``.
+
+        Raises:
+            ValueError: for a name this family has no preset of (listing the presets it has).
+        """
+        presets = dict(self.block_grid_presets)
+        if name not in presets:
+            known = ", ".join(f"{k!r} {v}" for k, v in presets.items()) or "none"
+            raise ValueError(f"the {self.name} family has no block-grid preset {name!r}; its presets: {known}")
+        return presets[name]
 
     def make_stock_cross_processor(self):
         """A fresh instance of the stock cross-attention processor of this family."""
@@ -101,6 +161,80 @@ def _reference_grid_2d(config) -> tuple[int, int, int]:
     h, w = (size, size) if isinstance(size, int) else tuple(size)
     (p,) = _patch(config)[-1:]
     return (1, h // p, w // p)
+
+
+def _grid_3d(latent: torch.Tensor, config) -> tuple[int, int, int]:
+    if latent.ndim != 5:
+        raise ValueError(f"expected a video latent [batch, channels, frames, height, width]; got shape {tuple(latent.shape)}")
+    pt, ph, pw = _patch(config)
+    return (latent.shape[-3] // pt, latent.shape[-2] // ph, latent.shape[-1] // pw)
+
+
+# Wan 2.1's native size: 81 frames at 480 x 832 px, VAE factors 4 (time) and 8 (space): a latent of
+# 21 x 60 x 104, i.e. 21 x 30 x 52 tokens with patch (1, 2, 2).
+WAN_NATIVE_LATENT = (21, 60, 104)
+
+
+def _reference_grid_wan(config) -> tuple[int, int, int]:
+    pt, ph, pw = _patch(config)
+    t, h, w = WAN_NATIVE_LATENT
+    return (max(1, t // pt), max(1, h // ph), max(1, w // pw))
+
+
+class WanRotary:
+    """Wan 2.1's 3D rotary embedding as a map on ``[B, heads, N, d]`` feature tensors.
+
+    The exact rotation of diffusers' ``WanAttnProcessor`` (``apply_rotary_emb``, interleaved pairs):
+    for channel pairs ``(x1, x2) = (x[..., 0::2], x[..., 1::2])`` with ``cos = freqs_cos[..., 0::2]``
+    and ``sin = freqs_sin[..., 1::2]``::
+
+        out[..., 0::2] = x1 * cos - x2 * sin
+        out[..., 1::2] = x1 * sin + x2 * cos
+
+    computed in the promoted dtype of the input and the (float32) tables and returned in the input's
+    dtype (float32 or float64 features from the operator). Differentiable.
+
+    Args:
+        rotary_emb: ``(freqs_cos, freqs_sin)`` as ``WanTransformer3DModel.rope`` returns it: two float
+            tensors of shape ``(1, N, 1, d)`` (tokens row-major ``f * H * W + h * W + w``).
+
+    Raises:
+        ValueError: if ``rotary_emb`` is not such a pair, or (when called) if the feature tensor's
+            token count or head dim does not match the tables.
+    """
+
+    def __init__(self, rotary_emb):
+        if not (isinstance(rotary_emb, (tuple, list)) and len(rotary_emb) == 2):
+            raise ValueError("Wan's rotary_emb must be a pair (freqs_cos, freqs_sin) of tensors of shape (1, N, 1, d)")
+        cos, sin = rotary_emb
+        if cos.ndim != 4 or cos.shape != sin.shape or cos.shape[0] != 1 or cos.shape[2] != 1 or cos.shape[-1] % 2:
+            raise ValueError(
+                f"Wan's rotary_emb tensors must have shape (1, N, 1, d) with even d; got {tuple(cos.shape)}, {tuple(sin.shape)}"
+            )
+        # (1, N, 1, d) -> (1, 1, N, d / 2): broadcast over [B, heads, N, d / 2]
+        self.cos = cos[..., 0::2].transpose(1, 2)
+        self.sin = sin[..., 1::2].transpose(1, 2)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cos.shape[2]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim != 4 or x.shape[2] != self.cos.shape[2] or x.shape[-1] != 2 * self.cos.shape[-1]:
+            raise ValueError(
+                f"features of shape {tuple(x.shape)} do not match Wan's rotary tables for "
+                f"{self.cos.shape[2]} tokens x {2 * self.cos.shape[-1]} channels"
+            )
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        cos, sin = self.cos.to(x.device), self.sin.to(x.device)
+        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+        return out.to(x.dtype)
+
+
+def _wan_attn_processor():
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    return WanAttnProcessor()
 
 
 def _attn_processor_2_0():
@@ -147,8 +281,30 @@ SANA = Family(
     fp16_output_clip=65504.0,
 )
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (DIT, SANA)}
+WAN = Family(
+    name="wan",
+    model_classes=("WanTransformer3DModel",),  # text-to-video and image-to-video (image_dim set)
+    self_attention=r"^blocks\.(\d+)\.attn1$",
+    patch_embed="patch_embedding",  # Conv3d(latent [B, C, F, H, W]); tokens f*H*W + h*W + w
+    grid_from_latent=_grid_3d,
+    reference_grid=_reference_grid_wan,  # 21 x 30 x 52 (81 frames, 480 x 832 px) for patch (1, 2, 2)
+    stock_self_processor=_wan_attn_processor,
+    cross_attention=r"^blocks\.(\d+)\.attn2$",
+    stock_cross_processor=_wan_attn_processor,
+    qk_norm_across_heads=True,  # WanAttnProcessor: norm_q / norm_k on [B, N, heads * d]
+    attention_output_dtype="query",  # .type_as(query)
+    processor_call="positional",
+    rotary=WanRotary,
+    attention_classes=("WanAttention",),
+    default_num_blocks=105,  # the paper's M = 105: (3, 5, 7) on 21 x 30 x 52
+    block_grid_presets=(("paper", (3, 5, 7)), ("authors", (3, 5, 10))),
+    empty_blocks=True,
+    output_norm_without_normalize=True,
+)
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (DIT, SANA, WAN)}
 _BY_CLASS = {cls: f for f in FAMILIES.values() for cls in f.model_classes}
+_BY_ATTENTION_CLASS = {cls: f for f in FAMILIES.values() for cls in f.attention_classes}
 
 
 _BY_TYPE: dict[type, Family | None] = {}
@@ -164,6 +320,17 @@ def find_family(model: nn.Module) -> Family | None:
     family = next((_BY_CLASS[c.__name__] for c in model_type.__mro__ if c.__name__ in _BY_CLASS), None)
     _BY_TYPE[model_type] = family
     return family
+
+
+def attention_family(attn: nn.Module) -> Family | None:
+    """The family whose models alone use the attention module class of ``attn`` (Wan's ``WanAttention``),
+    or ``None`` (the legacy diffusers ``Attention`` serves several families)."""
+    return next((_BY_ATTENTION_CLASS[c.__name__] for c in type(attn).__mro__ if c.__name__ in _BY_ATTENTION_CLASS), None)
+
+
+def block_grid_preset_names() -> set[str]:
+    """Every preset name some family knows (``"paper"``, ``"authors"``)."""
+    return {name for f in FAMILIES.values() for name, _ in f.block_grid_presets}
 
 
 def family_of(model: nn.Module) -> Family:

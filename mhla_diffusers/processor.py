@@ -2,7 +2,8 @@
 
 Reads top to bottom like the math: project q, k, v with the layer's own weights, split heads,
 apply the layer's q/k norms, run :func:`~mhla_diffusers.mhla_attention` over the blocks of the
-current token grid with the layer's own mixing matrix, project out.
+current token grid with the layer's own mixing matrix (and, for Wan, its RoPE after the feature
+map, numerator only), optionally a per-head RMSNorm on the output, project out.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from functools import lru_cache
 from typing import Sequence
 
 import torch
+from torch import nn
 
 from .grid import current_grid, current_model, ensure_global_hook
 from .layout import BlockLayout, choose_block_grid, normalize_grid
 from .mixing import MixingMatrix
 from .ops import available_backends, mhla_attention
 
-__all__ = ["MHLAProcessor", "get_layout"]
+__all__ = ["MHLAProcessor", "OutputRMSNorm", "get_layout", "occupied_layout"]
 
 
 @lru_cache(maxsize=128)
@@ -26,60 +28,146 @@ def get_layout(grid: tuple[int, int, int], block_grid: tuple[int, int, int]) -> 
     return BlockLayout(grid, block_grid)
 
 
+@lru_cache(maxsize=128)
+def occupied_layout(grid: tuple[int, int, int], block_grid: tuple[int, int, int]) -> tuple[BlockLayout, torch.Tensor]:
+    """The blocks of ``block_grid`` that hold tokens of ``grid``, when some axis has fewer tokens than blocks.
+
+    Token ``(t, h, w)`` belongs to block ``(t * bt // T, h * bh // H, w * bw // W)`` (DESIGN.md); on an
+    axis with ``n < b`` tokens only the ``n`` blocks ``i * b // n`` hold tokens. Returns
+    ``(layout, index)``: a :class:`BlockLayout` on ``grid`` with ``min(b, n)`` blocks per axis, and the
+    ``[M']`` int64 ids (CPU) of those blocks in the full block grid, in the layout's block order.
+    MHLA on ``layout`` with ``Mc[index][:, index]`` is exactly MHLA on the full block grid with the
+    empty blocks contributing nothing (their summaries are zero).
+    """
+    axes = []
+    for n, b in zip(grid, block_grid):
+        axes.append(torch.arange(b) if b <= n else torch.arange(n) * b // n)
+    it, ih, iw = axes
+    _, bh, bw = block_grid
+    index = ((it[:, None, None] * bh + ih[None, :, None]) * bw + iw[None, None, :]).reshape(-1)
+    reduced = tuple(min(n, b) for n, b in zip(grid, block_grid))
+    return BlockLayout(grid, reduced), index
+
+
+class OutputRMSNorm(nn.Module):
+    """Per-head RMSNorm of the attention output (the authors' Wan recipe with the normaliser off).
+
+    ``y[b, h, n, :] = x[b, h, n, :] / sqrt(mean(x[b, h, n, :]^2) + eps) * weight[h, :]``, computed in
+    float32 (float64 for float64 inputs) and returned in that dtype. Installed per layer as
+    ``<attention module>.mhla_output_norm`` (state-dict key ``...mhla_output_norm.weight``, saved in
+    ``mhla.safetensors``); ``weight`` starts at ones. The authors' configuration only says
+    ``rms_output: true``; the per-head form with one weight per output channel is this project's.
+
+    Args:
+        heads: number of attention heads. head_dim: channels per head of the attention output.
+        eps: added to the mean square.
+    """
+
+    def __init__(self, heads: int, head_dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.ones(heads, head_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[B, heads, N, head_dim]`` -> same shape, float32 (float64 for float64 ``x``)."""
+        if x.ndim != 4 or x.shape[1] != self.weight.shape[0] or x.shape[-1] != self.weight.shape[1]:
+            raise ValueError(f"expected [B, {self.weight.shape[0]}, N, {self.weight.shape[1]}]; got {tuple(x.shape)}")
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        x = x.to(acc)
+        x = x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + self.eps)
+        return x * self.weight.to(acc)[:, None, :]
+
+    def extra_repr(self) -> str:
+        return f"heads={self.weight.shape[0]}, head_dim={self.weight.shape[1]}, eps={self.eps}"
+
+
 class MHLAProcessor:
     """Attention processor that runs MHLA on self-attention layers (MHLA paper, Sec. 3.2).
 
     Install with ``mhla_diffusers.apply_mhla(transformer, ...)`` (self-attention layers only,
     mixing matrices created eagerly), the one-liner ``transformer.set_attn_processor(MHLAProcessor())``
-    (models that have the method: SANA), or ``mhla_diffusers.set_attn_processor(transformer,
+    (models that have the method: SANA, Wan), or ``mhla_diffusers.set_attn_processor(transformer,
     MHLAProcessor())`` (every model, DiT included; creates the mixing matrices now).
     One processor object may serve many layers: each layer keeps its own mixing matrix, as the
-    submodule ``<attention module>.mhla_mixing`` (in ``state_dict()``, following ``.to()``).
+    submodule ``<attention module>.mhla_mixing`` (in ``state_dict()``, following ``.to()``), and its
+    own output norm ``<attention module>.mhla_output_norm`` when it has one.
 
     What it computes follows the model family's stock self-attention processor everywhere but the
-    attention itself (see :class:`~mhla_diffusers.families.Family`): the layer's own projections,
-    its q/k norms where the stock processor applies them (SANA: over all heads, before the head
-    split), the stock output dtype and path (SANA: ``to_out`` then the +-65504 clip for float16
-    inputs), and the family's eps (SANA 1e-15). With one block (``M = 1``) it is the plain linear
-    attention of the paper, i.e. on SANA the stock ``SanaLinearAttnProcessor2_0`` up to float
-    summation order. On a cross-attention call (``encoder_hidden_states`` given, or a layer built
-    for cross-attention) it runs the family's stock processor unchanged, bit for bit (SANA
-    ``SanaAttnProcessor2_0``; others ``AttnProcessor2_0``).
+    attention itself (see :class:`~mhla_diffusers.families.Family`): the layer's own projections
+    (fused ``to_qkv`` included), its q/k norms where the stock processor applies them (SANA, Wan:
+    over all heads, before the head split), the stock output dtype and path (SANA: ``to_out`` then
+    the +-65504 clip for float16 inputs), and the family's eps (SANA 1e-15). With one block
+    (``M = 1``) it is the plain linear attention of the paper, i.e. on SANA the stock
+    ``SanaLinearAttnProcessor2_0`` up to float summation order. On Wan the model's RoPE is applied
+    after the feature map: rotated ``phi(q)``, ``phi(k)`` in the numerator, un-rotated ones in the
+    denominator (DESIGN.md; the authors' video model). On a cross-attention call
+    (``encoder_hidden_states`` given, or a layer built for cross-attention) it runs the family's
+    stock processor unchanged, bit for bit (SANA ``SanaAttnProcessor2_0``, Wan ``WanAttnProcessor``
+    with its image branch; others ``AttnProcessor2_0``).
+
+    Both call conventions of diffusers are accepted: the legacy ``Attention`` one (keywords,
+    ``temb=``) and ``WanAttention``'s positional ``(attn, hidden_states, encoder_hidden_states,
+    attention_mask, rotary_emb)`` (CASES C11).
 
     Args:
         num_blocks: target number of blocks ``M`` when ``block_grid`` is not given; the block grid
             is chosen once per layer from the model's native token grid by
-            :func:`~mhla_diffusers.choose_block_grid` (``None``: ``round(sqrt(N) / 2)``).
-        block_grid: explicit ``(bt, bh, bw)`` (or ``(bh, bw)``). The block grid is fixed per layer;
-            at another resolution the blocks stretch with the image.
-        normalize: divide by ``phi(q) . z~ + eps`` (the paper's form) or not.
-        eps: denominator epsilon; ``None`` takes the model family's default (DiT 1e-6, SANA 1e-15).
+            :func:`~mhla_diffusers.choose_block_grid` (``None``: the family's default, Wan 105,
+            else ``round(sqrt(N) / 2)``).
+        block_grid: explicit ``(bt, bh, bw)`` (or ``(bh, bw)``), or the name of a preset of the
+            model's family (Wan: ``"paper"`` = ``(3, 5, 7)``, ``"authors"`` = ``(3, 5, 10)``). The
+            block grid is fixed per layer; at another resolution the blocks stretch with the image
+            (Wan: at fewer tokens than blocks on an axis, e.g. one frame, the empty blocks drop out).
+        normalize: divide by ``phi(q) . z~ + eps`` (the paper's form) or not (numerator only).
+        eps: denominator epsilon; ``None`` takes the model family's default (DiT, Wan 1e-6, SANA 1e-15).
         backend: operator backend, ``"auto"`` or one of :func:`~mhla_diffusers.available_backends`.
-        family: model family (``"dit"``, ``"sana"``) whose stock behaviour to follow. ``None``
-            (default): the family of the transformer running the layer. Give it only to call
-            attention modules directly, outside their transformer (with
-            :func:`~mhla_diffusers.token_grid`); there, without it, the generic behaviour applies
-            (``AttnProcessor2_0`` for cross-attention, no clip, eps 1e-6).
+        family: model family (``"dit"``, ``"sana"``, ``"wan"``) whose stock behaviour to follow.
+            ``None`` (default): the family of the transformer running the layer (or of the
+            attention module's class, Wan's ``WanAttention``). Give it only to call attention
+            modules directly, outside their transformer (with :func:`~mhla_diffusers.token_grid`);
+            there, without it, the generic behaviour applies (``AttnProcessor2_0`` for
+            cross-attention, no clip, eps 1e-6).
+        output_norm: put a per-head RMSNorm (:class:`OutputRMSNorm`, one per layer, weight ones at
+            install) on the attention output. ``None``: the family's default, which for Wan is on
+            exactly when ``normalize=False`` (the authors' Wan recipe) and off elsewhere.
+
+    Raises (at construction):
+        ValueError: bad ``num_blocks``, ``block_grid``, ``eps`` or ``backend``; an unknown preset
+            name; ``num_blocks`` contradicting ``block_grid``.
 
     Raises (at call time):
         RuntimeError: when the token grid of the call is unknown (no hook published it), or does
             not match the number of tokens; when ``family`` contradicts the running transformer.
-        ValueError: when an attention mask is passed to a self-attention layer (MHLA has none).
+        ValueError: when an attention mask is passed to a self-attention layer (MHLA has none);
+            a rotary embedding given to a family without RoPE.
     """
+
+    _attention_backend = None  # set by diffusers' set_attention_backend; forwarded to the stock processors
 
     def __init__(
         self,
         num_blocks: int | None = None,
-        block_grid: Sequence[int] | None = None,
+        block_grid: Sequence[int] | str | None = None,
         normalize: bool = True,
         eps: float | None = None,
         backend: str = "auto",
         family: str | None = None,
+        output_norm: bool | None = None,
     ):
-        from .families import get_family
+        from .families import block_grid_preset_names, get_family
 
         if num_blocks is not None and (isinstance(num_blocks, bool) or int(num_blocks) != num_blocks or num_blocks < 1):
             raise ValueError(f"num_blocks must be a positive integer or None; got {num_blocks!r}")
+        self.block_grid_preset = None
+        if isinstance(block_grid, str):
+            if block_grid not in block_grid_preset_names():
+                raise ValueError(
+                    f"unknown block-grid preset {block_grid!r}; known presets: {sorted(block_grid_preset_names())} "
+                    "(or give a tuple (bt, bh, bw))"
+                )
+            if num_blocks is not None:
+                raise ValueError(f"give num_blocks or the preset block_grid={block_grid!r}, not both")
+            self.block_grid_preset, block_grid = block_grid, None
         self.block_grid = None if block_grid is None else normalize_grid(tuple(block_grid), "block_grid")
         if self.block_grid is not None and num_blocks is not None:
             m = self.block_grid[0] * self.block_grid[1] * self.block_grid[2]
@@ -94,45 +182,88 @@ class MHLAProcessor:
             raise ValueError(f"unknown backend {backend!r}; choose 'auto' or one of {available_backends()}")
         self.backend = backend
         self.family = None if family is None else get_family(family)
+        self.output_norm = None if output_norm is None else bool(output_norm)
         self._stock: dict[str, object] = {}
         ensure_global_hook()
 
     def __repr__(self) -> str:
+        grid = repr(self.block_grid_preset) if self.block_grid_preset is not None else self.block_grid
         return (
-            f"MHLAProcessor(num_blocks={self.num_blocks}, block_grid={self.block_grid}, "
+            f"MHLAProcessor(num_blocks={self.num_blocks}, block_grid={grid}, "
             f"normalize={self.normalize}, eps={self.eps}, backend={self.backend!r}"
+            + ("" if self.output_norm is None else f", output_norm={self.output_norm}")
             + ("" if self.family is None else f", family={self.family.name!r}")
             + ")"
         )
 
     # -- per-layer state --------------------------------------------------------------------------
-    def resolve_block_grid(self, reference_grid: Sequence[int]) -> tuple[int, int, int]:
-        """The block grid this processor gives a layer of a model whose native token grid is ``reference_grid``."""
-        return self.block_grid or choose_block_grid(reference_grid, self.num_blocks)
+    def resolve_block_grid(self, reference_grid: Sequence[int], family=None) -> tuple[int, int, int]:
+        """The block grid this processor gives a layer of a model whose native token grid is ``reference_grid``.
 
-    def attach(self, attn: torch.nn.Module, reference_grid: Sequence[int], init: str = "locality") -> MixingMatrix:
-        """Create the layer's mixing matrix (fp32, on the layer's device) if it has none; return it.
+        ``family`` (a :class:`~mhla_diffusers.families.Family`, default the processor's own) supplies
+        presets and the default ``M``.
+
+        Raises:
+            ValueError: a preset name without a family, or one the family does not have.
+        """
+        if self.block_grid is not None:
+            return self.block_grid
+        family = family or self.family
+        if self.block_grid_preset is not None:
+            if family is None:
+                raise ValueError(f"the block-grid preset {self.block_grid_preset!r} needs the model family (pass family=)")
+            return family.preset(self.block_grid_preset)
+        num_blocks = self.num_blocks
+        if num_blocks is None and family is not None:
+            num_blocks = family.default_num_blocks
+        return choose_block_grid(reference_grid, num_blocks)
+
+    def resolve_output_norm(self, family=None) -> bool:
+        """Whether layers installed by this processor get a per-head output RMSNorm (see ``output_norm``)."""
+        if self.output_norm is not None:
+            return self.output_norm
+        family = family or self.family
+        return bool(family is not None and family.output_norm_without_normalize and not self.normalize)
+
+    def attach(self, attn: torch.nn.Module, reference_grid: Sequence[int], init: str = "locality", family=None) -> MixingMatrix:
+        """Create the layer's mixing matrix (fp32, on the layer's device) if it has none, and its output
+        norm if this processor asks for one; return the mixing matrix.
 
         Raises:
             ValueError: the layer already has a mixing matrix whose block grid contradicts this
-                processor's explicit ``block_grid`` / ``num_blocks``.
+                processor's explicit ``block_grid`` / ``num_blocks``, or an output norm where this
+                processor asks for none (or the reverse).
         """
+        family = family or self.family
         mixing = getattr(attn, "mhla_mixing", None)
+        device = next(attn.parameters()).device
         if mixing is None:
-            device = next(attn.parameters()).device
-            mixing = MixingMatrix(self.resolve_block_grid(reference_grid), init=init).to(device)
+            mixing = MixingMatrix(self.resolve_block_grid(reference_grid, family), init=init).to(device)
             attn.add_module("mhla_mixing", mixing)
-        elif (self.block_grid is not None and mixing.block_grid != self.block_grid) or (
-            self.block_grid is None and self.num_blocks is not None and mixing.num_blocks != self.num_blocks
+            if self.resolve_output_norm(family) and getattr(attn, "mhla_output_norm", None) is None:
+                attn.add_module("mhla_output_norm", OutputRMSNorm(attn.heads, _output_head_dim(attn)).to(device))
+            return mixing
+        explicit = self.block_grid
+        if explicit is None and self.block_grid_preset is not None and family is not None:
+            explicit = family.preset(self.block_grid_preset)
+        if (explicit is not None and mixing.block_grid != explicit) or (
+            explicit is None and self.block_grid_preset is None and self.num_blocks is not None
+            and mixing.num_blocks != self.num_blocks
         ):
-            asked = self.block_grid or f"num_blocks={self.num_blocks}"
+            asked = explicit or f"num_blocks={self.num_blocks}"
             raise ValueError(
                 f"this layer already has a mixing matrix for block grid {mixing.block_grid}, but the processor asks "
                 f"for {asked}; call mhla_diffusers.remove_mhla(model) first to change the number of blocks"
             )
+        has_norm = getattr(attn, "mhla_output_norm", None) is not None
+        if self.output_norm is not None and has_norm != self.output_norm:
+            raise ValueError(
+                f"this layer {'has' if has_norm else 'has no'} MHLA output norm but the processor asks for "
+                f"output_norm={self.output_norm}; call mhla_diffusers.remove_mhla(model) first to change it"
+            )
         return mixing
 
-    def _mixing(self, attn) -> MixingMatrix:
+    def _mixing(self, attn, family) -> MixingMatrix:
         mixing = getattr(attn, "mhla_mixing", None)
         if mixing is not None:
             return mixing
@@ -144,7 +275,8 @@ class MHLAProcessor:
             )
         from .families import family_of
 
-        return self.attach(attn, family_of(model).reference_grid(model.config))
+        running = family_of(model)
+        return self.attach(attn, running.reference_grid(model.config), family=running)
 
     def _grid(self, attn, num_tokens: int) -> tuple[int, int, int]:
         grid = current_grid()
@@ -170,13 +302,28 @@ class MHLAProcessor:
         seen[num_tokens] = grid
         return grid
 
-    def _family(self):
-        """The family whose stock behaviour this call follows: explicit, else the running model's, else ``None``."""
-        from .families import find_family
+    @staticmethod
+    def _blocks(mixing: MixingMatrix, grid, family) -> tuple[BlockLayout, torch.Tensor]:
+        """``(layout, Mc)`` for this call: the layer's block grid on the call's token grid, and the
+        clamped mixing matrix (restricted to the blocks holding tokens where the family allows empty blocks)."""
+        block_grid = mixing.block_grid
+        if family is not None and family.empty_blocks and any(b > n for b, n in zip(block_grid, grid)):
+            layout, index = occupied_layout(grid, block_grid)
+            weight = mixing.clamped()
+            index = index.to(weight.device)
+            return layout, weight.index_select(0, index).index_select(1, index)
+        return get_layout(grid, block_grid), mixing.clamped()
+
+    def _family(self, attn=None):
+        """The family whose stock behaviour this call follows: explicit, else the running model's, else
+        the attention module class's (``WanAttention``), else ``None``."""
+        from .families import attention_family, find_family
 
         model = current_model()
         running = None if model is None else find_family(model)
         if self.family is None:
+            if running is None and attn is not None:
+                return attention_family(attn)
             return running
         if running is not None and running is not self.family:
             raise RuntimeError(
@@ -185,14 +332,22 @@ class MHLAProcessor:
             )
         return self.family
 
-    def _stock_call(self, family, attn, hidden_states, encoder_hidden_states, attention_mask, temb, args, kwargs):
-        """The family's stock cross-attention processor on the very same arguments."""
+    def _stock_processor(self, family):
         key = "" if family is None else family.name
         stock = self._stock.get(key)
         if stock is None:
             stock = self._stock[key] = (
                 family.make_stock_cross_processor() if family is not None else _default_stock_processor()
             )
+        if hasattr(stock, "_attention_backend"):
+            stock._attention_backend = self._attention_backend
+        return stock
+
+    def _stock_call(self, family, attn, hidden_states, encoder_hidden_states, attention_mask, temb, rotary_emb, args, kwargs):
+        """The family's stock cross-attention processor on the very same arguments, in the same convention."""
+        stock = self._stock_processor(family)
+        if family is not None and family.processor_call == "positional":
+            return stock(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb, *args, **kwargs)
         if args:
             return stock(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
         if temb is not None:  # only AttnProcessor2_0-like processors take it; SANA's never receive one
@@ -206,13 +361,38 @@ class MHLAProcessor:
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-        temb: torch.Tensor | None = None,
         *args,
+        temb: torch.Tensor | None = None,
+        rotary_emb=None,
         **kwargs,
     ) -> torch.Tensor:
-        family = self._family()
+        """Run the layer: MHLA for self-attention, the stock processor for cross-attention.
+
+        Args:
+            attn: the attention module (legacy ``Attention`` or ``WanAttention``).
+            hidden_states: ``[B, N, C]`` (or ``[B, C, H, W]`` for legacy 4-D inputs).
+            encoder_hidden_states, attention_mask: as diffusers passes them (cross-attention only;
+                a mask on self-attention is an error).
+            args: a fifth positional argument is ``rotary_emb`` for modules calling their processor
+                positionally (Wan), ``temb`` otherwise.
+            temb: legacy ``Attention``'s ``temb`` (spatial norm). rotary_emb: Wan's ``(cos, sin)``.
+
+        Returns:
+            The layer output, shaped and typed as the stock processor's.
+        """
+        family = self._family(attn)
+        if args:
+            positional = family is not None and family.processor_call == "positional"
+            if positional:
+                if rotary_emb is not None:
+                    raise TypeError("rotary_emb was given both positionally and by keyword")
+                rotary_emb, args = args[0], args[1:]
+            elif temb is None:
+                temb, args = args[0], args[1:]
         if encoder_hidden_states is not None or getattr(attn, "is_cross_attention", False):
-            return self._stock_call(family, attn, hidden_states, encoder_hidden_states, attention_mask, temb, args, kwargs)
+            return self._stock_call(
+                family, attn, hidden_states, encoder_hidden_states, attention_mask, temb, rotary_emb, args, kwargs
+            )
         if attention_mask is not None:
             raise ValueError("MHLA self-attention takes no attention mask; remove MHLA from this layer or drop the mask")
 
@@ -229,9 +409,10 @@ class MHLAProcessor:
         batch, num_tokens, _ = hidden_states.shape
 
         # the layer's own projections and q/k norms, where its stock processor applies them
-        query = attn.to_q(hidden_states)
-        key = attn.to_k(hidden_states)
-        value = attn.to_v(hidden_states)
+        if getattr(attn, "fused_projections", False) and hasattr(attn, "to_qkv"):
+            query, key, value = attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        else:
+            query, key, value = attn.to_q(hidden_states), attn.to_k(hidden_states), attn.to_v(hidden_states)
         across_heads = family is not None and family.qk_norm_across_heads
         if across_heads:
             query, key = _qk_norm(attn, query, key)
@@ -241,14 +422,28 @@ class MHLAProcessor:
         value = value.view(batch, -1, attn.heads, value.shape[-1] // attn.heads).transpose(1, 2)
         if not across_heads:
             query, key = _qk_norm(attn, query, key)
+        extra = {}
+        if rotary_emb is not None:  # Wan: RoPE after the feature map, numerator only
+            if family is None or family.rotary is None:
+                raise ValueError(
+                    f"a rotary embedding was passed but the model family {getattr(family, 'name', None)!r} has no "
+                    "RoPE handling in MHLA"
+                )
+            extra["rotary"] = family.rotary(rotary_emb)
 
         # MHLA over the blocks of this call's token grid (phi = ReLU, fp32 accumulation)
-        mixing = self._mixing(attn)
-        layout = get_layout(self._grid(attn, num_tokens), mixing.block_grid)
+        mixing = self._mixing(attn, family)
+        layout, weight = self._blocks(mixing, self._grid(attn, num_tokens), family)
         eps = self.eps if self.eps is not None else (1e-6 if family is None else family.default_eps)
+        output_norm = getattr(attn, "mhla_output_norm", None)
+        q_op = query
+        if output_norm is not None and query.dtype in (torch.float16, torch.bfloat16):
+            q_op = query.float()  # the un-normalised numerator can exceed the float16 range: keep it in fp32
         hidden_states = mhla_attention(
-            query, key, value, mixing.clamped(), layout, normalize=self.normalize, eps=eps, backend=self.backend
+            q_op, key, value, weight, layout, normalize=self.normalize, eps=eps, backend=self.backend, **extra
         )
+        if output_norm is not None:
+            hidden_states = output_norm(hidden_states)
         out_dtype = input_dtype if family is not None and family.attention_output_dtype == "input" else query.dtype
         hidden_states = hidden_states.transpose(1, 2).reshape(batch, num_tokens, -1).to(out_dtype)
 
@@ -261,7 +456,16 @@ class MHLAProcessor:
             hidden_states = hidden_states.transpose(-1, -2).reshape(batch, channel, height, width)
         if getattr(attn, "residual_connection", False):
             hidden_states = hidden_states + residual
-        return hidden_states / getattr(attn, "rescale_output_factor", 1.0)
+        rescale = getattr(attn, "rescale_output_factor", 1.0)
+        return hidden_states if rescale == 1.0 else hidden_states / rescale
+
+
+def _output_head_dim(attn) -> int:
+    """Channels per head of the attention output (the value head dim)."""
+    to_v = getattr(attn, "to_v", None)
+    if to_v is not None and hasattr(to_v, "out_features"):
+        return to_v.out_features // attn.heads
+    return attn.inner_dim // attn.heads
 
 
 def _qk_norm(attn, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
