@@ -6,6 +6,9 @@
     python conversion/convert.py --family sana --src Efficient-Large-Model/Sana_600M_1024px_diffusers --out sana-mhla
     python conversion/convert.py --family sana --src Sana_600M_1024px.pth --config ./Sana_600M_1024px_diffusers \
         --out sana-mhla --dtype bf16
+    python conversion/convert.py --family wan --src Wan-AI/Wan2.1-T2V-1.3B-Diffusers --out wan-mhla --layers hybrid
+    python conversion/convert.py --family wan --src Wan2.1-T2V-1.3B/diffusion_pytorch_model.safetensors \
+        --config ./Wan2.1-T2V-1.3B-Diffusers --out wan-mhla --block-grid authors --no-normalize --dtype bf16
 
 Writes the base checkpoint + transformer/mhla_config.json + transformer/mhla.safetensors
 (see mhla_diffusers.checkpoint). Exit code 2 for bad input, 3 if the source is already converted.
@@ -30,18 +33,22 @@ def parse_layers(text: str):
 
 
 def parse_block_grid(text: str):
+    if text.isidentifier():  # a preset name of the family (Wan: paper, authors); checked on conversion
+        return text
     try:
         grid = tuple(int(x) for x in text.split(","))
     except ValueError:
         grid = ()
     if not 1 <= len(grid) <= 3 or min(grid) < 1:
-        raise argparse.ArgumentTypeError(f"--block-grid takes 1-3 positive integers like 4,4 or 3,5,7; got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--block-grid takes 1-3 positive integers like 4,4 or 3,5,7, or a preset name (wan: paper, authors); got {text!r}"
+        )
     return grid
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", required=True, help="model family: dit | sana")
+    parser.add_argument("--family", required=True, help="model family: dit | sana | wan")
     parser.add_argument(
         "--src", required=True, help="Hub id, local pipeline folder, local transformer folder, or original single file"
     )
@@ -53,9 +60,25 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
     parser.add_argument("--layers", type=parse_layers, default="all", help="all | hybrid | comma-separated indices")
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--num-blocks", type=int, default=None, help="target number of blocks M (default round(sqrt(N)/2))")
-    group.add_argument("--block-grid", type=parse_block_grid, default=None, help="explicit block grid, e.g. 4,4")
+    group.add_argument(
+        "--num-blocks", type=int, default=None, help="target number of blocks M (default: wan 105, else round(sqrt(N)/2))"
+    )
+    group.add_argument(
+        "--block-grid",
+        type=parse_block_grid,
+        default=None,
+        help="explicit block grid, e.g. 4,4 or 3,5,7, or a preset: wan paper (3,5,7) | authors (3,5,10)",
+    )
     parser.add_argument("--no-normalize", action="store_true", help="drop the denominator (numerator only)")
+    norm = parser.add_mutually_exclusive_group()
+    norm.add_argument(
+        "--output-norm",
+        dest="output_norm",
+        action="store_true",
+        default=None,
+        help="per-head RMSNorm on the attention output (default: wan with --no-normalize, as the authors)",
+    )
+    norm.add_argument("--no-output-norm", dest="output_norm", action="store_false", help="no output RMSNorm")
     parser.add_argument("--eps", type=float, default=None, help="denominator epsilon (default: family default)")
     parser.add_argument(
         "--dtype", choices=sorted(DTYPES), default="keep", help="dtype of the written base weights (keep: as stored)"
@@ -81,6 +104,7 @@ def main(argv=None) -> int:
             torch_dtype=dtype,
             overwrite=args.overwrite,
             config=args.config,
+            output_norm=args.output_norm,
         )
     except AlreadyConvertedError as err:
         print(f"convert.py: {err}", file=sys.stderr)

@@ -2,7 +2,8 @@
 
 Sources: a Hub id, a local diffusers pipeline or transformer folder, or an original single-file
 checkpoint (``.safetensors`` / ``.pth`` of the model's own repository, e.g. SANA's
-``Sana_600M_1024px.pth``), read by diffusers' ``from_single_file`` with a diffusers ``config``.
+``Sana_600M_1024px.pth`` or Wan's ``diffusion_pytorch_model.safetensors`` in the original layout),
+read by diffusers' ``from_single_file`` with a diffusers ``config``.
 """
 
 from __future__ import annotations
@@ -173,27 +174,31 @@ def convert_checkpoint(
     family: str | None = None,
     layers: str | Sequence[int] = "all",
     num_blocks: int | None = None,
-    block_grid: Sequence[int] | None = None,
+    block_grid: Sequence[int] | str | None = None,
     normalize: bool = True,
     eps: float | None = None,
     torch_dtype: torch.dtype | None = None,
     overwrite: bool = False,
     config: str | os.PathLike | None = None,
+    output_norm: bool | None = None,
 ) -> dict:
     """Load a pretrained checkpoint, install MHLA, write it as a converted checkpoint.
 
     Args:
-        src: a Hub id (``facebook/DiT-XL-2-256``, ``Efficient-Large-Model/Sana_600M_1024px_diffusers``),
-            a local diffusers pipeline folder or a local transformer folder (a pipeline is written
-            whole, a transformer folder alone), or an original single-file checkpoint
-            (``.safetensors``, ``.pth``, ...; SANA and other models diffusers' ``from_single_file``
-            reads) together with ``config``.
+        src: a Hub id (``facebook/DiT-XL-2-256``, ``Efficient-Large-Model/Sana_600M_1024px_diffusers``,
+            ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers``), a local diffusers pipeline folder or a local
+            transformer folder (a pipeline is written whole, a transformer folder alone), or an
+            original single-file checkpoint (``.safetensors``, ``.pth``, ...; SANA, Wan and other
+            models diffusers' ``from_single_file`` reads) together with ``config``.
         config: for a single-file ``src`` only: a local diffusers pipeline folder (its other
             components are loaded from it and the whole pipeline is written), a local transformer
             folder (the transformer alone is written), or a Hub id of a diffusers pipeline.
         out: output folder (written atomically; must not exist or be empty unless ``overwrite``).
-        family: expected model family (``"dit"``, ``"sana"``); checked against the loaded model when given.
-        layers, num_blocks, block_grid, normalize, eps: see :func:`~mhla_diffusers.apply_mhla`.
+        family: expected model family (``"dit"``, ``"sana"``, ``"wan"``); checked against the loaded
+            model when given.
+        layers, num_blocks, block_grid, normalize, eps, output_norm: see
+            :func:`~mhla_diffusers.apply_mhla` (``block_grid`` may name a preset: Wan ``"paper"``,
+            ``"authors"``).
         torch_dtype: dtype to load (and save) the base weights in (for a pipeline: every component);
             ``None`` keeps the stored dtype of each local component (read from the safetensors
             headers); Hub ids and pickled single files then load as float32 (diffusers' default).
@@ -204,7 +209,8 @@ def convert_checkpoint(
     Raises:
         AlreadyConvertedError: ``src`` already has MHLA (C15): nothing is written.
         ValueError: unknown family, family mismatch, bad layer or block options, a single file
-            without ``config`` (or ``config`` without a single file), a file of another model.
+            without ``config`` (or ``config`` without a single file), a file of another model, a
+            pipeline with a second transformer (Wan 2.2's ``transformer_2``: not supported yet).
         FileNotFoundError / OSError: ``src`` cannot be found or loaded.
     """
     from .apply import mhla_spec
@@ -219,7 +225,14 @@ def convert_checkpoint(
     found = family_of(model)
     if family is not None and found.name != family:
         raise ValueError(f"--family {family} was given but {src} holds a {type(model).__name__} ({found.name})")
-    apply_mhla(model, layers, num_blocks=num_blocks, block_grid=block_grid, normalize=normalize, eps=eps)
+    if pipe is not None and getattr(pipe, "transformer_2", None) is not None:
+        raise ValueError(
+            f"{src} has a second transformer (transformer_2, Wan 2.2's two-expert design); this release converts "
+            "pipelines with one transformer. Convert each transformer folder on its own."
+        )
+    apply_mhla(
+        model, layers, num_blocks=num_blocks, block_grid=block_grid, normalize=normalize, eps=eps, output_norm=output_norm
+    )
     if pipe is not None:
         save_mhla_pipeline(pipe, out, overwrite=overwrite)
     else:

@@ -1,5 +1,5 @@
-"""Generation helpers over the stock diffusers pipelines: class-conditional (DiTPipeline) and
-text-to-image (SanaPipeline)."""
+"""Generation helpers over the stock diffusers pipelines: class-conditional (DiTPipeline),
+text-to-image (SanaPipeline) and text-to-video (WanPipeline, written as mp4)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,17 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["GenerationError", "resolve_class_labels", "generate_class_images", "generate_text_images", "save_grid"]
+__all__ = [
+    "GenerationError",
+    "resolve_class_labels",
+    "generate_class_images",
+    "generate_text_images",
+    "generate_videos",
+    "is_video_pipeline",
+    "is_video_checkpoint",
+    "save_grid",
+    "save_video",
+]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -142,6 +152,8 @@ def generate_text_images(
     if not prompts:
         raise GenerationError("give at least one prompt")
     pipe, device = _prepare(checkpoint, pipe, steps, dtype, device)
+    if is_video_pipeline(pipe):
+        raise GenerationError(f"{checkpoint} holds a {type(pipe).__name__}, a video pipeline: generate videos (--frames)")
     if not _takes_prompt(pipe) or not hasattr(pipe, "vae_scale_factor"):
         raise GenerationError(
             f"{checkpoint} holds a {type(pipe).__name__}; text-to-image generation needs a pipeline that takes a "
@@ -163,6 +175,135 @@ def generate_text_images(
             use_resolution_binning=use_resolution_binning,
         )
     return result.images
+
+
+def is_video_pipeline(pipe) -> bool:
+    """Whether ``pipe`` (a pipeline object or class) generates videos (its call takes ``num_frames``)."""
+    import inspect
+
+    call = pipe.__call__ if isinstance(pipe, type) else type(pipe).__call__
+    return "num_frames" in inspect.signature(call).parameters
+
+
+def is_video_checkpoint(checkpoint: str | os.PathLike) -> bool:
+    """Whether the pipeline folder ``checkpoint`` holds a video pipeline (read from ``model_index.json``,
+    nothing loaded). ``False`` when the folder or its pipeline class is unknown."""
+    import json
+
+    import diffusers
+
+    index = Path(checkpoint) / "model_index.json"
+    try:
+        name = json.loads(index.read_text()).get("_class_name")
+    except (OSError, ValueError):
+        return False
+    cls = getattr(diffusers, str(name), None)
+    return cls is not None and is_video_pipeline(cls)
+
+
+def generate_videos(
+    checkpoint: str | os.PathLike,
+    prompts: Sequence[str],
+    *,
+    negative_prompt: str = "",
+    height: int = 480,
+    width: int = 832,
+    frames: int = 81,
+    steps: int = 50,
+    guidance_scale: float = 5.0,
+    seed: int = 0,
+    dtype: str = "fp32",
+    device: str | None = None,
+    pipe=None,
+):
+    """Generate one video per prompt with the checkpoint's own text-to-video pipeline (``WanPipeline``).
+
+    Args:
+        checkpoint: pipeline folder (plain or MHLA-converted); ignored when ``pipe`` is given.
+        prompts: one video each (one batch, one CPU ``torch.Generator`` seeded with ``seed``).
+        negative_prompt: the classifier-free guidance negative prompt.
+        height, width: frame size in pixels, multiples of 16 for Wan (VAE 8 x patch 2); default
+            Wan 2.1's native 480 x 832.
+        frames: number of frames, ``4k + 1`` for Wan (1, 5, ..., 81: the VAE compresses time by 4);
+            default 81. diffusers' ``WanPipeline`` would silently round other counts; this raises.
+        steps: denoising steps. guidance_scale: CFG scale (1 = off; Wan runs cond and uncond as two calls).
+        dtype: ``"fp32" | "bf16" | "fp16"``. device: default CUDA when available, else CPU.
+        pipe: an already loaded pipeline (skips loading).
+
+    Returns:
+        A list (one per prompt) of float32 arrays ``[frames, height, width, 3]`` in ``[0, 1]``.
+
+    Raises:
+        GenerationError: not a text-to-video pipeline (or an image-to-video one), no prompts, a frame
+            count the VAE does not take, bad steps or dtype.
+        ValueError: from the pipeline, e.g. a size Wan does not take (multiples of 16 px).
+    """
+    import inspect
+
+    prompts = [str(p) for p in prompts]
+    if not prompts:
+        raise GenerationError("give at least one prompt")
+    pipe, device = _prepare(checkpoint, pipe, steps, dtype, device)
+    if not is_video_pipeline(pipe) or not _takes_prompt(pipe):
+        raise GenerationError(
+            f"{checkpoint} holds a {type(pipe).__name__}, not a text-to-video pipeline; --frames is for WanPipeline checkpoints"
+        )
+    image = inspect.signature(type(pipe).__call__).parameters.get("image")
+    if image is not None and image.default is inspect.Parameter.empty:
+        raise GenerationError(f"{type(pipe).__name__} needs an input image; generate.py covers text-to-video only")
+    factor = int(getattr(pipe, "vae_scale_factor_temporal", 1))
+    if frames < 1 or (frames - 1) % factor:
+        low = max(1, (frames - 1) // factor * factor + 1)
+        raise GenerationError(
+            f"{type(pipe).__name__} generates {factor}k + 1 frames (1, {1 + factor}, {1 + 2 * factor}, ...); got {frames}. "
+            f"Nearest valid counts: {low} or {low + factor}"
+        )
+    pipe = pipe.to(device)
+    generator = torch.Generator("cpu").manual_seed(seed)
+    with torch.inference_mode():
+        result = pipe(
+            prompt=prompts,
+            negative_prompt=negative_prompt,
+            height=height,
+            width=width,
+            num_frames=frames,
+            num_inference_steps=steps,
+            guidance_scale=guidance_scale,
+            generator=generator,
+            output_type="np",
+        )
+    return [video for video in result.frames]
+
+
+def save_video(frames, path: str | os.PathLike, fps: int = 16) -> Path:
+    """Write one video (``[F, H, W, 3]`` floats in ``[0, 1]`` or uint8, or a list of frames) as an mp4,
+    atomically, through ``diffusers.utils.export_to_video`` (needs ``imageio`` and ``imageio-ffmpeg``).
+    Wan 2.1 plays at 16 fps.
+
+    Raises:
+        GenerationError: ``path`` does not end in ``.mp4``, or imageio / imageio-ffmpeg are missing.
+    """
+    import importlib.util
+
+    import numpy as np
+
+    path = Path(path)
+    if path.suffix.lower() != ".mp4":
+        raise GenerationError(f"videos are written as mp4: --out must end in .mp4; got {path.name}")
+    missing = [m for m in ("imageio", "imageio_ffmpeg") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise GenerationError(f"writing mp4 needs {', '.join(missing)}: pip install imageio imageio-ffmpeg")
+    from diffusers.utils import export_to_video
+
+    frames = [np.asarray(f) for f in frames]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.mp4")
+    try:
+        export_to_video(frames, str(tmp), fps=fps)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
 
 
 def save_grid(images, path: str | os.PathLike, rows: int | None = None) -> Path:

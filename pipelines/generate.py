@@ -1,11 +1,14 @@
 #!/usr/bin/env python
-"""Generate images from a (converted) checkpoint through the stock diffusers pipeline.
+"""Generate images or videos from a (converted) checkpoint through the stock diffusers pipeline.
 
     python pipelines/generate.py --checkpoint dit-mhla --class-labels 1 2 3 4 --steps 25 --seed 0 --out grid.png
     python pipelines/generate.py --checkpoint sana-mhla --prompt "a cat on a red chair" --height 1024 --width 512 --out cat.png
+    python pipelines/generate.py --checkpoint wan-mhla --prompt "a cat walking in the snow" --frames 81 --out clip.mp4
 
 --class-labels for class-conditional pipelines (DiT): integers or, when the pipeline knows them
-(id2label), class names. --prompt for text-to-image pipelines (SANA): one image per prompt.
+(id2label), class names. --prompt for text-to-image pipelines (SANA): one image per prompt, all in
+one PNG grid; for text-to-video pipelines (Wan, recognised from the checkpoint, or --frames given):
+one mp4 per prompt (clip.mp4, or clip_0.mp4, clip_1.mp4, ... for several prompts).
 """
 
 from __future__ import annotations
@@ -21,25 +24,38 @@ def main(argv=None) -> int:
     kind.add_argument("--class-labels", nargs="+", help="class ids or names, one image each (DiT)")
     kind.add_argument("--prompt", nargs="+", help="text prompts, one image each (SANA)")
     parser.add_argument("--negative-prompt", default="", help="--prompt only: negative prompt for guidance")
-    parser.add_argument("--height", type=int, default=None, help="--prompt only: image height in px (default: native)")
-    parser.add_argument("--width", type=int, default=None, help="--prompt only: image width in px (default: native)")
+    parser.add_argument("--height", type=int, default=None, help="--prompt only: height in px (default: native; Wan 480)")
+    parser.add_argument("--width", type=int, default=None, help="--prompt only: width in px (default: native; Wan 832)")
+    parser.add_argument("--frames", type=int, default=None, help="video: number of frames, 4k+1 for Wan (default 81)")
+    parser.add_argument("--fps", type=int, default=16, help="video: frames per second of the mp4 (default 16, Wan's)")
     parser.add_argument(
         "--no-resolution-binning",
         action="store_true",
         help="--prompt only: generate at exactly --height x --width instead of the nearest trained aspect ratio",
     )
-    parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: 25 DiT, 20 SANA)")
+    parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: 25 DiT, 20 SANA, 50 Wan)")
     parser.add_argument(
-        "--guidance-scale", type=float, default=None, help="classifier-free guidance, 1 = off (default: 4.0 DiT, 4.5 SANA)"
+        "--guidance-scale",
+        type=float,
+        default=None,
+        help="classifier-free guidance, 1 = off (default: 4.0 DiT, 4.5 SANA, 5.0 Wan)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rows", type=int, default=None, help="rows of the output grid (default: 1)")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     parser.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
-    parser.add_argument("--out", required=True, help="output PNG (a grid of all images)")
+    parser.add_argument("--out", required=True, help="output PNG (a grid of all images) or, for videos, an .mp4")
     args = parser.parse_args(argv)
 
-    from mhla_diffusers.generation import GenerationError, generate_class_images, generate_text_images, save_grid
+    from mhla_diffusers.generation import (
+        GenerationError,
+        generate_class_images,
+        generate_text_images,
+        generate_videos,
+        is_video_checkpoint,
+        save_grid,
+        save_video,
+    )
 
     common = dict(seed=args.seed, dtype=args.dtype, device=args.device)
     if args.steps is not None:
@@ -47,6 +63,18 @@ def main(argv=None) -> int:
     if args.guidance_scale is not None:
         common["guidance_scale"] = args.guidance_scale
     try:
+        if args.prompt is not None and (args.frames is not None or is_video_checkpoint(args.checkpoint)):
+            if args.no_resolution_binning or args.rows is not None:
+                raise GenerationError("--no-resolution-binning and --rows only apply to image generation")
+            if not args.out.lower().endswith(".mp4"):
+                raise GenerationError(f"videos are written as mp4: --out must end in .mp4; got {args.out}")
+            size = {k: v for k, v in (("height", args.height), ("width", args.width), ("frames", args.frames)) if v is not None}
+            videos = generate_videos(args.checkpoint, args.prompt, negative_prompt=args.negative_prompt, **size, **common)
+            outs = [args.out] if len(videos) == 1 else [f"{args.out[:-4]}_{i}.mp4" for i in range(len(videos))]
+            for video, out in zip(videos, outs):
+                save_video(video, out, fps=args.fps)
+            print(f"wrote {len(videos)} video(s) of {len(videos[0])} frames: {', '.join(outs)}")
+            return 0
         if args.prompt is not None:
             images = generate_text_images(
                 args.checkpoint,
@@ -63,6 +91,7 @@ def main(argv=None) -> int:
                 "--width": args.width,
                 "--negative-prompt": args.negative_prompt,
                 "--no-resolution-binning": args.no_resolution_binning,
+                "--frames": args.frames,
             }
             text_only = [flag for flag, value in given.items() if value]
             if text_only:
