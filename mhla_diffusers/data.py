@@ -1,7 +1,7 @@
-"""Image datasets for class-conditional DiT fine-tuning: real photos shipped in wheels, or a folder.
+"""Image datasets for fine-tuning: real photos shipped in wheels, class folders, captioned folders.
 
-Both datasets return ``{"pixel_values": float32 [3, S, S] in [-1, 1], "class_labels": int64 []}``
-from random square crops (with random horizontal flips) of photos first downscaled so that their
+The class-labelled datasets return ``{"pixel_values": float32 [3, S, S] in [-1, 1], "class_labels": int64 []}``
+(the captioned one ``{"pixel_values", "caption": str}``) from random square crops (with random horizontal flips) of photos first downscaled so that their
 short side is ``short_side`` pixels. The randomness of item ``i`` is a pure function of
 ``(seed, epoch, i)``: the same seed and epoch give the same crops whatever the worker layout, and
 :meth:`set_epoch` gives new crops every epoch (call it, as with ``DistributedSampler``).
@@ -10,11 +10,15 @@ short side is ``short_side`` pixels. The randomness of item ``i`` is a pure func
   scikit-learn wheels (no download): one photo = one class (``PHOTO_NAMES``).
 - :class:`ImageFolderCrops`: your own images, ``root/<class name>/<image files>`` (like
   torchvision's ``ImageFolder``; read with PIL).
+- :class:`CaptionedImageCrops`: your own images with captions (text-to-image: SANA), captions
+  from ``root/metadata.jsonl`` (Hugging Face ``imagefolder`` convention: one JSON object per
+  line with ``file_name`` and ``text``) or from a sidecar ``<image stem>.txt``.
 """
 
 from __future__ import annotations
 
 import abc
+import json
 import os
 from typing import Callable, Sequence
 
@@ -23,7 +27,16 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-__all__ = ["PHOTO_NAMES", "load_photo", "PhotoCrops", "ImageFolderCrops", "IMAGE_EXTENSIONS", "MAX_CLASSES"]
+__all__ = [
+    "PHOTO_NAMES",
+    "load_photo",
+    "PhotoCrops",
+    "ImageFolderCrops",
+    "CaptionedImageCrops",
+    "read_captions",
+    "IMAGE_EXTENSIONS",
+    "MAX_CLASSES",
+]
 
 # DiT pipelines use class id 1000 as the "null" (unconditional) label: at most 1000 real classes.
 MAX_CLASSES = 1000
@@ -159,7 +172,26 @@ class _RandomCrops(Dataset, abc.ABC):
         if self.hflip and flip:
             crop = crop.flip(-1)
         pixels = crop.to(torch.float32) / 127.5 - 1.0
-        return {"pixel_values": pixels.contiguous(), "class_labels": torch.tensor(self._label(k), dtype=torch.long)}
+        return {"pixel_values": pixels.contiguous(), **self._target(k)}
+
+    def _target(self, k: int) -> dict:
+        """What item ``k`` carries beside its pixels (class-labelled datasets: ``class_labels``)."""
+        return {"class_labels": torch.tensor(self._label(k), dtype=torch.long)}
+
+    def fingerprint(self) -> dict:
+        """What defines the items (for latent caches): class, sizes, seed, flips, image sources."""
+        return {
+            "class": type(self).__name__,
+            "resolution": self.resolution,
+            "short_side": getattr(self, "short_side", None),
+            "crops_per_image": self.crops_per_image,
+            "seed": self.seed,
+            "hflip": self.hflip,
+            "sources": self._sources(),
+        }
+
+    def _sources(self) -> list:
+        return []
 
 
 class PhotoCrops(_RandomCrops):
@@ -221,6 +253,9 @@ class PhotoCrops(_RandomCrops):
 
     def _label(self, k: int) -> int:
         return k
+
+    def _sources(self) -> list:
+        return list(self.names)
 
 
 class ImageFolderCrops(_RandomCrops):
@@ -300,13 +335,144 @@ class ImageFolderCrops(_RandomCrops):
         return dict(enumerate(self.classes))
 
     def _image(self, k: int) -> torch.Tensor:
-        path = self.files[k]
-        try:
-            with Image.open(path) as im:
-                im = im.convert("RGB")
-        except Exception as e:
-            raise ValueError(f"cannot read image {path!r}: {e}") from e
-        return _to_tensor(_resize_short_side(im, self.short_side))
+        return _read_image(self.files[k], self.short_side)
 
     def _label(self, k: int) -> int:
         return self.labels[k]
+
+    def _sources(self) -> list:
+        return _file_stats(self.files) + [self.classes]
+
+
+def _file_stats(files: Sequence[str]) -> list:
+    out = []
+    for f in files:
+        st = os.stat(f)
+        out.append([f, st.st_size, st.st_mtime_ns])
+    return out
+
+
+def _read_image(path: str, short_side: int) -> torch.Tensor:
+    try:
+        with Image.open(path) as im:
+            im = im.convert("RGB")
+    except Exception as e:
+        raise ValueError(f"cannot read image {path!r}: {e}") from e
+    return _to_tensor(_resize_short_side(im, short_side))
+
+
+def read_captions(root: str | os.PathLike, files: Sequence[str], caption_column: str = "text") -> list[str | None]:
+    """The caption of each image file under ``root``, ``None`` where it has none.
+
+    Sources, in order of precedence: ``root/metadata.jsonl`` (one JSON object per line with
+    ``file_name``, relative to ``root``, and ``caption_column``); a sidecar text file beside the
+    image with the same stem (``cat.png`` -> ``cat.txt``, stripped).
+
+    Raises:
+        ValueError: a malformed ``metadata.jsonl`` line, or one naming a file that is not there.
+    """
+    root = os.fspath(root)
+    from_metadata: dict[str, str] = {}
+    meta = os.path.join(root, "metadata.jsonl")
+    if os.path.isfile(meta):
+        with open(meta, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    name, text = row["file_name"], row[caption_column]
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(
+                        f"{meta}:{n}: expected a JSON object with 'file_name' and {caption_column!r}; got {line.strip()[:80]!r} ({e})"
+                    ) from None
+                path = os.path.normpath(os.path.join(root, name))
+                if not os.path.isfile(path):
+                    raise ValueError(f"{meta}:{n}: file_name {name!r} does not exist under {root}")
+                from_metadata[path] = str(text)
+    captions: list[str | None] = []
+    for file in files:
+        text = from_metadata.get(os.path.normpath(file))
+        if text is None:
+            sidecar = os.path.splitext(file)[0] + ".txt"
+            if os.path.isfile(sidecar):
+                with open(sidecar, encoding="utf-8") as f:
+                    text = f.read().strip()
+        captions.append(text)
+    return captions
+
+
+class CaptionedImageCrops(_RandomCrops):
+    """Random crops of captioned images (text-to-image fine-tuning, e.g. SANA).
+
+    Images: every file with an extension in ``IMAGE_EXTENSIONS`` under ``root`` (recursive, sorted).
+    Captions: see :func:`read_captions` (``metadata.jsonl`` or sidecar ``.txt``). Item:
+    ``{"pixel_values": float32 [3, S, S] in [-1, 1], "caption": str}``.
+
+    Args:
+        root: the folder.
+        resolution, short_side, crops_per_image, seed, hflip: as in :class:`ImageFolderCrops`.
+        caption_column: the ``metadata.jsonl`` key holding the caption.
+        missing_caption: ``"error"`` (default) or ``"empty"`` (an image without a caption gets ``""``,
+            i.e. it trains the unconditional model).
+
+    Raises:
+        FileNotFoundError: ``root`` is not a folder. ValueError: no images, an image without a
+        caption (with ``missing_caption="error"``), a bad ``metadata.jsonl``, bad sizes.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        resolution: int = 64,
+        short_side: int | None = None,
+        crops_per_image: int = 1,
+        seed: int = 0,
+        hflip: bool = True,
+        caption_column: str = "text",
+        missing_caption: str = "error",
+    ):
+        root = os.fspath(root)
+        if not os.path.isdir(root):
+            raise FileNotFoundError(f"image folder {root!r} does not exist or is not a directory")
+        if missing_caption not in ("error", "empty"):
+            raise ValueError(f"missing_caption must be 'error' or 'empty'; got {missing_caption!r}")
+        self.resolution = int(resolution)
+        self.short_side = _check_sizes(resolution, short_side)
+        if int(crops_per_image) != crops_per_image or crops_per_image < 1:
+            raise ValueError(f"crops_per_image must be a positive integer; got {crops_per_image!r}")
+        files: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.lower().endswith(IMAGE_EXTENSIONS)]
+        if not files:
+            raise ValueError(f"image folder {root!r} has no images ({', '.join(IMAGE_EXTENSIONS)})")
+        captions = read_captions(root, files, caption_column)
+        lacking = [f for f, c in zip(files, captions) if c is None]
+        if lacking and missing_caption == "error":
+            raise ValueError(
+                f"{len(lacking)} of {len(files)} images have no caption (first: {lacking[0]!r}); add them to "
+                f"{os.path.join(root, 'metadata.jsonl')} or a sidecar .txt, or set missing_caption='empty'"
+            )
+        self.root = root
+        self.files = files
+        self.captions = [c or "" for c in captions]
+        self.num_images = len(files)
+        self.crops_per_image = int(crops_per_image)
+        self.seed = int(seed)
+        self.hflip = bool(hflip)
+        self.caption_column = caption_column
+
+    id2label = None  # text-conditioned: no classes
+
+    def _image(self, k: int) -> torch.Tensor:
+        return _read_image(self.files[k], self.short_side)
+
+    def _label(self, k: int) -> int:  # pragma: no cover - captioned items carry no label
+        raise NotImplementedError
+
+    def _target(self, k: int) -> dict:
+        return {"caption": self.captions[k]}
+
+    def _sources(self) -> list:
+        return _file_stats(self.files) + [self.captions]

@@ -1,21 +1,24 @@
-"""Fine-tuning DiT (class-conditional, epsilon prediction) with or without MHLA, on accelerate.
+"""Fine-tuning diffusion transformers with or without MHLA on accelerate: DiT and SANA.
 
-The pieces, each usable alone, then :func:`train` which strings them together as one flat loop
-(``finetune/train.py`` only parses arguments and calls it):
+One flat loop (:func:`train`; ``finetune/train.py`` only parses arguments and calls it) over
+family-agnostic pieces, each usable alone:
 
 - :func:`load_config` — defaults + a YAML file + ``key.path=value`` overrides, validated.
-- :func:`build_models` — the transformer (from a pipeline folder through
-  :func:`mhla_diffusers.load_mhla_pipeline`, or from scratch from a config dict), the
-  autoencoder, the DDPM noise scheduler; MHLA applied if asked and not present yet.
-- :func:`build_dataset` — :class:`~mhla_diffusers.data.PhotoCrops` or
-  :class:`~mhla_diffusers.data.ImageFolderCrops`.
+- :func:`build_models` — the transformer, the autoencoder, the training objective, the frozen
+  teacher (distillation), text encoder / pipeline where the family has one; MHLA applied if asked
+  and not present yet; the trainable set (full, LoRA, attention-only, mixing-only).
+- :func:`build_dataset` — photos, class folders (DiT) or captioned folders (SANA).
 - :func:`build_optimizer` — AdamW, the mixing matrices in their own group (own lr, no decay).
-- :func:`diffusion_loss` — the DDPM epsilon-prediction loss of one batch (Ho et al. 2020, Eq. 14;
-  DiT, Peebles & Xie 2023), label dropout for classifier-free guidance included.
+- :func:`training_loss` — the data loss of the family's objective (:class:`~mhla_diffusers.flow.Objective`:
+  DDPM epsilon for DiT, flow matching for SANA) plus the distillation terms
+  (:mod:`mhla_diffusers.distill`: output matching and attention transfer), weighted by the config.
+- :func:`evaluate_heldout` / :func:`evaluate_loss` — held-out losses on fixed noise and timesteps.
+- :func:`prepare_parameter_dtypes` — frozen weights in the mixed-precision dtype, trainable ones in fp32.
 - :func:`write_loss_csv`, :func:`read_loss_csv`, :func:`plot_loss_curves` — the loss log and plot.
-- :func:`export_pipeline` — a complete ``DiTPipeline`` folder (sampling scheduler, id2label),
-  written with :func:`mhla_diffusers.save_mhla_pipeline` (atomic).
+- :func:`export_pipeline` (DiT) and :func:`export_model` (any family) — the final pipeline in the
+  converted-checkpoint format, written atomically, LoRA merged or saved beside it.
 
+What differs per family lives in one small recipe class each (:class:`DiTRecipe`, :class:`SanaRecipe`).
 After every optimizer step :func:`mhla_diffusers.clamp_mixing_` keeps the mixing matrices in
 ``[0, 1]`` (MHLA paper, Sec. 3.3).
 """
@@ -28,7 +31,9 @@ import io
 import json
 import math
 import os
+import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -36,33 +41,52 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from .flow import LOSS_WEIGHTING, OBJECTIVES, TIMESTEP_SAMPLING, Objective, flow_match_scheduler
+
 __all__ = [
     "DEFAULT_CONFIG",
+    "TRAINABLE_SETS",
     "load_config",
     "apply_overrides",
+    "validate_config",
+    "resolve_family",
+    "TrainingParts",
+    "DiTRecipe",
+    "SanaRecipe",
+    "get_recipe",
     "build_models",
     "build_dataset",
     "check_resolution",
     "vae_scale_factor",
+    "set_trainable",
+    "prepare_parameter_dtypes",
     "build_optimizer",
+    "training_loss",
     "diffusion_loss",
+    "evaluate_heldout",
     "evaluate_loss",
     "disable_internal_label_dropout",
     "write_loss_csv",
     "read_loss_csv",
+    "read_loss_terms",
     "plot_loss_curves",
     "export_pipeline",
+    "export_model",
     "train",
 ]
+
+TRAINABLE_SETS = ("full", "lora", "attention", "mixing")
 
 # Every key a config may have. Sections whose value is a free dict (passed to a constructor) are
 # listed in _FREE_SECTIONS; "mhla" may be null (no MHLA) or a dict of apply_mhla arguments.
 DEFAULT_CONFIG: dict[str, Any] = {
     "output_dir": None,
     "model": {
+        # dit | sana. null: the class of model.pretrained's transformer (dit for model.init).
+        "family": None,
         # A pipeline folder (plain or MHLA checkpoint, loaded with load_mhla_pipeline) ...
         "pretrained": None,
-        # ... or a DiTTransformer2DModel config dict to train from scratch.
+        # ... or (DiT only) a DiTTransformer2DModel config dict to train from scratch.
         "init": None,
         # From scratch only: the SpaceToDepthAutoencoder and DDPMScheduler configs. With
         # `pretrained`, the pipeline's own vae and scheduler config are used.
@@ -75,13 +99,50 @@ DEFAULT_CONFIG: dict[str, Any] = {
             "clip_sample": False,
             "prediction_type": "epsilon",
         },
+        # Text-conditioned families (SANA): how captions are encoded (the pipeline's encode_prompt).
+        "text": {
+            "max_sequence_length": 300,
+            # "default": the pipeline's own (SANA's complex human instruction, as at inference); null: none
+            "complex_human_instruction": "default",
+        },
     },
-    # null: no MHLA (the base softmax model, or fine-tune a checkpoint as it is). A dict:
+    # null: no MHLA (the base model, or fine-tune a checkpoint as it is). A dict:
     # arguments of mhla_diffusers.apply_mhla, applied when the loaded model has no MHLA yet.
     "mhla": None,
+    "objective": {
+        "kind": None,  # epsilon (DiT) | flow (SANA); null: the family's
+        "shift": None,  # flow: sigma shift; null: the pipeline scheduler's flow_shift (else 1.0)
+        "timestep_sampling": "logit_normal",  # flow: logit_normal | mode | uniform
+        "logit_mean": 0.0,
+        "logit_std": 1.0,
+        "mode_scale": 1.29,
+        "loss_weighting": "none",  # flow: none | sigma_sqrt | cosmap
+    },
+    "distill": {
+        "teacher": None,  # null: no distillation; "original": the loaded model before MHLA; or a folder
+        "data_weight": 1.0,  # weight of the objective's data loss (0: distillation alone)
+        "output_weight": 0.0,  # MSE(student output, teacher output)
+        "attention_weight": 0.0,  # attention transfer: mean over layers of MSE(attention outputs)
+        "condition": "dataset",  # dataset | random (random class labels, DiT) | null (null label / empty caption)
+        "layers": "mhla",  # attention transfer on: mhla (the MHLA layers) | all (every self-attention layer)
+    },
+    "lora": {  # used with train.trainable: lora
+        "rank": 16,
+        "alpha": None,  # null: rank (scale 1)
+        "dropout": 0.0,
+        "target_modules": ["to_q", "to_k", "to_v", "to_out.0"],
+        "export": "merge",  # merge (into the weights) | separate (transformer_lora/ beside the base)
+    },
+    "ema": {
+        "enabled": False,
+        "decay": 0.9999,
+        "update_after_step": 0,
+        "use_warmup": False,
+        "export": False,  # export the EMA weights as the final model
+    },
     "data": {
-        "kind": "photos",  # photos | folder
-        "root": None,  # kind=folder: root/<class name>/<images>
+        "kind": "photos",  # photos | folder (root/<class>/<images>) | captions (images + metadata.jsonl / .txt)
+        "root": None,  # kind=folder / captions
         "resolution": 64,  # crop side, pixels
         "short_side": None,  # resize short side to this before cropping (None: dataset default)
         "crops_per_image": 64,  # crops of each image per epoch
@@ -90,9 +151,16 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "seed": 0,  # crop positions / flips / shuffling
         "batch_size": 16,  # per process
         "num_workers": 0,
+        "caption_column": "text",  # kind=captions: the metadata.jsonl key of the caption
+        "missing_caption": "error",  # kind=captions: error | empty
+        "caption_template": "{}",  # text families on class-labelled data: caption = template.format(class name)
+        "cache": False,  # encode latents (and text embeddings) once, to disk (fixes each index's crop)
+        "cache_dir": None,  # null: output_dir/latent_cache
     },
     "train": {
         "max_steps": 1000,  # optimizer steps
+        "trainable": "full",  # full | lora | attention (self-attention modules) | mixing (mixing matrices only)
+        "train_mixing": True,  # the MHLA mixing matrices are trained (whatever the trainable set)
         "lr": 1e-4,
         "mixing_lr": None,  # lr of the MHLA mixing matrices (None: lr)
         "weight_decay": 0.0,  # not applied to the mixing matrices
@@ -102,33 +170,45 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "lr_scheduler": "constant_with_warmup",  # any name of diffusers.optimization.get_scheduler
         "warmup_steps": 0,
         "grad_clip": 1.0,  # max global grad norm; 0 or null: off
-        "mixed_precision": "no",  # no | fp16 | bf16 (accelerate autocast; parameters stay fp32)
+        "mixed_precision": "no",  # no | fp16 | bf16 (autocast; trainable parameters stay fp32)
         "gradient_accumulation_steps": 1,
         "gradient_checkpointing": False,
-        "class_dropout": 0.1,  # label -> null class (classifier-free guidance)
+        "class_dropout": 0.1,  # label -> null class (classifier-free guidance; DiT)
+        "caption_dropout": 0.1,  # caption -> "" (classifier-free guidance; text families)
         "checkpointing_steps": 0,  # accelerate save_state every N steps (0: never)
         "checkpoints_total_limit": 2,
         "resume": False,  # resume from the latest complete state in output_dir/checkpoints
         "seed": 0,  # model init, noise, timesteps, label dropout
         "log_every": 10,  # tqdm postfix and loss CSV flush, in steps
+        "report_to": None,  # null | tensorboard (needs the tensorboard package)
+        "find_unused_parameters": False,  # DDP
     },
     "eval": {
-        "samples": 0,  # > 0: held-out epsilon MSE on this many fixed crops, before and after training
-        "seed": 12345,  # crops, noise; timesteps are evenly spaced over [0, T - 1]
+        "samples": 0,  # > 0: held-out losses on this many fixed crops, before and after training
+        "seed": 12345,  # crops, noise; timesteps evenly spaced
         "batch_size": 16,
     },
     "export": {
-        "sampler": "dpm",  # dpm | ddim | ddpm : the scheduler of the exported pipeline
+        "sampler": "dpm",  # DiT: dpm | ddim | ddpm : the scheduler of the exported pipeline (SANA keeps its own)
         "dir": None,  # the final pipeline folder (null: output_dir/final; else a path as given)
     },
 }
 _FREE_SECTIONS = {("model", "init"), ("model", "vae"), ("model", "noise_scheduler"), ("mhla",)}
-_FLOAT_KEYS = ("lr", "mixing_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "grad_clip", "class_dropout")
+_FLOAT_KEYS = {
+    "train": ("lr", "mixing_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "grad_clip", "class_dropout", "caption_dropout"),
+    "distill": ("data_weight", "output_weight", "attention_weight"),
+    "objective": ("shift", "logit_mean", "logit_std", "mode_scale"),
+    "lora": ("alpha", "dropout"),
+    "ema": ("decay",),
+}
+_NULLABLE_FLOATS = {"mixing_lr", "grad_clip", "shift", "alpha"}
 _MHLA_KEYS = {"layers", "num_blocks", "block_grid", "normalize", "eps", "backend", "init"}
 LOSS_CSV = "loss.csv"
 LOSS_PNG = "loss.png"
 TRAIN_STATE = "train_state.json"
+EMA_WEIGHTS = "ema.safetensors"
 SUMMARY = "train_summary.json"
+LOSS_TERMS = ("data", "output", "attention")
 
 
 # -- configuration --------------------------------------------------------------------------------
@@ -197,15 +277,25 @@ def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] 
             raise FileNotFoundError(f"config file {path} does not exist")
         loaded = yaml.safe_load(path.read_text()) or {}
         if not isinstance(loaded, Mapping):
-            raise ValueError(f"{path} must hold a YAML mapping (sections model, mhla, data, train, export, output_dir)")
+            raise ValueError(f"{path} must hold a YAML mapping (sections model, mhla, objective, distill, lora, ema, data, train, eval, export; output_dir)")
         config = _merge(config, loaded)
     config = apply_overrides(config, overrides)
     validate_config(config)
     return config
 
 
+def _choice(config: dict, section: str, key: str, choices: Sequence, allow_none: bool = False) -> None:
+    v = config[section][key]
+    if (v is None and allow_none) or v in choices:
+        return
+    raise ValueError(f"{section}.{key} must be one of {list(choices)}{' or null' if allow_none else ''}; got {v!r}")
+
+
 def validate_config(config: dict) -> None:
-    """Check a merged config; raise ``ValueError`` naming the offending key."""
+    """Check a merged config (numeric strings become floats); raise ``ValueError`` naming the offending key."""
+    from .distill import CONDITIONS, TRANSFER_LAYERS
+    from .families import FAMILIES
+
     if not config.get("output_dir"):
         raise ValueError("output_dir is not set: add `output_dir: <folder>` to the YAML or pass --set output_dir=<folder>")
     m = config["model"]
@@ -216,6 +306,14 @@ def validate_config(config: dict) -> None:
         )
     if m["init"] is not None and not isinstance(m["init"], Mapping):
         raise ValueError(f"model.init must be a mapping of DiTTransformer2DModel arguments; got {m['init']!r}")
+    if m["family"] is not None and m["family"] not in RECIPES:
+        known = sorted(FAMILIES)
+        raise ValueError(f"model.family must be one of {sorted(RECIPES)} (MHLA knows {known}) or null; got {m['family']!r}")
+    if m["init"] is not None and m["family"] not in (None, "dit"):
+        raise ValueError(f"model.init (training from scratch) is supported for DiT only; family {m['family']!r} needs model.pretrained")
+    chi = m["text"]["complex_human_instruction"]
+    if not (chi is None or chi == "default" or (isinstance(chi, list) and all(isinstance(s, str) for s in chi))):
+        raise ValueError(f"model.text.complex_human_instruction must be 'default', null or a list of strings; got {chi!r}")
     mh = config["mhla"]
     if mh is not None:
         if not isinstance(mh, Mapping):
@@ -224,100 +322,541 @@ def validate_config(config: dict) -> None:
         if unknown:
             raise ValueError(f"unknown mhla keys {sorted(unknown)}; valid: {sorted(_MHLA_KEYS)}")
     d, t = config["data"], config["train"]
-    if d["kind"] not in ("photos", "folder"):
-        raise ValueError(f"data.kind must be 'photos' or 'folder'; got {d['kind']!r}")
-    if d["kind"] == "folder" and not d["root"]:
-        raise ValueError("data.kind=folder needs data.root (a folder with one sub-folder of images per class)")
-    for section, key in [("data", "batch_size"), ("train", "max_steps"), ("train", "gradient_accumulation_steps"), ("train", "log_every")]:
+    _choice(config, "data", "kind", ("photos", "folder", "captions"))
+    if d["kind"] in ("folder", "captions") and not d["root"]:
+        raise ValueError(f"data.kind={d['kind']} needs data.root (the image folder)")
+    _choice(config, "data", "missing_caption", ("error", "empty"))
+    if not isinstance(d["caption_template"], str) or "{}" not in d["caption_template"]:
+        raise ValueError(f"data.caption_template must be a string containing {{}}; got {d['caption_template']!r}")
+    positive = [("data", "batch_size"), ("train", "max_steps"), ("train", "gradient_accumulation_steps"), ("train", "log_every"), ("lora", "rank")]
+    for section, key in positive:
         v = config[section][key]
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{section}.{key} must be a positive integer; got {v!r}")
-    for key in ("warmup_steps", "checkpointing_steps"):
-        v = t[key]
+    v = m["text"]["max_sequence_length"]
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"model.text.max_sequence_length must be a positive integer; got {v!r}")
+    for section, key in [("train", "warmup_steps"), ("train", "checkpointing_steps"), ("ema", "update_after_step")]:
+        v = config[section][key]
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"train.{key} must be an integer >= 0; got {v!r}")
+            raise ValueError(f"{section}.{key} must be an integer >= 0; got {v!r}")
     # PyYAML (YAML 1.1) reads "1e-4" (no dot) as a string: accept numeric strings for float keys.
-    for key in _FLOAT_KEYS:
-        v = t[key]
-        if v is None and key in ("mixing_lr", "grad_clip"):
-            continue
-        try:
-            t[key] = float(v)
-        except (TypeError, ValueError):
-            raise ValueError(f"train.{key} must be a number; got {v!r}") from None
+    for section, keys in _FLOAT_KEYS.items():
+        for key in keys:
+            v = config[section][key]
+            if v is None and key in _NULLABLE_FLOATS:
+                continue
+            try:
+                config[section][key] = float(v)
+            except (TypeError, ValueError):
+                raise ValueError(f"{section}.{key} must be a number; got {v!r}") from None
     if t["lr"] <= 0:
         raise ValueError(f"train.lr must be > 0; got {t['lr']!r}")
     if t["mixing_lr"] is not None and t["mixing_lr"] < 0:
         raise ValueError(f"train.mixing_lr must be null or >= 0; got {t['mixing_lr']!r}")
-    if not 0.0 <= t["class_dropout"] < 1.0:
-        raise ValueError(f"train.class_dropout must be in [0, 1); got {t['class_dropout']!r}")
-    if t["mixed_precision"] not in ("no", "fp16", "bf16"):
-        raise ValueError(f"train.mixed_precision must be no, fp16 or bf16; got {t['mixed_precision']!r}")
+    for key in ("class_dropout", "caption_dropout"):
+        if not 0.0 <= t[key] < 1.0:
+            raise ValueError(f"train.{key} must be in [0, 1); got {t[key]!r}")
+    _choice(config, "train", "mixed_precision", ("no", "fp16", "bf16"))
+    _choice(config, "train", "trainable", TRAINABLE_SETS)
+    _choice(config, "train", "report_to", ("tensorboard",), allow_none=True)
+    if t["report_to"] == "tensorboard":
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("train.report_to=tensorboard needs the tensorboard package: pip install tensorboard (or set report_to: null)")
     if config["export"]["sampler"] not in ("dpm", "ddim", "ddpm"):
         raise ValueError(f"export.sampler must be dpm, ddim or ddpm; got {config['export']['sampler']!r}")
+    o = config["objective"]
+    _choice(config, "objective", "kind", OBJECTIVES, allow_none=True)
+    _choice(config, "objective", "timestep_sampling", TIMESTEP_SAMPLING)
+    _choice(config, "objective", "loss_weighting", LOSS_WEIGHTING)
+    if o["shift"] is not None and o["shift"] <= 0:
+        raise ValueError(f"objective.shift must be > 0 or null; got {o['shift']!r}")
+    ds = config["distill"]
+    _choice(config, "distill", "condition", CONDITIONS)
+    _choice(config, "distill", "layers", TRANSFER_LAYERS)
+    for key in ("data_weight", "output_weight", "attention_weight"):
+        if ds[key] < 0:
+            raise ValueError(f"distill.{key} must be >= 0; got {ds[key]!r}")
+    if ds["teacher"] is None:
+        if ds["output_weight"] or ds["attention_weight"]:
+            raise ValueError("distill.output_weight / attention_weight need a teacher: set distill.teacher (original or a folder)")
+        if ds["data_weight"] <= 0:
+            raise ValueError("distill.data_weight must be > 0 without a teacher (nothing else to train on)")
+    elif not isinstance(ds["teacher"], str):
+        raise ValueError(f"distill.teacher must be null, 'original' or a folder path; got {ds['teacher']!r}")
+    elif ds["data_weight"] + ds["output_weight"] + ds["attention_weight"] <= 0:
+        raise ValueError("distill: all loss weights are 0 (data_weight, output_weight, attention_weight)")
+    if ds["condition"] == "random" and ds["data_weight"] > 0:
+        raise ValueError("distill.condition=random draws random class labels, which the data loss cannot use: set distill.data_weight=0")
+    lo = config["lora"]
+    _choice(config, "lora", "export", ("merge", "separate"))
+    if not isinstance(lo["target_modules"], list) or not lo["target_modules"] or not all(isinstance(s, str) for s in lo["target_modules"]):
+        raise ValueError(f"lora.target_modules must be a non-empty list of module-name suffixes; got {lo['target_modules']!r}")
+    if not 0.0 <= lo["dropout"] < 1.0:
+        raise ValueError(f"lora.dropout must be in [0, 1); got {lo['dropout']!r}")
+    if not 0.0 < config["ema"]["decay"] < 1.0:
+        raise ValueError(f"ema.decay must be in (0, 1); got {config['ema']['decay']!r}")
 
 
+def resolve_family(config: dict) -> str:
+    """The model family of a config: ``model.family``, else the class of ``model.pretrained``'s
+    transformer, else ``"dit"`` (training from scratch).
+
+    Raises:
+        ValueError: the pretrained transformer's class belongs to no family with a training recipe,
+            or contradicts ``model.family``.
+    """
+    from .checkpoint import transformer_folder
+    from .families import FAMILIES
+
+    m = config["model"]
+    found = None
+    if m["pretrained"] is not None:
+        try:
+            folder = transformer_folder(m["pretrained"])
+            name = json.loads((folder / "config.json").read_text()).get("_class_name")
+        except (FileNotFoundError, json.JSONDecodeError):
+            name = None  # the loader reports a missing / broken folder with its own message
+        if name == "Transformer2DModel":
+            name = "DiTTransformer2DModel"
+        found = next((f.name for f in FAMILIES.values() if name in f.model_classes), None)
+        if name is not None and found is None:
+            raise ValueError(f"{m['pretrained']}: transformer class {name!r} belongs to no supported family")
+        if found is not None and found not in RECIPES:
+            raise ValueError(f"{m['pretrained']} is a {found} model; this trainer has recipes for {sorted(RECIPES)}")
+    family = m["family"] or found or "dit"
+    if found is not None and m["family"] is not None and found != m["family"]:
+        raise ValueError(f"model.family is {m['family']!r} but {m['pretrained']} holds a {found} transformer")
+    return family
+
+
+# -- what differs per family ---------------------------------------------------------------------
+@dataclass
+class TrainingParts:
+    """Everything :func:`train` builds besides the optimizer: models, objective, teacher, options.
+
+    Attributes:
+        family: ``"dit"`` / ``"sana"``.
+        transformer: the model being trained (fp32, train mode, MHLA installed if asked).
+        vae: the frozen autoencoder.
+        noise_scheduler: DiT: the ``DDPMScheduler`` (its config also defines the exported sampler);
+            flow families: the ``FlowMatchEulerDiscreteScheduler`` sigma table.
+        objective: the :class:`~mhla_diffusers.flow.Objective` trained.
+        pipeline: text families: the loaded pipeline (``encode_prompt``, export), else ``None``.
+        id2label: DiT: the pretrained pipeline's labels (the dataset's replace them in :func:`train`).
+        mhla_applied: names of the attention modules converted by this run (``[]`` if none).
+        teacher: the frozen distillation teacher, or ``None``.
+        text: ``model.text`` options (max_sequence_length, complex_human_instruction).
+        null_condition: text families: the empty caption's encoding (caption dropout on cached data).
+    """
+
+    family: str
+    transformer: torch.nn.Module
+    vae: torch.nn.Module
+    noise_scheduler: Any
+    objective: Objective
+    pipeline: Any = None
+    id2label: dict | None = None
+    mhla_applied: list = field(default_factory=list)
+    teacher: torch.nn.Module | None = None
+    text: dict = field(default_factory=dict)
+    null_condition: dict | None = None
+
+    def __getitem__(self, key: str):
+        """``parts["transformer"]`` as well as ``parts.transformer`` (the older dict interface)."""
+        return getattr(self, key)
+
+    @property
+    def recipe(self) -> "_Recipe":
+        """The family's recipe."""
+        return get_recipe(self.family)
+
+
+def _encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``vae.encode(pixels)`` -> fp32 latents times ``scaling_factor`` (KL: a posterior sample; DC-AE: ``.latent``)."""
+    out = vae.encode(pixels.to(vae.dtype))
+    if hasattr(out, "latent_dist"):
+        z = out.latent_dist.sample(generator=generator)
+    elif hasattr(out, "latent"):
+        z = out.latent
+    else:
+        z = out[0]
+    return z.float() * vae.config.scaling_factor
+
+
+class _Recipe:
+    """The per-family part of training (one small subclass per family)."""
+
+    family = ""
+    objective = ""
+    text_conditioned = False
+
+    def load(self, config: dict) -> TrainingParts:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def dropout(self, config: dict) -> float:
+        """Probability of dropping a sample's condition (classifier-free guidance)."""
+        return float(config["train"]["caption_dropout" if self.text_conditioned else "class_dropout"])
+
+    def prepare(self, parts: TrainingParts, dataset, config: dict) -> list:
+        """Check the data against the model; returns ``[(module, attribute, value)]`` to restore before export."""
+        return []
+
+    def latents(self, parts: TrainingParts, batch: Mapping, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The clean latents of a batch: cached ``latents``, or the frozen vae on ``pixel_values``."""
+        if "latents" in batch:
+            return batch["latents"].float()
+        with torch.no_grad():
+            return _encode_latents(parts.vae, batch["pixel_values"], generator)
+
+    def condition(self, parts, batch, drop, mode="dataset", random_labels=None) -> dict:  # pragma: no cover
+        raise NotImplementedError
+
+    def predict(self, model, noisy, timesteps, cond) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def cache_encode(self, parts: TrainingParts, batch: Mapping, device) -> dict:  # pragma: no cover
+        raise NotImplementedError
+
+    def encoders(self, parts: TrainingParts) -> list:
+        """The frozen encoders whose outputs a latent cache stores (fingerprinted in its key)."""
+        return [parts.vae]
+
+    def write(self, model, parts: TrainingParts, out_dir: Path, *, sampler: str, id2label) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+
+class DiTRecipe(_Recipe):
+    """Class-conditional DiT (``DiTTransformer2DModel`` + ``DiTPipeline``): DDPM epsilon prediction,
+    label dropout to the null class ``num_embeds_ada_norm`` (1000), exported with a DPM / DDIM / DDPM sampler."""
+
+    family = "dit"
+    objective = "epsilon"
+
+    def load(self, config: dict) -> TrainingParts:
+        """Load ``model.pretrained`` (a DiTPipeline folder) or build ``model.init`` from scratch."""
+        from diffusers import DDPMScheduler, DiTTransformer2DModel
+
+        from .autoencoder import SpaceToDepthAutoencoder
+        from .checkpoint import load_mhla_pipeline
+
+        m = config["model"]
+        id2label = None
+        if m["pretrained"] is not None:
+            pipe = load_mhla_pipeline(m["pretrained"], torch_dtype=torch.float32)
+            transformer, vae = pipe.transformer, pipe.vae
+            noise_scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
+            raw = pipe.config.get("id2label") if hasattr(pipe, "config") else None
+            if raw:
+                id2label = {int(k): str(v) for k, v in dict(raw).items()}
+        else:
+            try:
+                transformer = DiTTransformer2DModel(**dict(m["init"]))
+            except TypeError as e:
+                raise ValueError(f"model.init is not a valid DiTTransformer2DModel config: {e}") from e
+            try:
+                vae = SpaceToDepthAutoencoder(**dict(m["vae"]))
+            except TypeError as e:
+                raise ValueError(f"model.vae is not a valid SpaceToDepthAutoencoder config: {e}") from e
+            try:
+                noise_scheduler = DDPMScheduler(**dict(m["noise_scheduler"]))
+            except TypeError as e:
+                raise ValueError(f"model.noise_scheduler is not a valid DDPMScheduler config: {e}") from e
+        if type(transformer).__name__ != "DiTTransformer2DModel":
+            raise ValueError(f"family dit expects a DiTTransformer2DModel; {m['pretrained']} holds a {type(transformer).__name__}")
+        if getattr(noise_scheduler.config, "prediction_type", "epsilon") != "epsilon":
+            raise ValueError(f"only epsilon prediction is supported; the scheduler says {noise_scheduler.config.prediction_type!r}")
+        if transformer.config.get("num_embeds_ada_norm") is None:
+            raise ValueError("the transformer must be class-conditional (num_embeds_ada_norm set; DiTPipeline needs 1000)")
+        return TrainingParts(
+            family=self.family, transformer=transformer, vae=vae, noise_scheduler=noise_scheduler,
+            objective=Objective("epsilon", noise_scheduler), id2label=id2label,
+        )
+
+    def prepare(self, parts, dataset, config):
+        """Resolution vs ``sample_size``, class count vs the null label; diffusers' own label dropout off."""
+        check_resolution(parts.transformer, parts.vae, int(config["data"]["resolution"]))
+        null_class = int(parts.transformer.config.num_embeds_ada_norm)
+        labels = getattr(dataset, "id2label", None) or {}
+        if len(labels) > null_class:
+            raise ValueError(f"{len(labels)} classes but the model has {null_class} (num_embeds_ada_norm)")
+        restore = [(m, "dropout_prob", p) for m, p in disable_internal_label_dropout(parts.transformer)]
+        if parts.teacher is not None:
+            disable_internal_label_dropout(parts.teacher)
+        return restore
+
+    def condition(self, parts, batch, drop, mode="dataset", random_labels=None):
+        """``{"class_labels"}``: the batch's (``mode="dataset"``), ``random_labels`` (``"random"``) or
+        the null class (``"null"``); dropped samples get the null class."""
+        null_class = int(parts.transformer.config.num_embeds_ada_norm)
+        labels = batch["class_labels"]
+        if mode == "random":
+            labels = random_labels
+        elif mode == "null":
+            labels = torch.full_like(labels, null_class)
+        return {"class_labels": torch.where(drop.to(labels.device), torch.full_like(labels, null_class), labels)}
+
+    def predict(self, model, noisy, timesteps, cond):
+        """The epsilon half of the output (learned-sigma models predict ``2 C`` channels)."""
+        pred = model(noisy, timestep=timesteps, class_labels=cond["class_labels"]).sample
+        return pred[:, : noisy.shape[1]]
+
+    def cache_encode(self, parts, batch, device):
+        """``{"latents", "class_labels"}`` of a batch."""
+        return {"latents": _encode_latents(parts.vae, batch["pixel_values"].to(device)), "class_labels": batch["class_labels"]}
+
+    def write(self, model, parts, out_dir, *, sampler, id2label):
+        """A complete ``DiTPipeline`` (see :func:`export_pipeline`)."""
+        export_pipeline(model, parts.vae, parts.noise_scheduler, out_dir, sampler=sampler, id2label=id2label, overwrite=True)
+
+
+def _default_complex_human_instruction(pipe) -> list[str] | None:
+    import inspect
+
+    param = inspect.signature(type(pipe).__call__).parameters.get("complex_human_instruction")
+    return None if param is None or param.default is inspect.Parameter.empty else param.default
+
+
+class SanaRecipe(_Recipe):
+    """Text-to-image SANA (``SanaTransformer2DModel`` + ``SanaPipeline``): flow matching (target
+    ``noise - x0``), captions encoded by the pipeline's ``encode_prompt`` (Gemma-2), caption dropout
+    to the empty caption; exported as the same pipeline (its text encoder, vae and sampler)."""
+
+    family = "sana"
+    objective = "flow"
+    text_conditioned = True
+
+    def load(self, config: dict) -> TrainingParts:
+        """Load ``model.pretrained`` (a SanaPipeline folder, plain or converted)."""
+        from .checkpoint import load_mhla_pipeline
+
+        m = config["model"]
+        pipe = load_mhla_pipeline(m["pretrained"], torch_dtype=torch.float32)
+        if type(pipe.transformer).__name__ != "SanaTransformer2DModel" or not hasattr(pipe, "encode_prompt"):
+            raise ValueError(f"family sana expects a SanaPipeline folder; {m['pretrained']} holds {type(pipe).__name__}")
+        for module in (pipe.vae, pipe.text_encoder):
+            module.requires_grad_(False).eval()
+        sched = pipe.scheduler.config
+        shift = config["objective"]["shift"] or sched.get("flow_shift") or sched.get("shift") or 1.0
+        table = flow_match_scheduler(float(shift), int(sched.get("num_train_timesteps", 1000)))
+        o = config["objective"]
+        objective = Objective(
+            "flow", table, timestep_sampling=o["timestep_sampling"], logit_mean=o["logit_mean"], logit_std=o["logit_std"],
+            mode_scale=o["mode_scale"], loss_weighting=o["loss_weighting"],
+        )
+        text = dict(m["text"])
+        if text["complex_human_instruction"] == "default":
+            text["complex_human_instruction"] = _default_complex_human_instruction(pipe)
+        return TrainingParts(
+            family=self.family, transformer=pipe.transformer, vae=pipe.vae, noise_scheduler=table,
+            objective=objective, pipeline=pipe, text=text,
+        )
+
+    def prepare(self, parts, dataset, config):
+        """Encode the empty caption once (caption dropout on cached embeddings)."""
+        parts.null_condition = self.encode_text(parts, [""], parts.pipeline.text_encoder.device)
+        return []
+
+    def encode_text(self, parts, captions: Sequence[str], device) -> dict:
+        """``{"prompt_embeds" [B, L, D], "prompt_attention_mask" [B, L]}`` of ``captions`` (no grad)."""
+        with torch.no_grad():
+            embeds, mask, _, _ = parts.pipeline.encode_prompt(
+                list(captions), do_classifier_free_guidance=False, device=device, clean_caption=False,
+                max_sequence_length=int(parts.text["max_sequence_length"]),
+                complex_human_instruction=parts.text["complex_human_instruction"],
+            )
+        return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
+
+    @staticmethod
+    def captions(batch: Mapping, id2label: Mapping | None, template: str = "{}") -> list[str]:
+        """A batch's captions: its ``caption`` strings, or its class names through ``template``."""
+        if "caption" in batch:
+            return [str(c) for c in batch["caption"]]
+        if "class_labels" in batch and id2label:
+            return [template.format(id2label[int(i)]) for i in batch["class_labels"]]
+        raise ValueError("a text-conditioned model needs captions: use data.kind=captions, or class-labelled data (photos / folder)")
+
+    def condition(self, parts, batch, drop, mode="dataset", random_labels=None):
+        """``{"encoder_hidden_states", "encoder_attention_mask"}``; dropped samples (and ``mode="null"``)
+        get the empty caption. ``mode="random"`` is not defined for text (use ``null``)."""
+        if mode == "random":
+            raise ValueError("distill.condition=random needs class labels; use null (empty captions) for text models")
+        device = batch["latents"].device if "latents" in batch else batch["pixel_values"].device
+        n = len(drop)
+        drop = drop.to(device) if mode != "null" else torch.ones(n, dtype=torch.bool, device=device)
+        if "prompt_embeds" in batch:
+            embeds, mask = batch["prompt_embeds"], batch["prompt_attention_mask"]
+            if bool(drop.any()):
+                null_e = parts.null_condition["prompt_embeds"].to(device, embeds.dtype).expand_as(embeds)
+                null_m = parts.null_condition["prompt_attention_mask"].to(device, mask.dtype).expand_as(mask)
+                embeds = torch.where(drop.view(-1, 1, 1), null_e, embeds)
+                mask = torch.where(drop.view(-1, 1), null_m, mask)
+        else:
+            captions = self.captions(batch, parts.id2label, parts.text.get("template", "{}"))
+            captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
+            enc = self.encode_text(parts, captions, device)
+            embeds, mask = enc["prompt_embeds"], enc["prompt_attention_mask"]
+        return {"encoder_hidden_states": embeds.float(), "encoder_attention_mask": mask}
+
+    def predict(self, model, noisy, timesteps, cond):
+        """The velocity prediction ``v = noise - x0``."""
+        return model(
+            noisy, encoder_hidden_states=cond["encoder_hidden_states"], encoder_attention_mask=cond["encoder_attention_mask"],
+            timestep=timesteps,
+        ).sample
+
+    def cache_encode(self, parts, batch, device):
+        """``{"latents", "prompt_embeds", "prompt_attention_mask"}`` of a batch."""
+        captions = self.captions(batch, parts.id2label, parts.text.get("template", "{}"))
+        return {"latents": _encode_latents(parts.vae, batch["pixel_values"].to(device)), **self.encode_text(parts, captions, device)}
+
+    def encoders(self, parts):
+        return [parts.vae, parts.pipeline.text_encoder, {"text": {k: v for k, v in parts.text.items()}}]
+
+    def write(self, model, parts, out_dir, *, sampler, id2label):
+        """The loaded pipeline with the trained transformer (its own scheduler; ``sampler`` is DiT's)."""
+        from .checkpoint import save_mhla_pipeline
+
+        components = dict(parts.pipeline.components)
+        components["transformer"] = model
+        save_mhla_pipeline(type(parts.pipeline)(**components), out_dir, overwrite=True)
+
+
+RECIPES: dict[str, _Recipe] = {"dit": DiTRecipe(), "sana": SanaRecipe()}
+
+
+def get_recipe(family: str) -> _Recipe:
+    """The training recipe of a model family.
+
+    Raises:
+        ValueError: no recipe for ``family``.
+    """
+    if family not in RECIPES:
+        raise ValueError(f"no training recipe for family {family!r}; available: {sorted(RECIPES)}")
+    return RECIPES[family]
 
 
 # -- models, data, optimizer -----------------------------------------------------------------------
-def build_models(config: dict) -> dict[str, Any]:
-    """Build what training needs from ``config["model"]`` and ``config["mhla"]``.
+def build_models(config: dict) -> TrainingParts:
+    """Build what training needs from ``config`` (``model``, ``mhla``, ``objective``, ``distill``,
+    ``lora``, ``train.trainable``).
+
+    Order: load the family's models; copy the teacher (``distill.teacher: original``) before anything
+    changes the weights; apply MHLA (unless the checkpoint has it); cast to fp32; choose the trainable
+    set (:func:`set_trainable`: full, LoRA, attention-only or mixing-only).
 
     Returns:
-        ``{"transformer", "vae", "noise_scheduler", "id2label", "mhla_applied"}``: the transformer
-        in fp32 and train mode; the autoencoder frozen in eval mode; a ``DDPMScheduler``;
-        ``id2label`` from the pretrained pipeline (or ``None``); the converted module names (or ``[]``).
+        :class:`TrainingParts` (the transformer in fp32 and train mode; vae / text encoder / teacher
+        frozen in eval mode).
 
     Raises:
         ValueError: a bad ``model.init`` / ``model.vae`` / ``model.noise_scheduler`` dict, a model
-            that is not class-conditional with ``num_embeds_ada_norm`` classes, or an ``mhla``
-            section for a checkpoint that already has MHLA with a different layout.
+            that does not fit its family, an ``objective.kind`` the family does not train, a teacher
+            of another family.
         FileNotFoundError, MHLACheckpointError: from :func:`mhla_diffusers.load_mhla_pipeline`.
     """
-    from diffusers import DDPMScheduler, DiTTransformer2DModel
-
     from .apply import apply_mhla, is_mhla_model
-    from .autoencoder import SpaceToDepthAutoencoder
-    from .checkpoint import load_mhla_pipeline
+    from .distill import load_teacher, make_teacher
 
-    m = config["model"]
-    id2label = None
-    if m["pretrained"] is not None:
-        pipe = load_mhla_pipeline(m["pretrained"], torch_dtype=torch.float32)
-        transformer, vae = pipe.transformer, pipe.vae
-        noise_scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
-        raw = pipe.config.get("id2label") if hasattr(pipe, "config") else None
-        if raw:
-            id2label = {int(k): str(v) for k, v in dict(raw).items()}
-    else:
-        try:
-            transformer = DiTTransformer2DModel(**dict(m["init"]))
-        except TypeError as e:
-            raise ValueError(f"model.init is not a valid DiTTransformer2DModel config: {e}") from e
-        try:
-            vae = SpaceToDepthAutoencoder(**dict(m["vae"]))
-        except TypeError as e:
-            raise ValueError(f"model.vae is not a valid SpaceToDepthAutoencoder config: {e}") from e
-        try:
-            noise_scheduler = DDPMScheduler(**dict(m["noise_scheduler"]))
-        except TypeError as e:
-            raise ValueError(f"model.noise_scheduler is not a valid DDPMScheduler config: {e}") from e
-    if getattr(noise_scheduler.config, "prediction_type", "epsilon") != "epsilon":
-        raise ValueError(f"only epsilon prediction is supported; the scheduler says {noise_scheduler.config.prediction_type!r}")
-    if transformer.config.get("num_embeds_ada_norm") is None:
-        raise ValueError("the transformer must be class-conditional (num_embeds_ada_norm set; DiTPipeline needs 1000)")
-    applied: list[str] = []
-    if config["mhla"] is not None:
-        spec = dict(config["mhla"])
-        if is_mhla_model(transformer):
-            pass  # the checkpoint already carries MHLA (loaded with its mixing matrices); keep it
-        else:
-            applied = apply_mhla(transformer, **spec)
+    family = resolve_family(config)
+    recipe = get_recipe(family)
+    kind = config["objective"]["kind"]
+    if kind is not None and kind != recipe.objective:
+        raise ValueError(f"objective.kind={kind!r}: the {family} recipe trains {recipe.objective!r} (set objective.kind to it or null)")
+    parts = recipe.load(config)
+    transformer = parts.transformer
+    teacher = config["distill"]["teacher"]
+    if teacher == "original":
+        parts.teacher = make_teacher(transformer)
+    elif teacher:
+        parts.teacher = load_teacher(teacher)
+        if type(parts.teacher) is not type(transformer):
+            raise ValueError(f"distill.teacher {teacher} holds a {type(parts.teacher).__name__}; the student is a {type(transformer).__name__}")
+    if config["mhla"] is not None and not is_mhla_model(transformer):
+        parts.mhla_applied = apply_mhla(transformer, **dict(config["mhla"]))
     if any(p.dtype != torch.float32 for p in transformer.parameters()):
         transformer.to(torch.float32)  # trainable parameters in fp32 (autocast does the rest)
+    t = config["train"]
+    set_trainable(transformer, t["trainable"], lora=config["lora"], train_mixing=bool(t["train_mixing"]))
     transformer.train()
-    vae.requires_grad_(False).eval()
-    return {"transformer": transformer, "vae": vae, "noise_scheduler": noise_scheduler, "id2label": id2label, "mhla_applied": applied}
+    parts.vae.requires_grad_(False).eval()
+    parts.text["template"] = config["data"]["caption_template"]
+    return parts
+
+
+def set_trainable(
+    transformer: torch.nn.Module, trainable: str = "full", *, lora: Mapping | None = None, train_mixing: bool = True
+) -> int:
+    """Choose which parameters train, in place; returns how many parameter elements do.
+
+    - ``"full"``: every parameter.
+    - ``"lora"``: LoRA adapters from :func:`mhla_diffusers.lora.add_lora` (``lora``: the config's
+      ``lora`` section: rank, alpha, dropout, target_modules); everything else frozen.
+    - ``"attention"``: the parameters of the self-attention modules (q, k, v, out projections, norms).
+    - ``"mixing"``: nothing but the MHLA mixing matrices.
+
+    With ``train_mixing`` the MHLA mixing matrices train in every set (``add_lora`` would freeze
+    them otherwise); without it they are frozen in every set.
+
+    Raises:
+        ValueError: unknown ``trainable``, ``"mixing"`` on a model without MHLA, nothing left to train.
+    """
+    from .families import self_attention_modules
+    from .lora import add_lora
+    from .mixing import mixing_parameters
+
+    if trainable not in TRAINABLE_SETS:
+        raise ValueError(f"trainable must be one of {TRAINABLE_SETS}; got {trainable!r}")
+    mixing = mixing_parameters(transformer)
+    if trainable == "full":
+        transformer.requires_grad_(True)
+    elif trainable == "lora":
+        lo = dict(lora or {})
+        add_lora(
+            transformer, rank=int(lo.get("rank", 16)), alpha=lo.get("alpha"), dropout=float(lo.get("dropout", 0.0)),
+            target_modules=lo.get("target_modules") or ("to_q", "to_k", "to_v", "to_out.0"), train_mixing=train_mixing,
+        )
+    elif trainable == "attention":
+        transformer.requires_grad_(False)
+        for _, attn in self_attention_modules(transformer):
+            attn.requires_grad_(True)
+    else:
+        if not mixing:
+            raise ValueError("train.trainable=mixing needs a model with MHLA (set the mhla section)")
+        transformer.requires_grad_(False)
+    for p in mixing:
+        p.requires_grad_(bool(train_mixing))
+    count = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
+    if count == 0:
+        raise ValueError(f"train.trainable={trainable} with train_mixing={train_mixing} leaves nothing to train")
+    return count
+
+
+def prepare_parameter_dtypes(model: torch.nn.Module, weight_dtype: torch.dtype) -> dict[str, int]:
+    """Frozen parameters to ``weight_dtype`` (memory), trainable ones (mixing matrices included) to fp32.
+
+    The fp16 recipe (CASES C16): a ``GradScaler`` refuses to unscale fp16 gradients ("Attempting to
+    unscale FP16 gradients"), so every parameter that receives a gradient must be fp32; frozen
+    weights may be fp16 / bf16 and run under autocast. Trainable parameters are never round-tripped
+    through the low-precision dtype (no precision is lost). Same end state as casting the model and
+    then :func:`diffusers.training_utils.cast_training_params`.
+
+    Returns:
+        ``{"frozen": elements in weight_dtype, "trainable": elements in fp32}``.
+    """
+    frozen = trainable = 0
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.dtype != torch.float32:
+                p.data = p.data.to(torch.float32)
+            trainable += p.numel()
+        else:
+            if p.dtype != weight_dtype:
+                p.data = p.data.to(weight_dtype)
+            frozen += p.numel()
+    return {"frozen": frozen, "trainable": trainable}
 
 
 def vae_scale_factor(vae) -> int:
@@ -342,16 +881,22 @@ def check_resolution(transformer, vae, resolution: int) -> None:
 
 
 def build_dataset(data: Mapping[str, Any]):
-    """The dataset of ``config["data"]``: :class:`PhotoCrops` (``kind: photos``) or :class:`ImageFolderCrops`.
+    """The dataset of ``config["data"]``: :class:`PhotoCrops` (``kind: photos``),
+    :class:`ImageFolderCrops` (``folder``) or :class:`CaptionedImageCrops` (``captions``).
 
     Raises:
         ValueError / FileNotFoundError: from the dataset constructors (bad sizes, empty folder, ...).
     """
-    from .data import ImageFolderCrops, PhotoCrops
+    from .data import CaptionedImageCrops, ImageFolderCrops, PhotoCrops
 
     common = dict(resolution=data["resolution"], short_side=data["short_side"], seed=data["seed"], hflip=data["hflip"])
     if data["kind"] == "photos":
         return PhotoCrops(crops_per_photo=data["crops_per_image"], photos=data["photos"], **common)
+    if data["kind"] == "captions":
+        return CaptionedImageCrops(
+            data["root"], crops_per_image=data["crops_per_image"], caption_column=data.get("caption_column", "text"),
+            missing_caption=data.get("missing_caption", "error"), **common,
+        )
     return ImageFolderCrops(data["root"], crops_per_image=data["crops_per_image"], **common)
 
 
@@ -367,7 +912,7 @@ def build_optimizer(
     """AdamW over the trainable parameters of ``model``; MHLA mixing matrices in a second group.
 
     Group 0: every other trainable parameter (``lr``, ``weight_decay``). Group 1 (if the model has
-    mixing matrices): the mixing matrices (``mixing_lr`` or ``lr``, no weight decay).
+    trainable mixing matrices): the mixing matrices (``mixing_lr`` or ``lr``, no weight decay).
 
     Raises:
         ValueError: no trainable parameters.
@@ -390,7 +935,7 @@ def build_optimizer(
 def disable_internal_label_dropout(transformer: torch.nn.Module) -> list[tuple[torch.nn.Module, float]]:
     """Turn off diffusers' own label dropout inside DiT (each block draws its own, from the global RNG).
 
-    :func:`diffusion_loss` drops labels itself, once per sample, from a seeded generator. Returns
+    :func:`training_loss` drops labels itself, once per sample, from a seeded generator. Returns
     ``[(module, old_prob)]`` so the caller can restore them (the probability is not in the config
     or the state dict, so saving is unaffected either way).
     """
@@ -402,6 +947,105 @@ def disable_internal_label_dropout(transformer: torch.nn.Module) -> list[tuple[t
             changed.append((module, module.dropout_prob))
             module.dropout_prob = 0.0
     return changed
+
+
+# -- the loss --------------------------------------------------------------------------------------
+def _step_draws(parts: TrainingParts, latents: torch.Tensor, generator, *, rank: int, world_size: int, dropout: float,
+                condition: str, num_classes: int | None):
+    """The random draws of one micro-batch, made for the GLOBAL micro-batch (``world_size`` x the local
+    one) from one generator and sliced: sample ``j`` of rank ``r`` takes global position ``j * world + r``,
+    the position ``DistributedSampler`` gives it. The same global batch thus gets the same noise,
+    timesteps and dropout whatever the number of processes (and, for one process, the draws of the
+    original single-process trainer)."""
+    b, device = latents.shape[0], latents.device
+    g = b * world_size
+    noise = torch.randn((g,) + tuple(latents.shape[1:]), generator=generator, device=device, dtype=latents.dtype)
+    draw = parts.objective.draw(g, generator, device)
+    drop = torch.rand(g, generator=generator, device=device) < dropout
+    random_labels = None
+    if condition == "random":
+        random_labels = torch.randint(0, int(num_classes), (g,), generator=generator, device=device)
+    sel = torch.arange(b, device=device) * world_size + rank
+    return noise[sel], draw[sel], drop[sel], None if random_labels is None else random_labels[sel]
+
+
+def training_loss(
+    parts: TrainingParts,
+    model: torch.nn.Module,
+    batch: Mapping[str, Any],
+    *,
+    generator: torch.Generator | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    dropout: float = 0.0,
+    condition: str = "dataset",
+    data_weight: float = 1.0,
+    output_weight: float = 0.0,
+    attention_weight: float = 0.0,
+    recorders: tuple | None = None,
+    num_classes: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of one micro-batch: ``data_weight * data + output_weight * output + attention_weight * attention``.
+
+    - data: the family's objective (:class:`~mhla_diffusers.flow.Objective`: epsilon MSE for DiT,
+      flow matching ``||v_theta(x_t) - (noise - x0)||^2`` with its loss weighting for SANA);
+    - output: ``MSE(student, teacher)`` on the same ``x_t``, timestep and condition;
+    - attention: attention transfer, the mean over layers of the MSE between the recorded
+      self-attention outputs of student and teacher (``recorders``).
+
+    Args:
+        parts: from :func:`build_models` (``parts.teacher`` is used when a distillation weight is > 0).
+        model: the student (``parts.transformer``, possibly wrapped by accelerate / DDP).
+        batch: on the training device: ``pixel_values`` or cached ``latents``, and ``class_labels``,
+            ``caption`` or cached text embeddings.
+        generator: the step's generator (noise, timesteps, dropout, random labels); see
+            :func:`_step_draws` for how ranks share one global draw.
+        rank, world_size: this process among the data-parallel processes.
+        dropout: probability of replacing a sample's condition by the null label / empty caption.
+        condition: ``"dataset"``, ``"random"`` (random class ids in ``[0, num_classes)``) or ``"null"``.
+        recorders: ``(student_recorder, teacher_recorder)``
+            (:class:`~mhla_diffusers.distill.AttentionRecorder`), needed when ``attention_weight > 0``.
+
+    Returns:
+        ``(loss, terms)``: the scalar fp32 loss and its unweighted terms ``{"data", "output", "attention"}``
+        (those with a weight > 0).
+    """
+    from .distill import attention_transfer_loss, output_matching_loss
+
+    recipe = parts.recipe
+    latents = recipe.latents(parts, batch, generator)
+    noise, draw, drop, random_labels = _step_draws(
+        parts, latents, generator, rank=rank, world_size=world_size, dropout=dropout, condition=condition, num_classes=num_classes,
+    )
+    noisy, timesteps, target, weights = parts.objective.inputs(latents, noise, draw)
+    cond = recipe.condition(parts, batch, drop, condition, random_labels)
+    student_rec, teacher_rec = recorders if recorders is not None else (None, None)
+    if attention_weight > 0 and student_rec is None:
+        raise ValueError("attention_weight > 0 needs recorders=(student, teacher) AttentionRecorders")
+    if attention_weight > 0:
+        with student_rec:
+            pred = recipe.predict(model, noisy, timesteps, cond)
+    else:
+        pred = recipe.predict(model, noisy, timesteps, cond)
+    terms: dict[str, torch.Tensor] = {}
+    if data_weight > 0:
+        terms["data"] = parts.objective.loss(pred, target, weights)
+    if output_weight > 0 or attention_weight > 0:
+        if parts.teacher is None:
+            raise ValueError("distillation weights > 0 need parts.teacher (distill.teacher)")
+        with torch.no_grad():
+            if attention_weight > 0:
+                with teacher_rec:
+                    teacher_pred = recipe.predict(parts.teacher, noisy, timesteps, cond)
+            else:
+                teacher_pred = recipe.predict(parts.teacher, noisy, timesteps, cond)
+        if output_weight > 0:
+            terms["output"] = output_matching_loss(pred, teacher_pred)
+        if attention_weight > 0:
+            terms["attention"] = attention_transfer_loss(student_rec.outputs, teacher_rec.outputs, list(student_rec.modules))
+    weights_by_term = {"data": data_weight, "output": output_weight, "attention": attention_weight}
+    loss = sum(weights_by_term[k] * v for k, v in terms.items())
+    return loss, terms
 
 
 def diffusion_loss(
@@ -454,6 +1098,63 @@ def diffusion_loss(
 
 
 @torch.no_grad()
+def evaluate_heldout(
+    parts: TrainingParts,
+    model: torch.nn.Module,
+    dataset,
+    *,
+    num_samples: int = 160,
+    batch_size: int = 16,
+    seed: int = 12345,
+    teacher: torch.nn.Module | None = None,
+) -> dict[str, float | None]:
+    """Held-out losses on a fixed set: the same numbers for every model given the same arguments.
+
+    Item ``i`` of ``dataset`` (its current epoch; ``i`` wraps around ``len(dataset)``) with its own
+    condition (no dropout) gets the deterministic draw :meth:`Objective.evenly_spaced` (epsilon:
+    ``t = round(i (T - 1) / (n - 1))``; flow: ``u = (i + 0.5) / n``) and noise drawn from
+    ``torch.Generator().manual_seed(seed)`` on the CPU, batch by batch. Models run in eval mode
+    (restored after).
+
+    Returns:
+        ``{"loss": the objective's MSE per element (unweighted), "distill_output": MSE per element
+        between the model's and the teacher's outputs (None without teacher)}``.
+
+    Raises:
+        ValueError: ``num_samples < 1`` or an empty dataset.
+    """
+    from torch.utils.data import default_collate
+
+    if num_samples < 1 or len(dataset) == 0:
+        raise ValueError(f"need num_samples >= 1 and a non-empty dataset; got {num_samples}, {len(dataset)} items")
+    recipe = parts.recipe
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(int(seed))
+    total = total_t = 0.0
+    count = 0
+    try:
+        for start in range(0, num_samples, batch_size):
+            idx = list(range(start, min(start + batch_size, num_samples)))
+            batch = default_collate([dataset[i % len(dataset)] for i in idx])
+            batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            latents = recipe.latents(parts, batch)
+            noise = torch.randn(latents.shape, generator=g).to(device)
+            draw = parts.objective.evenly_spaced(torch.tensor(idx, device=device), num_samples)
+            noisy, timesteps, target, _ = parts.objective.inputs(latents, noise, draw)
+            cond = recipe.condition(parts, batch, torch.zeros(len(idx), dtype=torch.bool, device=device))
+            pred = recipe.predict(model, noisy, timesteps, cond).float()
+            total += F.mse_loss(pred, target.float(), reduction="sum").item()
+            if teacher is not None:
+                teacher_pred = recipe.predict(teacher, noisy, timesteps, cond).float()
+                total_t += F.mse_loss(pred, teacher_pred, reduction="sum").item()
+            count += target.numel()
+    finally:
+        model.train(was_training)
+    return {"loss": total / count, "distill_output": total_t / count if teacher is not None else None}
+
+
 def evaluate_loss(
     transformer: torch.nn.Module,
     vae: torch.nn.Module,
@@ -464,12 +1165,7 @@ def evaluate_loss(
     batch_size: int = 16,
     seed: int = 12345,
 ) -> float:
-    """Held-out epsilon MSE on a fixed set: the same number for every model given the same arguments.
-
-    Item ``i`` of ``dataset`` (its current epoch; ``i`` wraps around ``len(dataset)``) is noised at
-    timestep ``round(i * (T - 1) / (num_samples - 1))`` (evenly spaced over ``[0, T - 1]``) with
-    noise drawn from ``torch.Generator().manual_seed(seed)`` on the CPU; labels are kept (no
-    dropout). The model runs in eval mode (restored after).
+    """Held-out epsilon MSE of a DiT on a fixed set (see :func:`evaluate_heldout`, which it calls).
 
     Returns:
         Mean squared error per element, a Python float.
@@ -477,30 +1173,8 @@ def evaluate_loss(
     Raises:
         ValueError: ``num_samples < 1`` or an empty dataset.
     """
-    if num_samples < 1 or len(dataset) == 0:
-        raise ValueError(f"need num_samples >= 1 and a non-empty dataset; got {num_samples}, {len(dataset)} items")
-    was_training = transformer.training
-    transformer.eval()
-    device = next(transformer.parameters()).device
-    g = torch.Generator().manual_seed(int(seed))
-    T = noise_scheduler.config.num_train_timesteps
-    total, count = 0.0, 0
-    try:
-        for start in range(0, num_samples, batch_size):
-            idx = list(range(start, min(start + batch_size, num_samples)))
-            items = [dataset[i % len(dataset)] for i in idx]
-            pixels = torch.stack([it["pixel_values"] for it in items]).to(device)
-            labels = torch.stack([it["class_labels"] for it in items]).to(device)
-            latents = vae.encode(pixels.to(vae.dtype)).latent_dist.sample().float() * vae.config.scaling_factor
-            noise = torch.randn(latents.shape, generator=g).to(device)
-            t = torch.tensor([round(i * (T - 1) / max(num_samples - 1, 1)) for i in idx], device=device)
-            pred = transformer(noise_scheduler.add_noise(latents, noise, t), timestep=t, class_labels=labels).sample
-            pred = pred[:, : latents.shape[1]].float()
-            total += F.mse_loss(pred, noise, reduction="sum").item()
-            count += noise.numel()
-    finally:
-        transformer.train(was_training)
-    return total / count
+    parts = TrainingParts("dit", transformer, vae, noise_scheduler, Objective("epsilon", noise_scheduler))
+    return evaluate_heldout(parts, transformer, dataset, num_samples=num_samples, batch_size=batch_size, seed=seed)["loss"]
 
 
 # -- logs and plots --------------------------------------------------------------------------------
@@ -512,14 +1186,36 @@ def _atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def write_loss_csv(path: str | os.PathLike, rows: Sequence[tuple[int, float, float]]) -> None:
-    """Write ``step,loss,lr`` rows (atomic). ``step`` counts optimizer steps from 1."""
+def _atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    _atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def write_loss_csv(path: str | os.PathLike, rows: Sequence[tuple]) -> None:
+    """Write ``step,loss,lr[,<term>...]`` rows (atomic). ``step`` counts optimizer steps from 1.
+
+    A row is ``(step, loss, lr)`` or ``(step, loss, lr, {term: value})``: the loss terms
+    (``data``, ``output``, ``attention``) become extra columns (empty where a row lacks one).
+    """
+    names = sorted({k for r in rows if len(r) > 3 and r[3] for k in r[3]}, key=lambda k: (LOSS_TERMS + (k,)).index(k))
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["step", "loss", "lr"])
-    for step, loss, lr in rows:
-        w.writerow([int(step), f"{float(loss):.6g}", f"{float(lr):.6g}"])
+    w.writerow(["step", "loss", "lr", *names])
+    for r in rows:
+        terms = r[3] if len(r) > 3 and r[3] else {}
+        w.writerow([int(r[0]), f"{float(r[1]):.6g}", f"{float(r[2]):.6g}", *(f"{float(terms[k]):.6g}" if k in terms else "" for k in names)])
     _atomic_write_bytes(path, buf.getvalue().encode())
+
+
+def _read_rows(path: str | os.PathLike) -> list[tuple[int, float, float, dict[str, float]]]:
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None or not {"step", "loss", "lr"} <= set(reader.fieldnames):
+            raise ValueError(f"{path} is not a loss CSV (expected columns step, loss, lr)")
+        extra = [c for c in reader.fieldnames if c not in ("step", "loss", "lr")]
+        return [
+            (int(r["step"]), float(r["loss"]), float(r["lr"]), {k: float(r[k]) for k in extra if r.get(k) not in (None, "")})
+            for r in reader
+        ]
 
 
 def read_loss_csv(path: str | os.PathLike) -> list[tuple[int, float, float]]:
@@ -528,11 +1224,18 @@ def read_loss_csv(path: str | os.PathLike) -> list[tuple[int, float, float]]:
     Raises:
         FileNotFoundError: no such file. ValueError: not a loss CSV.
     """
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        if reader.fieldnames is None or not {"step", "loss", "lr"} <= set(reader.fieldnames):
-            raise ValueError(f"{path} is not a loss CSV (expected columns step, loss, lr)")
-        return [(int(r["step"]), float(r["loss"]), float(r["lr"])) for r in reader]
+    return [r[:3] for r in _read_rows(path)]
+
+
+def read_loss_terms(path: str | os.PathLike) -> dict[str, tuple[list[int], list[float]]]:
+    """The loss terms of a loss CSV: ``{term: (steps, values)}`` (``data``, ``output``, ``attention``)."""
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for step, _, _, terms in _read_rows(path):
+        for k, v in terms.items():
+            out.setdefault(k, ([], []))
+            out[k][0].append(step)
+            out[k][1].append(v)
+    return out
 
 
 def _smooth(values: Sequence[float], window: int) -> list[float]:
@@ -553,6 +1256,7 @@ def plot_loss_curves(
     title: str = "training loss",
     smooth: int | None = None,
     log_y: bool = True,
+    ylabel: str = "loss",
 ) -> None:
     """Plot loss-vs-step curves (one per name) to a PNG (matplotlib Agg backend; atomic write).
 
@@ -562,9 +1266,11 @@ def plot_loss_curves(
         smooth: moving-average window in steps (default: about 1/20 of the longest curve, >= 1);
             the raw curve is drawn faintly behind the smoothed one.
         log_y: logarithmic loss axis.
+        ylabel: the y-axis label.
 
     Raises:
         ValueError: no curves, or a curve whose step and loss lists differ in length.
+        ImportError: matplotlib is not installed.
     """
     import matplotlib
 
@@ -587,7 +1293,7 @@ def plot_loss_curves(
             ax.plot(steps, losses, color=color, alpha=0.2, linewidth=0.8)
         ax.plot(steps, _smooth(losses, window), color=color, linewidth=1.6, label=label)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("epsilon MSE" + (" (log)" if log_y else ""))
+    ax.set_ylabel(ylabel + (" (log)" if log_y else ""))
     if log_y:
         ax.set_yscale("log")
     ax.set_title(title + (f" (moving average over {window} steps)" if window > 1 else ""), fontsize=10)
@@ -597,10 +1303,6 @@ def plot_loss_curves(
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     _atomic_write_bytes(path, buf.getvalue())
-
-
-def _atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    _atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
 # -- export ----------------------------------------------------------------------------------------
@@ -640,92 +1342,213 @@ def export_pipeline(
     return save_mhla_pipeline(pipe, out_dir, overwrite=overwrite)
 
 
+def export_model(
+    parts: TrainingParts,
+    model: torch.nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    sampler: str = "dpm",
+    id2label: Mapping[int, str] | None = None,
+    lora_export: str = "merge",
+) -> Path:
+    """Write the trained model as the family's complete pipeline in the converted-checkpoint format,
+    atomically (a staging folder renamed into place; an existing ``out_dir`` is replaced).
+
+    A model with LoRA adapters is changed IN PLACE: ``lora_export="merge"`` merges them into the
+    weights (:func:`mhla_diffusers.lora.merge_lora_`; the folder then loads with
+    :func:`mhla_diffusers.load_mhla_pipeline` and computes what the adapted model computed);
+    ``"separate"`` writes the adapter to ``<out_dir>/transformer_lora/`` and the base weights
+    unmerged (load both with :func:`mhla_diffusers.lora.load_mhla_pipeline_with_lora`).
+
+    Raises:
+        ValueError: unknown ``lora_export``.
+    """
+    import tempfile
+
+    from .checkpoint import atomic_directory
+    from .lora import LORA_DIR_NAME, has_lora, merge_lora_, save_lora, unload_lora_
+
+    if lora_export not in ("merge", "separate"):
+        raise ValueError(f"lora_export must be 'merge' or 'separate'; got {lora_export!r}")
+    out = Path(out_dir)
+    with atomic_directory(out, overwrite=True) as staging, tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.lora-") as tmp:
+        separate = has_lora(model) and lora_export == "separate"
+        if separate:
+            save_lora(model, Path(tmp) / LORA_DIR_NAME)
+            unload_lora_(model)
+        elif has_lora(model):
+            merge_lora_(model)
+        parts.recipe.write(model, parts, staging, sampler=sampler, id2label=id2label)
+        if separate:
+            shutil.move(str(Path(tmp) / LORA_DIR_NAME), str(staging / LORA_DIR_NAME))
+    return out
+
+
 # -- the training loop -----------------------------------------------------------------------------
-def _step_seed(seed: int, step: int, micro: int, rank: int) -> int:
+def _step_seed(seed: int, step: int, micro: int, rank: int = 0) -> int:
     return (seed * 1_000_003 + step * 7_919 + micro * 104_729 + rank * 15_485_863 + 1) % (1 << 63)
+
+
+def _checkpoints(ckpt_root: Path) -> tuple[list[tuple[int, Path]], list[Path]]:
+    """``([(step, folder)] of complete checkpoints by step, [incomplete folders])``. A checkpoint is
+    complete once its ``train_state.json`` is written (last, after the accelerate state and EMA)."""
+    complete, incomplete = [], []
+    if ckpt_root.is_dir():
+        for folder in ckpt_root.iterdir():
+            if not (folder.is_dir() and folder.name.startswith("checkpoint_")):
+                continue
+            try:
+                complete.append((int(json.loads((folder / TRAIN_STATE).read_text())["step"]), folder))
+            except (OSError, ValueError, KeyError, json.JSONDecodeError):
+                incomplete.append(folder)
+    return sorted(complete), incomplete
 
 
 def _complete_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
     """``[(step, folder)]`` of checkpoints whose ``train_state.json`` was written (i.e. complete), by step."""
-    found = []
-    if ckpt_root.is_dir():
-        for folder in ckpt_root.iterdir():
-            state = folder / TRAIN_STATE
-            if folder.is_dir() and folder.name.startswith("checkpoint_") and state.is_file():
-                try:
-                    found.append((int(json.loads(state.read_text())["step"]), folder))
-                except (ValueError, KeyError, json.JSONDecodeError):
-                    continue
-    return sorted(found)
+    return _checkpoints(ckpt_root)[0]
+
+
+def _save_ema(ema, folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {f"shadow.{i:05d}": p.detach().to("cpu").contiguous() for i, p in enumerate(ema.shadow_params)}
+    save_file(tensors, str(folder / EMA_WEIGHTS), metadata={"optimization_step": str(ema.optimization_step)})
+
+
+def _load_ema(ema, folder: Path) -> None:
+    from safetensors import safe_open
+
+    path = folder / EMA_WEIGHTS
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: the checkpoint was written without EMA; set ema.enabled=false or start a new run")
+    with safe_open(str(path), framework="pt") as f:
+        keys = sorted(f.keys())
+        if len(keys) != len(ema.shadow_params):
+            raise ValueError(f"{path} holds {len(keys)} EMA tensors; the model has {len(ema.shadow_params)} trainable parameters")
+        for key, p in zip(keys, ema.shadow_params):
+            p.data.copy_(f.get_tensor(key))
+        ema.optimization_step = int(f.metadata()["optimization_step"])
+
+
+def _flat_config(config: Mapping, prefix: str = "") -> dict[str, Any]:
+    """Scalars of a nested config as ``{"a/b": value}`` (lists and None as strings) for trackers."""
+    out = {}
+    for k, v in config.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flat_config(v, key + "/"))
+        else:
+            out[key] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
+
+
+def _cached_dataset(parts: TrainingParts, dataset, cache_dir: Path, accelerator, batch_size: int):
+    """Encode ``dataset`` once into ``cache_dir/<key>`` (all processes share the work) and return the cache."""
+    from .cache import CachedDataset, build_cache, cache_key, module_fingerprint
+
+    encoders = [e if isinstance(e, Mapping) else module_fingerprint(e) for e in parts.recipe.encoders(parts)]
+    key = cache_key(parts.family, dataset.fingerprint(), encoders)
+    folder = build_cache(
+        dataset, lambda batch: parts.recipe.cache_encode(parts, batch, accelerator.device), cache_dir / key,
+        batch_size=batch_size, rank=accelerator.process_index, world_size=accelerator.num_processes,
+        barrier=accelerator.wait_for_everyone, progress=accelerator.is_local_main_process,
+    )
+    return CachedDataset(folder)
 
 
 def train(config: dict) -> dict[str, Any]:
-    """Train / fine-tune a DiT as ``config`` says (see :data:`DEFAULT_CONFIG`); run it under accelerate.
+    """Train / fine-tune as ``config`` says (see :data:`DEFAULT_CONFIG`); run it under accelerate.
 
-    Writes into ``output_dir``: ``config.yaml`` (the resolved config), ``loss.csv`` (step, loss, lr),
-    ``loss.png``, ``checkpoints/checkpoint_<i>/`` (accelerate states, every
-    ``train.checkpointing_steps``), ``final/`` (the final ``DiTPipeline``; or ``export.dir``) and
-    ``train_summary.json``. With ``train.resume`` it continues from the latest complete checkpoint
-    (same data order, noise and final weights as an uninterrupted run on the same hardware).
+    Writes into ``output_dir``: ``config.yaml`` (the resolved config), ``loss.csv`` (step, loss, lr
+    and the loss terms), ``loss.png``, ``checkpoints/checkpoint_<i>/`` (accelerate states plus EMA,
+    every ``train.checkpointing_steps``), ``final/`` (the final pipeline in the converted-checkpoint
+    format, written atomically; or ``export.dir``), ``train_summary.json`` and, with
+    ``report_to: tensorboard``, ``logs/``. With ``train.resume`` it continues from the latest
+    complete checkpoint (same data order, noise and final weights as an uninterrupted run on the
+    same hardware, bitwise on the CPU).
+
+    The random draws of each step (noise, timesteps, condition dropout) are made for the global
+    batch and sliced per process, so ``N`` processes with per-process batch ``B`` follow the run of
+    one process with batch ``N B`` (up to floating-point reduction order).
 
     Returns:
-        The summary dict (also written to ``train_summary.json``): ``final_dir``, ``steps``,
-        ``final_loss`` (mean of the last ``log_every`` steps), ``wall_time_s``, ``step_time_s``
-        (mean wall seconds per optimizer step in this run), ``step_cpu_time_s`` (CPU seconds of this
-        process per step), ``num_parameters``, ``mhla``, ``mhla_layers``, ``mixing_range``,
-        ``eval_loss_start`` / ``eval_loss`` (held-out epsilon MSE before / after, see
-        :func:`evaluate_loss`; ``None`` unless ``eval.samples > 0``).
+        The summary dict (also written to ``train_summary.json``; empty on processes other than the
+        main one): ``final_dir``, ``steps``, ``final_loss`` (mean of the last ``log_every`` steps),
+        ``wall_time_s``, ``step_time_s``, ``step_cpu_time_s``, ``num_parameters``,
+        ``num_trainable_parameters``, ``family``, ``objective``, ``trainable``, ``mhla``,
+        ``mhla_layers``, ``mixing_range``, ``batch_size`` (global), ``eval_loss_start`` /
+        ``eval_loss`` (held-out data loss before / after, see :func:`evaluate_heldout`; ``None``
+        unless ``eval.samples > 0``), ``eval_distill_start`` / ``eval_distill`` (held-out MSE to the
+        teacher's output; ``None`` without teacher).
 
     Raises:
         ValueError: invalid config (see :func:`load_config`), a dataset smaller than one batch,
             ``resume`` without a complete checkpoint, a non-finite loss.
     """
     from accelerate import Accelerator
-    from accelerate.utils import ProjectConfiguration, set_seed
+    from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
     from diffusers.optimization import get_scheduler
     from torch.utils.data import DataLoader, DistributedSampler
     from tqdm.auto import tqdm
 
+    from . import mixing as mixing_module
     from .apply import is_mhla_model
-    from .mixing import clamp_mixing_, mixing_parameters
+    from .distill import AttentionRecorder, transfer_modules
+    from .mixing import mixing_parameters
 
     validate_config(config)
-    t_cfg, d_cfg = config["train"], config["data"]
+    t_cfg, d_cfg, ds_cfg = config["train"], config["data"], config["distill"]
     out = Path(config["output_dir"])
     accelerator = Accelerator(
         mixed_precision=t_cfg["mixed_precision"],
         gradient_accumulation_steps=t_cfg["gradient_accumulation_steps"],
+        log_with=t_cfg["report_to"],
         project_config=ProjectConfiguration(
             project_dir=str(out),
+            logging_dir=str(out / "logs"),
             automatic_checkpoint_naming=True,
             total_limit=t_cfg["checkpoints_total_limit"],
         ),
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=bool(t_cfg["find_unused_parameters"]))],
     )
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         _atomic_write_bytes(out / "config.yaml", yaml.safe_dump(config, sort_keys=False).encode())
     set_seed(int(t_cfg["seed"]))  # model init (from scratch) and anything else seeded globally
 
-    # Models, data, optimizer.
+    # Models, dtypes, data.
     parts = build_models(config)
-    transformer, vae, noise_scheduler = parts["transformer"], parts["vae"], parts["noise_scheduler"]
+    recipe, transformer = parts.recipe, parts.transformer
+    if config["mhla"] is not None and not parts.mhla_applied:
+        accelerator.print("the pretrained checkpoint already has MHLA: the mhla section is not applied again")
+    weight_dtype = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[t_cfg["mixed_precision"]]
+    if weight_dtype == torch.float16 and accelerator.device.type == "cpu":
+        # accelerate runs fp16 "mixed precision" on the CPU without autocast and without a GradScaler:
+        # fp16 weights would meet fp32 activations. Keep fp32 there (bf16 autocast does work on the CPU).
+        accelerator.print("mixed_precision=fp16 has no autocast on the CPU: weights stay fp32 (use bf16 on the CPU)")
+        weight_dtype = torch.float32
     if t_cfg["gradient_checkpointing"]:
         transformer.enable_gradient_checkpointing()
-    if config["mhla"] is not None and not parts["mhla_applied"]:
-        accelerator.print("the pretrained checkpoint already has MHLA: the mhla section is not applied again")
-    label_dropout_backup = disable_internal_label_dropout(transformer)
-    null_class = int(transformer.config.num_embeds_ada_norm)
-    vae.to(accelerator.device)
-    check_resolution(transformer, vae, int(d_cfg["resolution"]))
+    prepare_parameter_dtypes(transformer, weight_dtype)  # frozen -> weight_dtype, trainable -> fp32 (C16)
+    if parts.teacher is not None:
+        parts.teacher.to(accelerator.device, weight_dtype)
+    parts.vae.to(accelerator.device)
+    if parts.pipeline is not None and getattr(parts.pipeline, "text_encoder", None) is not None:
+        parts.pipeline.text_encoder.to(accelerator.device, weight_dtype)
     dataset = build_dataset(d_cfg)
-    id2label = dataset.id2label  # the training data defines the classes
-    if len(id2label) > null_class:
-        raise ValueError(f"{len(id2label)} classes but the model has {null_class} (num_embeds_ada_norm)")
+    labels = getattr(dataset, "id2label", None)
+    id2label = labels if labels else parts.id2label  # the training data defines the classes
+    parts.id2label = id2label
+    restore = recipe.prepare(parts, dataset, config)
+    batch_size = int(d_cfg["batch_size"])
+    cache_dir = Path(d_cfg["cache_dir"]) if d_cfg["cache_dir"] else out / "latent_cache"
+    if d_cfg["cache"]:
+        dataset = _cached_dataset(parts, dataset, cache_dir, accelerator, batch_size)
     sampler = DistributedSampler(
         dataset, num_replicas=accelerator.num_processes, rank=accelerator.process_index,
         shuffle=True, seed=int(d_cfg["seed"]), drop_last=True,
     )
-    batch_size = int(d_cfg["batch_size"])
     accum = int(t_cfg["gradient_accumulation_steps"])
     # An epoch = a whole number of optimizer steps (drop the remainder): keeps resume arithmetic exact.
     steps_per_epoch = len(sampler) // (batch_size * accum)
@@ -739,6 +1562,7 @@ def train(config: dict) -> dict[str, Any]:
         weight_decay=float(t_cfg["weight_decay"]), betas=(float(t_cfg["adam_beta1"]), float(t_cfg["adam_beta2"])),
         eps=float(t_cfg["adam_eps"]),
     )
+    trainable_params = [p for p in transformer.parameters() if p.requires_grad]
     max_steps = int(t_cfg["max_steps"])
     # accelerate steps a prepared lr scheduler once per process per optimizer step.
     lr_scheduler = get_scheduler(
@@ -746,80 +1570,126 @@ def train(config: dict) -> dict[str, Any]:
         num_warmup_steps=int(t_cfg["warmup_steps"]) * accelerator.num_processes,
         num_training_steps=max_steps * accelerator.num_processes,
     )
-    transformer, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
+    model, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
+    ema = None
+    e_cfg = config["ema"]
+    if e_cfg["enabled"]:
+        from diffusers.training_utils import EMAModel
 
-    # Resume.
+        ema = EMAModel(trainable_params, decay=float(e_cfg["decay"]), update_after_step=int(e_cfg["update_after_step"]),
+                       use_ema_warmup=bool(e_cfg["use_warmup"]))
+        ema.to(accelerator.device)
+
+    # Resume (or refuse to start over a run that has checkpoints).
     step, rows = 0, []
     ckpt_root = out / "checkpoints"
+    complete, incomplete = _checkpoints(ckpt_root)
+    if t_cfg["resume"] and not complete:
+        raise ValueError(f"train.resume is set but {ckpt_root} holds no complete checkpoint; run without --resume")
+    if not t_cfg["resume"] and complete:
+        raise ValueError(f"{ckpt_root} already holds checkpoints: pass --resume to continue, or use a new output_dir")
+    accelerator.wait_for_everyone()
+    if incomplete and accelerator.is_main_process:  # a run killed while saving: the folder is unusable
+        for folder in incomplete:
+            shutil.rmtree(folder, ignore_errors=True)
+    accelerator.wait_for_everyone()
     if t_cfg["resume"]:
-        complete = _complete_checkpoints(ckpt_root)
-        if not complete:
-            raise ValueError(f"train.resume is set but {ckpt_root} holds no complete checkpoint; run without --resume")
         step, folder = complete[-1]
         accelerator.load_state(str(folder))
+        if ema is not None:
+            _load_ema(ema, folder)
         accelerator.project_configuration.iteration = int(folder.name.split("_")[-1]) + 1
         if (out / LOSS_CSV).is_file():
-            rows = [r for r in read_loss_csv(out / LOSS_CSV) if r[0] <= step]
+            rows = [r for r in _read_rows(out / LOSS_CSV) if r[0] <= step]
         accelerator.print(f"resumed from {folder} at step {step}")
-    elif _complete_checkpoints(ckpt_root):
-        raise ValueError(f"{ckpt_root} already holds checkpoints: pass --resume to continue, or use a new output_dir")
+    if t_cfg["report_to"]:
+        accelerator.init_trackers("mhla_finetune", config=_flat_config(config))
 
-    # Held-out loss before training (for a converted checkpoint: the cost of the conversion).
-    e_cfg = config["eval"]
+    # Held-out losses before training (for a converted checkpoint: the cost of the conversion).
+    ev_cfg = config["eval"]
     eval_set = None
-    if int(e_cfg["samples"]) > 0:
-        eval_set = build_dataset({**d_cfg, "seed": int(e_cfg["seed"])})
-    eval_kwargs = dict(num_samples=int(e_cfg["samples"]), batch_size=int(e_cfg["batch_size"]), seed=int(e_cfg["seed"]))
-    eval_start = None
+    if int(ev_cfg["samples"]) > 0:
+        eval_set = build_dataset({**d_cfg, "seed": int(ev_cfg["seed"])})
+        if d_cfg["cache"]:
+            eval_set = _cached_dataset(parts, eval_set, cache_dir, accelerator, int(ev_cfg["batch_size"]))
+    eval_kwargs = dict(num_samples=int(ev_cfg["samples"]), batch_size=int(ev_cfg["batch_size"]), seed=int(ev_cfg["seed"]), teacher=parts.teacher)
+    eval_start: dict = {}
     if eval_set is not None and accelerator.is_main_process and step == 0:
-        eval_start = evaluate_loss(accelerator.unwrap_model(transformer), vae, noise_scheduler, eval_set, **eval_kwargs)
-        accelerator.print(f"held-out loss before training: {eval_start:.5f}")
+        with accelerator.autocast():
+            eval_start = evaluate_heldout(parts, accelerator.unwrap_model(model), eval_set, **eval_kwargs)
+        accelerator.print(f"held-out loss before training: {eval_start['loss']:.5f}")
+
+    # Distillation hooks.
+    weights = dict(data_weight=float(ds_cfg["data_weight"]) if parts.teacher is not None else 1.0,
+                   output_weight=float(ds_cfg["output_weight"]), attention_weight=float(ds_cfg["attention_weight"]))
+    recorders = None
+    if weights["attention_weight"] > 0:
+        student_modules = transfer_modules(transformer, ds_cfg["layers"])
+        recorders = (AttentionRecorder(student_modules),
+                     AttentionRecorder({n: parts.teacher.get_submodule(n) for n in student_modules}))
+    num_classes = len(id2label) if id2label else None
+    if ds_cfg["condition"] == "random" and not num_classes:
+        num_classes = int(transformer.config.get("num_embeds_ada_norm") or 0) or None
+        if num_classes is None:
+            raise ValueError("distill.condition=random needs a class-conditional model")
 
     # The loop.
-    num_params = sum(p.numel() for p in accelerator.unwrap_model(transformer).parameters())
+    num_params = sum(p.numel() for p in transformer.parameters())
+    num_trainable = sum(p.numel() for p in trainable_params)
     progress = tqdm(total=max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process, dynamic_ncols=True)
     log_every = int(t_cfg["log_every"])
     grad_clip = t_cfg["grad_clip"]
-    class_dropout = float(t_cfg["class_dropout"])
+    dropout = recipe.dropout(config)
     seed = int(t_cfg["seed"])
     t_start, cpu_start = time.perf_counter(), time.process_time()
     steps_this_run = 0
-    transformer.train()
+    model.train()
     while step < max_steps:
         epoch, offset = divmod(step, steps_per_epoch)  # resume mid-epoch: skip the steps already taken
-        dataset.set_epoch(epoch)
+        if hasattr(dataset, "set_epoch"):
+            dataset.set_epoch(epoch)
         sampler.set_epoch(epoch)
         per_step = batch_size * accum
         indices = list(sampler)[offset * per_step : steps_per_epoch * per_step]
         loader = DataLoader(dataset, batch_size=batch_size, sampler=indices, num_workers=int(d_cfg["num_workers"]), drop_last=True)
-        micro, step_losses = 0, []
+        micro, step_losses, step_terms = 0, [], []
         for batch in loader:
-            batch = {k: v.to(accelerator.device, non_blocking=True) for k, v in batch.items()}
-            g = torch.Generator(device=accelerator.device).manual_seed(_step_seed(seed, step, micro, accelerator.process_index))
-            with accelerator.accumulate(transformer):
-                loss = diffusion_loss(
-                    transformer, vae, noise_scheduler, batch,
-                    generator=g, class_dropout=class_dropout, null_class=null_class,
-                )
+            batch = {k: v.to(accelerator.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+            g = torch.Generator(device=accelerator.device).manual_seed(_step_seed(seed, step, micro))
+            with accelerator.accumulate(model):
+                with accelerator.autocast():
+                    loss, terms = training_loss(
+                        parts, model, batch, generator=g, rank=accelerator.process_index, world_size=accelerator.num_processes,
+                        dropout=dropout, condition=ds_cfg["condition"], recorders=recorders, num_classes=num_classes, **weights,
+                    )
                 if not torch.isfinite(loss):
                     raise ValueError(f"non-finite loss {loss.item()} at step {step + 1}; lower train.lr or use mixed_precision=no")
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and grad_clip:
-                    accelerator.clip_grad_norm_(transformer.parameters(), grad_clip)
+                    accelerator.clip_grad_norm_(model.parameters(), grad_clip)
                 optimizer.step()
                 lr_scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-            step_losses.append(loss.detach())
+            step_losses.append(loss.detach().float())
+            step_terms.append({k: v.detach().float() for k, v in terms.items()})
             micro += 1
             if not accelerator.sync_gradients:
                 continue
             # One optimizer step done.
-            clamp_mixing_(transformer)  # MHLA paper Sec. 3.3: mixing coefficients kept in [0, 1]
+            mixing_module.clamp_mixing_(transformer)  # MHLA paper Sec. 3.3: mixing coefficients kept in [0, 1]
+            if ema is not None:
+                ema.step(trainable_params)
             step += 1
             steps_this_run += 1
-            mean_loss = accelerator.reduce(torch.stack(step_losses).mean(), reduction="mean").item()
-            rows.append((step, mean_loss, lr_scheduler.get_last_lr()[0]))
-            micro, step_losses = 0, []
+            names = sorted(step_terms[0])
+            local = torch.stack([torch.stack(step_losses).mean()] + [torch.stack([t[k] for t in step_terms]).mean() for k in names])
+            reduced = accelerator.reduce(local, reduction="mean").tolist()
+            mean_loss, term_values = reduced[0], dict(zip(names, reduced[1:]))
+            lr_now = lr_scheduler.get_last_lr()[0]
+            rows.append((step, mean_loss, lr_now, term_values))
+            if t_cfg["report_to"]:
+                accelerator.log({"loss": mean_loss, "lr": lr_now, **{f"loss_{k}": v for k, v in term_values.items()}}, step=step)
+            micro, step_losses, step_terms = 0, [], []
             progress.update(1)
             if step % log_every == 0 or step == max_steps:
                 recent = [r[1] for r in rows[-log_every:]]
@@ -833,32 +1703,45 @@ def train(config: dict) -> dict[str, Any]:
                     write_loss_csv(out / LOSS_CSV, rows)
                 folder = Path(accelerator.save_state())
                 if accelerator.is_main_process:
+                    if ema is not None:
+                        _save_ema(ema, folder)
                     # Written last: marks the checkpoint complete (resume ignores folders without it).
                     _atomic_write_json(folder / TRAIN_STATE, {"step": step, "epoch": epoch})
+                accelerator.wait_for_everyone()
             if step >= max_steps:
                 break
     progress.close()
     wall, cpu = time.perf_counter() - t_start, time.process_time() - cpu_start
 
-    # Export.
+    # Evaluate and export.
     accelerator.wait_for_everyone()
     summary: dict[str, Any] = {}
     if accelerator.is_main_process:
-        model = accelerator.unwrap_model(transformer)
-        for module, prob in label_dropout_backup:
-            module.dropout_prob = prob
-        model.eval()
+        unwrapped = accelerator.unwrap_model(model)
+        for module, attribute, value in restore:
+            setattr(module, attribute, value)
+        unwrapped.eval()
+        if ema is not None and e_cfg["export"]:
+            ema.copy_to(trainable_params)
+        eval_end: dict = {}
+        if eval_set is not None:
+            with accelerator.autocast():
+                eval_end = evaluate_heldout(parts, unwrapped, eval_set, **eval_kwargs)
         final_dir = Path(config["export"]["dir"]) if config["export"]["dir"] else out / "final"
-        export_pipeline(model, vae, noise_scheduler, final_dir, sampler=config["export"]["sampler"], id2label=id2label)
+        export_model(parts, unwrapped, final_dir, sampler=config["export"]["sampler"], id2label=id2label,
+                     lora_export=config["lora"]["export"])
         write_loss_csv(out / LOSS_CSV, rows)
         if rows:
             try:
-                plot_loss_curves({Path(out).name: ([r[0] for r in rows], [r[1] for r in rows])}, out / LOSS_PNG)
+                curves = {Path(out).name: ([r[0] for r in rows], [r[1] for r in rows])}
+                if any(len(r[3]) > 1 for r in rows):
+                    for name, (steps_, values) in read_loss_terms(out / LOSS_CSV).items():
+                        curves[f"{name} term"] = (steps_, values)
+                plot_loss_curves(curves, out / LOSS_PNG)
             except ImportError:
                 accelerator.print(f"matplotlib is not installed: {LOSS_PNG} skipped (pip install matplotlib)")
         recent = [r[1] for r in rows[-log_every:]]
-        mixing = mixing_parameters(model)
-        eval_end = evaluate_loss(model, vae, noise_scheduler, eval_set, **eval_kwargs) if eval_set is not None else None
+        mixing = mixing_parameters(unwrapped)
         summary = {
             "final_dir": str(final_dir),
             "steps": step,
@@ -868,12 +1751,18 @@ def train(config: dict) -> dict[str, Any]:
             # CPU seconds of this process per step: robust to other processes sharing the cores.
             "step_cpu_time_s": round(cpu / steps_this_run, 4) if steps_this_run else None,
             "num_parameters": num_params,
-            "mhla": is_mhla_model(model),
+            "num_trainable_parameters": num_trainable,
+            "family": parts.family,
+            "objective": parts.objective.kind,
+            "trainable": t_cfg["trainable"],
+            "mhla": is_mhla_model(unwrapped),
             "mhla_layers": len(mixing),
             "mixing_range": [min(float(p.detach().min()) for p in mixing), max(float(p.detach().max()) for p in mixing)] if mixing else None,
             "batch_size": batch_size * accelerator.num_processes * accum,
-            "eval_loss_start": eval_start,  # None when eval.samples = 0 or when resumed
-            "eval_loss": eval_end,
+            "eval_loss_start": eval_start.get("loss"),  # None when eval.samples = 0 or when resumed
+            "eval_loss": eval_end.get("loss"),
+            "eval_distill_start": eval_start.get("distill_output"),
+            "eval_distill": eval_end.get("distill_output"),
         }
         _atomic_write_json(out / SUMMARY, summary)
     accelerator.wait_for_everyone()

@@ -1,0 +1,165 @@
+"""On-disk cache of encoded training inputs: latents and text embeddings (safetensors).
+
+Encoding every crop with the VAE (and every caption with a 2B-parameter text encoder) at every
+step costs more than the transformer's step on small runs. :func:`build_cache` encodes a dataset
+once and writes one safetensors file per item; :class:`CachedDataset` reads them back. The cache
+folder is keyed by a hash of the dataset's fingerprint (class, sizes, seed, flips, file names,
+sizes and modification times, captions) and of the encoders' fingerprints (class, config, shapes
+and a sample of their weights), so a changed dataset or encoder gets a fresh folder, never a
+stale cache.
+
+Items are the crops of epoch 0: with a cache each index keeps one crop for the whole run
+(``crops_per_image`` views per image), where the uncached datasets draw new crops each epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+__all__ = ["module_fingerprint", "cache_key", "build_cache", "CachedDataset", "is_complete"]
+
+_DONE = "cache_complete.json"
+
+
+def module_fingerprint(module: nn.Module | None) -> dict:
+    """A cheap identity of an encoder: class, config, parameter shapes and a strided sample of
+    its weights (hashing every weight of a multi-GB text encoder would take longer than encoding)."""
+    if module is None:
+        return {"class": None}
+    digest = hashlib.sha256()
+    shapes = []
+    for name, p in sorted(module.state_dict().items()):
+        shapes.append([name, list(p.shape), str(p.dtype)])
+        flat = p.detach().reshape(-1)
+        if flat.numel():
+            step = max(1, flat.numel() // 64)
+            digest.update(flat[::step][:64].to("cpu", torch.float32).numpy().tobytes())
+    config = getattr(module, "config", None)
+    try:
+        config = json.loads(json.dumps(dict(config), default=str)) if config is not None else None
+    except TypeError:
+        config = str(config)
+    return {"class": type(module).__name__, "config": config, "shapes": shapes, "weights": digest.hexdigest()}
+
+
+def cache_key(*parts: Any) -> str:
+    """The sha256 (first 16 hex digits) of the JSON of ``parts`` (dataset and encoder fingerprints, options)."""
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def is_complete(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds a finished cache (its completion marker was written)."""
+    return (Path(folder) / _DONE).is_file()
+
+
+def _item_path(folder: Path, index: int) -> Path:
+    return folder / "items" / f"{index:08d}.safetensors"
+
+
+def build_cache(
+    dataset: Dataset,
+    encode: Callable[[dict], Mapping[str, torch.Tensor]],
+    folder: str | os.PathLike,
+    *,
+    batch_size: int = 16,
+    rank: int = 0,
+    world_size: int = 1,
+    barrier: Callable[[], None] | None = None,
+    progress: bool = False,
+) -> Path:
+    """Encode every item of ``dataset`` (at epoch 0) into ``folder`` (skipped if already complete).
+
+    Args:
+        dataset: items are dicts of tensors (and strings, e.g. ``caption``); collated in batches.
+        encode: ``batch -> {name: tensor [B, ...]}`` (e.g. ``latents``, ``prompt_embeds``); run under
+            ``torch.no_grad``. Tensors are stored per item on the CPU in their dtype.
+        folder: the cache folder (``<cache_dir>/<cache_key(...)>``).
+        rank, world_size, barrier: several processes share the work (item ``i`` on rank
+            ``i % world_size``); ``barrier`` (e.g. ``accelerator.wait_for_everyone``) is called before the
+            completion marker is written by rank 0 and once more after it.
+
+    Returns:
+        ``folder``.
+    """
+    from safetensors.torch import save_file
+    from torch.utils.data import DataLoader
+
+    folder = Path(folder)
+    if is_complete(folder):
+        return folder
+    (folder / "items").mkdir(parents=True, exist_ok=True)
+    if hasattr(dataset, "set_epoch"):
+        dataset.set_epoch(0)
+    mine = [i for i in range(rank, len(dataset), world_size) if not _item_path(folder, i).is_file()]
+    loader = DataLoader(torch.utils.data.Subset(dataset, mine), batch_size=batch_size, shuffle=False)
+    done = 0
+    iterator = loader
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(loader, desc="cache", dynamic_ncols=True)
+    for batch in iterator:
+        with torch.no_grad():
+            encoded = {k: v.detach().to("cpu") for k, v in encode(batch).items()}
+        for j in range(len(next(iter(encoded.values())))):
+            path = _item_path(folder, mine[done + j])
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            save_file({k: v[j].contiguous() for k, v in encoded.items()}, str(tmp))
+            os.replace(tmp, path)
+        done += len(next(iter(encoded.values())))
+    if barrier is not None:
+        barrier()
+    if rank == 0:
+        missing = [i for i in range(len(dataset)) if not _item_path(folder, i).is_file()]
+        if missing:
+            raise RuntimeError(f"latent cache {folder} lacks items {missing[:5]} after encoding")
+        (folder / _DONE).write_text(json.dumps({"items": len(dataset)}) + "\n")
+    if barrier is not None:
+        barrier()
+    return folder
+
+
+class CachedDataset(Dataset):
+    """Items of a cache written by :func:`build_cache`: ``{name: tensor}`` as encoded, plus ``extra(i)``.
+
+    Args:
+        folder: a complete cache folder.
+        extra: optional ``index -> dict`` merged into every item (e.g. class labels kept as is).
+
+    Raises:
+        FileNotFoundError: the folder holds no complete cache.
+    """
+
+    def __init__(self, folder: str | os.PathLike, extra: Callable[[int], dict] | None = None):
+        self.folder = Path(folder)
+        if not is_complete(self.folder):
+            raise FileNotFoundError(f"{self.folder} holds no complete latent cache (build_cache writes it)")
+        self.length = int(json.loads((self.folder / _DONE).read_text())["items"])
+        self.extra = extra
+
+    def __len__(self) -> int:
+        return self.length
+
+    def set_epoch(self, epoch: int) -> None:
+        """No-op: cached items are fixed (the crops of epoch 0)."""
+
+    def __getitem__(self, index: int) -> dict:
+        from safetensors.torch import load_file
+
+        if not -self.length <= index < self.length:
+            raise IndexError(f"index {index} out of range for a cache of {self.length} items")
+        index %= self.length
+        item: dict = dict(load_file(str(_item_path(self.folder, index))))
+        if self.extra is not None:
+            item.update(self.extra(index))
+        return item
+
