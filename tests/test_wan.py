@@ -214,6 +214,12 @@ def test_wan_rotary_is_diffusers_rotation():
     assert not torch.allclose(rot(q), q)
     with pytest.raises(ValueError, match="do not match"):
         rot(q[:, :, :5])
+    # the complex-multiplication path (float32 / float64) and the slice path (other dtypes) agree, views too
+    x = torch.randn(2, 2, 25, 12, generator=g, dtype=torch.float64)[:, :, 1:]  # a view at an offset
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    c, s_ = rotary_emb[0][..., 0::2].transpose(1, 2).double(), rotary_emb[1][..., 1::2].transpose(1, 2).double()
+    want = torch.stack((x1 * c - x2 * s_, x1 * s_ + x2 * c), dim=-1).flatten(-2)
+    assert _rel(rot(x), want) < 1e-15 and _rel(rot(x.bfloat16()).double(), want) < 1e-2
 
 
 # -- the operator: the Wan rotary variant against the dense float64 oracle ---------------------------
@@ -238,9 +244,10 @@ def test_rotary_variant_matches_dense_reference(normalize, dtype):
     assert out.dtype == dtype and _rel(out, ref) < tol and _rel(ref, mine) < 1e-12
     seed = torch.randn(out.shape, generator=g, dtype=torch.float64)
     grads = torch.autograd.grad((out.double() * seed).sum(), (q, k, v, mixing))
-    grads_ref = torch.autograd.grad((ref * seed).sum(), (q, k, v, mixing))
-    for name, a, b in zip("qkvM", grads, grads_ref):
-        assert _rel(a, b) < (1e-10 if dtype == torch.float64 else 1e-4), name
+    grads_ref = torch.autograd.grad((ref * seed).sum(), (q, k, v, mixing), retain_graph=True)
+    grads_mine = torch.autograd.grad((mine * seed).sum(), (q, k, v, mixing))  # slice-form rotation, no complex
+    for name, a, b, c in zip("qkvM", grads, grads_ref, grads_mine):
+        assert _rel(a, b) < (1e-10 if dtype == torch.float64 else 1e-4) and _rel(b, c) < (1e-10 if dtype == torch.float64 else 1e-6), name
     # the RoPE matters: without it the numerator is another function
     plain = mhla_attention(q, k, v, mixing, layout, normalize=normalize, eps=EPS)
     assert _rel(plain, out) > 1e-3
