@@ -348,8 +348,11 @@ def main(argv=None):
     import torch
 
     torch.set_num_threads(1)
+    import mhla_diffusers  # noqa: F401
     from mhla_diffusers import ops
     from mhla_diffusers.layout import BlockLayout
+
+    kernels_imported_by_package = "mhla_diffusers.ops.triton_ops" in sys.modules
     from mhla_diffusers.ops import triton_ops
 
     results, t_start = [], time.time()
@@ -370,6 +373,7 @@ def main(argv=None):
             triton_ops._INTERPRET_SPLIT_TOKENS, triton_ops._INTERPRET_BLOCK_T = saved
     torch.manual_seed(0)
     extra = {} if a.only else extra_checks(torch, ops, BlockLayout)
+    extra["package_import_leaves_kernels_unimported"] = not kernels_imported_by_package
     report = dict(cases=results, extra=extra, seconds=round(time.time() - t_start, 1))
     text = json.dumps(report, indent=1)
     if a.json:
