@@ -1500,7 +1500,17 @@ def train(config: dict) -> dict[str, Any]:
     validate_config(config)
     t_cfg, d_cfg, ds_cfg = config["train"], config["data"], config["distill"]
     out = Path(config["output_dir"])
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    # Several train() calls in one process (the demo, tests) may differ in mixed precision or
+    # accumulation: forget the previous call's accelerate settings (the process group is kept).
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state()
+    GradientState._reset_state()
     accelerator = Accelerator(
+        # Several processes without CUDA: data-parallel over gloo on the CPU (accelerate's MULTI_CPU);
+        # without cpu=True accelerate would start each process as an independent single-process run.
+        cpu=world > 1 and not torch.cuda.is_available(),
         mixed_precision=t_cfg["mixed_precision"],
         gradient_accumulation_steps=t_cfg["gradient_accumulation_steps"],
         log_with=t_cfg["report_to"],
@@ -1512,6 +1522,11 @@ def train(config: dict) -> dict[str, Any]:
         ),
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=bool(t_cfg["find_unused_parameters"]))],
     )
+    if accelerator.num_processes != world:
+        raise RuntimeError(
+            f"{world} processes were launched but accelerate set up {accelerator.num_processes}: they would train "
+            "independently over the same output_dir. Check the accelerate config (finetune/accelerate/*.yaml)"
+        )
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         _atomic_write_bytes(out / "config.yaml", yaml.safe_dump(config, sort_keys=False).encode())
@@ -1531,11 +1546,12 @@ def train(config: dict) -> dict[str, Any]:
     if t_cfg["gradient_checkpointing"]:
         transformer.enable_gradient_checkpointing()
     prepare_parameter_dtypes(transformer, weight_dtype)  # frozen -> weight_dtype, trainable -> fp32 (C16)
-    if parts.teacher is not None:
-        parts.teacher.to(accelerator.device, weight_dtype)
-    parts.vae.to(accelerator.device)
-    if parts.pipeline is not None and getattr(parts.pipeline, "text_encoder", None) is not None:
-        parts.pipeline.text_encoder.to(accelerator.device, weight_dtype)
+    frozen = [parts.teacher, getattr(parts.pipeline, "text_encoder", None)]
+    for module in [m for m in frozen if m is not None]:  # teacher, text encoder: in the weight dtype
+        module.to(accelerator.device)
+        if weight_dtype != torch.float32:
+            module.to(weight_dtype)
+    parts.vae.to(accelerator.device)  # the autoencoder stays fp32 (as diffusers' SANA / SD3 recipes keep it)
     dataset = build_dataset(d_cfg)
     labels = getattr(dataset, "id2label", None)
     id2label = labels if labels else parts.id2label  # the training data defines the classes
