@@ -263,7 +263,7 @@ class MHLAProcessor:
             )
         return mixing
 
-    def _mixing(self, attn, family) -> MixingMatrix:
+    def _mixing(self, attn) -> MixingMatrix:
         mixing = getattr(attn, "mhla_mixing", None)
         if mixing is not None:
             return mixing
@@ -432,7 +432,7 @@ class MHLAProcessor:
             extra["rotary"] = family.rotary(rotary_emb)
 
         # MHLA over the blocks of this call's token grid (phi = ReLU, fp32 accumulation)
-        mixing = self._mixing(attn, family)
+        mixing = self._mixing(attn)
         layout, weight = self._blocks(mixing, self._grid(attn, num_tokens), family)
         eps = self.eps if self.eps is not None else (1e-6 if family is None else family.default_eps)
         output_norm = getattr(attn, "mhla_output_norm", None)

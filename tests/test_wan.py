@@ -523,6 +523,18 @@ def test_remove_mhla_restores_stock_bitwise():
     assert torch.equal(run_wan(model, inputs), run_wan(stock, inputs))
 
 
+def test_fused_projections():
+    """diffusers' fuse_qkv_projections (one to_qkv on self-attention, to_kv on cross-attention): MHLA reads
+    the fused projection; the output stays the same."""
+    model = tiny_wan(num_layers=2)
+    apply_mhla(model, block_grid=(1, 2, 2))
+    inputs = wan_inputs(batch=1, frames=2, size=8)
+    ref = run_wan(model, inputs)
+    model.fuse_qkv_projections()
+    assert all(a.fused_projections and hasattr(a, "to_qkv") for a in wan_self_attn(model))
+    assert torch.allclose(run_wan(model, inputs), ref, atol=1e-6, rtol=1e-5)
+
+
 def test_no_grid_raises_naming_the_fix():
     model = tiny_wan(num_layers=1)
     apply_mhla(model, block_grid=(1, 2, 2))
