@@ -122,7 +122,7 @@ def mhla_attention(
         S_b = (R phi(K_b))^T V_b,   out = (R phi(q)) S~_i / (phi(q) . z~_i + eps)
 
     computed as one numerator call of the backend on the rotated features (``feature_map`` off)
-    plus an O(N d) denominator in PyTorch (autograd); both in the accumulation dtype.
+    plus a second call for the denominator (a value of ones); both in the accumulation dtype.
 
     Summaries, normaliser and mixing are accumulated in fp32 (fp64 for fp64 inputs) whatever the
     input dtype; the output has the dtype of ``q``. Cost O(N d^2 + M^2 d^2); gradients for q, k,
@@ -200,9 +200,8 @@ def _rotary_attention(fn, q, k, v, mixing, layout, rotary, *, normalize, eps, fe
     # is divided before any rounding to a 16-bit input dtype.
     num = fn(rot_q.to(acc), rot_k.to(acc), v, mixing, layout, normalize=False, eps=eps, feature_map=False)
     if normalize:
-        idx = layout.block_index.to(q.device)
-        z = phi_k.new_zeros(*phi_k.shape[:2], layout.num_blocks, phi_k.shape[-1]).index_add_(2, idx, phi_k)
-        z_mix = torch.matmul(mixing.to(acc), z)  # [B, heads, M, d]: z~ = Mc z
-        den = (phi_q * z_mix.index_select(2, idx)).sum(dim=-1, keepdim=True) + eps
-        num = num / den
+        # phi(q) . z~ with un-rotated features: the backend's numerator with a value of ones.
+        ones = phi_q.new_ones(1, 1, 1, 1).expand(*q.shape[:3], 1)
+        den = fn(phi_q, phi_k, ones, mixing, layout, normalize=False, eps=eps, feature_map=False)
+        num = num / (den + eps)
     return num.to(q.dtype)
