@@ -43,10 +43,9 @@ def module_fingerprint(module: nn.Module | None) -> dict:
             step = max(1, flat.numel() // 64)
             digest.update(flat[::step][:64].to("cpu", torch.float32).numpy().tobytes())
     config = getattr(module, "config", None)
-    try:
-        config = json.loads(json.dumps(dict(config), default=str)) if config is not None else None
-    except TypeError:
-        config = str(config)
+    if config is not None:
+        raw = config.to_dict() if hasattr(config, "to_dict") else dict(config)  # transformers / diffusers configs
+        config = json.loads(json.dumps(raw, sort_keys=True, default=str))
     return {"class": type(module).__name__, "config": config, "shapes": shapes, "weights": digest.hexdigest()}
 
 

@@ -115,3 +115,76 @@ def test_image_folder_errors(tmp_path):
     ds = ImageFolderCrops(tmp_path, resolution=8)
     with pytest.raises(ValueError, match="cannot read image"):
         ds[0]
+
+
+# -- captioned folders -----------------------------------------------------------------------------
+def test_captioned_folder_metadata_and_sidecars(tmp_path):
+    import json
+
+    from mhla_diffusers.data import CaptionedImageCrops, read_captions
+
+    _write_image(tmp_path / "a.png", (20, 20), (255, 0, 0))
+    _write_image(tmp_path / "sub" / "b.jpg", (24, 20), (0, 255, 0))
+    _write_image(tmp_path / "c.png", (20, 30), (0, 0, 255))
+    (tmp_path / "metadata.jsonl").write_text(
+        json.dumps({"file_name": "a.png", "text": "a red square"}) + "\n\n" + json.dumps({"file_name": "sub/b.jpg", "text": "green"}) + "\n"
+    )
+    (tmp_path / "c.txt").write_text("  a blue square\n")
+    (tmp_path / "a.txt").write_text("ignored: metadata.jsonl wins")
+    ds = CaptionedImageCrops(tmp_path, resolution=16, crops_per_image=2, seed=1)
+    assert len(ds) == 6 and ds.id2label is None
+    caption = {f.rsplit("/", 1)[-1]: c for f, c in zip(ds.files, ds.captions)}
+    assert caption == {"a.png": "a red square", "c.png": "a blue square", "b.jpg": "green"}
+    item = ds[0]
+    assert set(item) == {"pixel_values", "caption"} and item["pixel_values"].shape == (3, 16, 16)
+    assert item["caption"] == ds.captions[0]
+    assert ds.fingerprint() == CaptionedImageCrops(tmp_path, resolution=16, crops_per_image=2, seed=1).fingerprint()
+    assert ds.fingerprint() != CaptionedImageCrops(tmp_path, resolution=16, crops_per_image=2, seed=2).fingerprint()
+    assert read_captions(tmp_path, [str(tmp_path / "d.png")]) == [None]
+
+
+def test_captioned_folder_errors(tmp_path):
+    from mhla_diffusers.data import CaptionedImageCrops
+
+    with pytest.raises(FileNotFoundError):
+        CaptionedImageCrops(tmp_path / "nope")
+    with pytest.raises(ValueError, match="has no images"):
+        CaptionedImageCrops(tmp_path)
+    _write_image(tmp_path / "a.png", (20, 20), (255, 0, 0))
+    with pytest.raises(ValueError, match="have no caption"):
+        CaptionedImageCrops(tmp_path, resolution=16)
+    assert CaptionedImageCrops(tmp_path, resolution=16, missing_caption="empty")[0]["caption"] == ""
+    (tmp_path / "metadata.jsonl").write_text('{"file_name": "a.png"}\n')
+    with pytest.raises(ValueError, match="metadata.jsonl:1"):
+        CaptionedImageCrops(tmp_path, resolution=16)
+    (tmp_path / "metadata.jsonl").write_text('{"file_name": "missing.png", "text": "x"}\n')
+    with pytest.raises(ValueError, match="does not exist"):
+        CaptionedImageCrops(tmp_path, resolution=16)
+
+
+def test_cache_roundtrip_and_key(tmp_path):
+    from mhla_diffusers.cache import CachedDataset, build_cache, cache_key, is_complete, module_fingerprint
+
+    ds = PhotoCrops(resolution=16, crops_per_photo=2, photos=["cat", "coffee"], seed=0)
+    calls = []
+
+    def encode(batch):
+        calls.append(len(batch["pixel_values"]))
+        return {"latents": batch["pixel_values"] * 2, "class_labels": batch["class_labels"]}
+
+    key = cache_key(ds.fingerprint(), module_fingerprint(torch.nn.Linear(2, 2)))
+    folder = build_cache(ds, encode, tmp_path / key, batch_size=3)
+    assert is_complete(folder) and sum(calls) == 4
+    cached = CachedDataset(folder)
+    assert len(cached) == 4
+    for i in range(4):
+        assert torch.equal(cached[i]["latents"], ds[i]["pixel_values"] * 2)
+        assert int(cached[i]["class_labels"]) == int(ds[i]["class_labels"])
+    build_cache(ds, encode, folder)
+    assert sum(calls) == 4  # complete: not encoded again
+    other = PhotoCrops(resolution=16, crops_per_photo=2, photos=["cat", "coffee"], seed=1)
+    assert cache_key(other.fingerprint(), module_fingerprint(torch.nn.Linear(2, 2))) != key
+    torch.manual_seed(1)
+    assert module_fingerprint(torch.nn.Linear(2, 2)) != module_fingerprint(torch.nn.Linear(2, 2))
+    with pytest.raises(FileNotFoundError, match="no complete latent cache"):
+        CachedDataset(tmp_path / "nothing")

@@ -464,3 +464,16 @@ def test_tensorboard_is_optional(tmp_path):
     else:  # pragma: no cover - depends on the environment
         training.train(load_config(cfg))
         assert any((tmp_path / "tb" / "logs").rglob("events.out.tfevents*"))
+
+
+def test_latent_cache_reproduces_the_first_epoch(tmp_path):
+    """Within the first epoch the cached latents are the uncached crops: same weights, bit for bit."""
+    sections = dict(mhla={"layers": "all", "num_blocks": 4}, data={"crops_per_image": 4, "batch_size": 4}, train={"max_steps": 3})
+    training.train(load_config(tiny_config(tmp_path / "plain", **sections)))
+    cache = tmp_path / "cache"
+    training.train(load_config(tiny_config(tmp_path / "cached", **sections),
+                               ["data.cache=true", f"data.cache_dir={cache}", "eval.samples=4", "eval.batch_size=4"]))
+    a, b = _final_tensors(tmp_path / "plain"), _final_tensors(tmp_path / "cached")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert len(list(cache.iterdir())) == 2  # the training set and the held-out set, keyed apart
