@@ -40,6 +40,12 @@ def normalize_grid(grid: int | Sequence[int], name: str = "grid") -> tuple[int, 
     return (1,) * (3 - len(grid)) + grid
 
 
+# Tensors cached across calls are created outside inference mode: a layout first used inside a
+# pipeline's torch.inference_mode() must still serve training and no_grad calls afterwards
+# (inference tensors cannot be updated in place or saved for backward outside that mode).
+_normal_tensors = torch.inference_mode(False)
+
+
 @dataclass(frozen=True)
 class BlockLayout:
     """How the tokens of a ``(T, H, W)`` grid fall into a ``(bt, bh, bw)`` grid of blocks.
@@ -91,6 +97,7 @@ class BlockLayout:
         return torch.arange(n, dtype=torch.int64) * m // n
 
     @cached_property
+    @_normal_tensors
     def block_index(self) -> torch.Tensor:
         """``[N]`` int64: block id of each token (row-major tokens, row-major blocks)."""
         it, ih, iw = (self._axis_blocks(a) for a in range(3))
@@ -98,6 +105,7 @@ class BlockLayout:
         return ((it[:, None, None] * bh + ih[None, :, None]) * bw + iw[None, None, :]).reshape(-1)
 
     @cached_property
+    @_normal_tensors
     def block_sizes(self) -> torch.Tensor:
         """``[M]`` int64: number of tokens in each block (all >= 1)."""
         return torch.bincount(self.block_index, minlength=self.num_blocks)
@@ -108,12 +116,14 @@ class BlockLayout:
         return int(self.block_sizes.max())
 
     @cached_property
+    @_normal_tensors
     def block_centres(self) -> torch.Tensor:
         """``[M, 3]`` float64: centre of every block in block-grid units, ``(it, ih, iw) + 0.5``."""
         coords = torch.tensor(list(product(*(range(m) for m in self.block_grid))), dtype=torch.float64)
         return coords.reshape(-1, 3) + 0.5
 
     @cached_property
+    @_normal_tensors
     def _gather(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
         # Tokens sorted by block (stable: row-major inside a block), each block padded to L slots.
         m, length = self.num_blocks, self.max_block_size
@@ -137,6 +147,7 @@ class BlockLayout:
         identity = (not padded) and bool(torch.equal(gather, torch.arange(self.num_tokens)))
         return gather, scatter, (valid.reshape(m, length) if padded else None), identity
 
+    @_normal_tensors
     def gather_tensors(self, device: torch.device | str | None = None):
         """Index tensors for the padded block-major form, cached per device.
 

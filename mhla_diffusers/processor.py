@@ -29,6 +29,7 @@ def get_layout(grid: tuple[int, int, int], block_grid: tuple[int, int, int]) -> 
 
 
 @lru_cache(maxsize=128)
+@torch.inference_mode(False)  # cached across calls: never inference tensors
 def occupied_layout(grid: tuple[int, int, int], block_grid: tuple[int, int, int]) -> tuple[BlockLayout, torch.Tensor]:
     """The blocks of ``block_grid`` that hold tokens of ``grid``, when some axis has fewer tokens than blocks.
 
@@ -238,10 +239,13 @@ class MHLAProcessor:
         mixing = getattr(attn, "mhla_mixing", None)
         device = next(attn.parameters()).device
         if mixing is None:
-            mixing = MixingMatrix(self.resolve_block_grid(reference_grid, family), init=init).to(device)
-            attn.add_module("mhla_mixing", mixing)
-            if self.resolve_output_norm(family) and getattr(attn, "mhla_output_norm", None) is None:
-                attn.add_module("mhla_output_norm", OutputRMSNorm(attn.heads, _output_head_dim(attn)).to(device))
+            # The bare one-liner creates parameters at the first forward, often inside a pipeline's
+            # torch.inference_mode() / no_grad(): build them as ordinary trainable tensors anyway.
+            with torch.inference_mode(False), torch.enable_grad():
+                mixing = MixingMatrix(self.resolve_block_grid(reference_grid, family), init=init).to(device)
+                attn.add_module("mhla_mixing", mixing)
+                if self.resolve_output_norm(family) and getattr(attn, "mhla_output_norm", None) is None:
+                    attn.add_module("mhla_output_norm", OutputRMSNorm(attn.heads, _output_head_dim(attn)).to(device))
             return mixing
         explicit = self.block_grid
         if explicit is None and self.block_grid_preset is not None and family is not None:

@@ -657,3 +657,21 @@ def test_every_chunking_and_workspace_path_matches_reference(monkeypatch, chunk_
     finally:
         torch_ops._chunks.cache_clear()
         torch_ops._release_workspace()
+
+
+def test_first_call_under_inference_mode_then_training(monkeypatch):
+    """Index tensors and CPU scratch buffers are cached across calls: created during a pipeline's
+    torch.inference_mode(), they must still work in no_grad and autograd calls afterwards (and back)."""
+    from mhla_diffusers.ops import torch_ops
+
+    torch_ops._release_workspace()
+    layout = BlockLayout((5, 7), (2, 3))  # a fresh layout: its caches are built inside inference mode
+    q, k, v = make_inputs(1, 2, layout.num_tokens, 8)
+    mixing = make_mixing(layout, "rand")
+    with torch.inference_mode():
+        first = mhla_attention(q, k, v, mixing, layout, backend="torch")
+    assert_matches_reference(q, k, v, mixing, layout, TOL[torch.float32])
+    with torch.no_grad():
+        torch.testing.assert_close(mhla_attention(q, k, v, mixing, layout, backend="torch"), first)
+    with torch.inference_mode():
+        torch.testing.assert_close(mhla_attention(q, k, v, mixing, layout, backend="torch"), first)

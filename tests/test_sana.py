@@ -739,3 +739,21 @@ def test_real_size_600m_forward_conversion_round_trip(sana600m, tmp_path):
     assert sorted(k for k in res if "mhla" in k) == sorted(mixing) and len(mixing) == 18
     assert all(torch.equal(res[k], v) for k, v in mixing.items())
     assert _rel(res["output"], hybrid) < 1e-6, _rel(res["output"], hybrid)
+
+
+def test_one_liner_first_forward_under_inference_mode_gives_trainable_parameters():
+    """Pipelines run under torch.inference_mode(): the matrices the bare one-liner creates there must
+    still be ordinary parameters (not inference tensors) that a later fine-tuning step can update."""
+    model = tiny_sana(num_layers=2)
+    model.set_attn_processor(MHLAProcessor())
+    inputs = sana_inputs(batch=1, size=(8, 8))
+    with torch.inference_mode():
+        first = run_sana(model, inputs)
+    mixings = [a.mhla_mixing.weight for a in sana_self_attn(model)]
+    assert mixings and not any(w.is_inference() for w in mixings)
+    assert all(w.requires_grad for w in mixings)
+    latent, text, timestep, mask = inputs
+    out = model(latent, encoder_hidden_states=text, timestep=timestep, encoder_attention_mask=mask).sample
+    torch.testing.assert_close(out.detach(), first)
+    out.square().mean().backward()
+    assert all(w.grad is not None and torch.isfinite(w.grad).all() for w in mixings)

@@ -75,6 +75,7 @@ class _Plan:
 
 
 @lru_cache(maxsize=64)
+@torch.inference_mode(False)  # cached across calls: never inference tensors (see layout.py)
 def _plan(layout: BlockLayout, device: torch.device) -> _Plan:
     gather, scatter, valid, identity = layout.gather_tensors(device)
     m = layout.num_blocks
@@ -118,6 +119,7 @@ class _Chunk:
 
 
 @lru_cache(maxsize=256)
+@torch.inference_mode(False)
 def _chunks(layout: BlockLayout, device: torch.device, heads: int, width: int, itemsize: int) -> tuple[tuple[_Chunk, ...], ...]:
     """Split ``heads x blocks`` into groups of heads, each a tuple of chunks covering all its blocks.
 
@@ -189,7 +191,8 @@ class _Workspace:
             numel = math.prod(shape)
             buf = self.local.get(key[:2], self.kept.get(key[:2]))
             if buf is None or buf.numel() < numel:
-                buf = torch.empty(numel, dtype=key[1], device=self.device)
+                with torch.inference_mode(False):  # kept between calls, which may be in or out of inference mode
+                    buf = torch.empty(numel, dtype=key[1], device=self.device)
                 (self.kept if numel * buf.element_size() <= self.keep_bytes else self.local)[key[:2]] = buf
             view = self.views[key] = buf[:numel].view(shape)
         return view
