@@ -20,15 +20,16 @@ deterministic and do not depend on the launch order):
                      layout's block-major token order (tokens of a block are not contiguous in
                      token order), applying phi at load, accumulating S and z in fp32 (fp64 for
                      fp64 inputs). Writes ``[P, M, B*H, d, d_v]`` partial summaries.
-    mixing           torch: ``S~ = Mc @ S`` as one ``[M, M] x [M, B*H*d*d_v]`` GEMM in fp32/fp64.
+    _mix_gemm        ``S~ = Mc S``, ``z~ = Mc z`` as one ``[M, P*M] x [P*M, B*H*d*d_v]`` GEMM over all
+                     heads (``Mc`` repeated over the splits, so it also sums them); fp32 (fp64).
     _fwd_output      grid (M * tiles, B * H): a tile of a block's queries; phi at load; numerator
                      ``phi(q) S~`` and denominator ``phi(q) . z~ + eps`` in fp32; the output is
                      written once, in the input dtype, in place in token order.
     _bwd_query       grid (M * P, B * H): recomputes numerator and denominator of a tile (no saved
                      output needed); ``gn = g / den``, ``gd = -(gn . num) / den``; writes dq and
                      accumulates ``dS~ = sum phi(q)^T gn``, ``dz~ = sum phi(q) gd`` per block.
-    mixing backward  torch: ``dS = Mc^T dS~``, ``dz = Mc^T dz~``, ``dMc = dS~ S^T + dz~ z^T``
-                     (GEMMs over ``[M, B*H*d*d_v]``: the sum over heads and batch is free).
+    mixing backward  ``dS = Mc^T dS~``, ``dz = Mc^T dz~`` by ``_mix_gemm``; ``dMc = dS~ S^T + dz~ z^T`` by
+                     torch GEMMs over ``[M, B*H*d*d_v]`` (the sum over heads and batch is free).
     _bwd_key         grid (M * tiles, B * H): ``dv = phi(K) dS``, ``dk = (V dS^T + dz) [k > 0]``.
 
 Nothing of size ``N x N`` or ``N x d x d`` exists; the forward reads q, k, v once and writes the
@@ -36,9 +37,10 @@ output once (plus the fp32 summaries ``[M, B*H, d, d_v]``, saved for the backwar
 
 Precision: summaries, mixing, numerator and denominator in fp32 (fp64 for fp64 inputs). The
 ``phi(K)^T V`` product runs on the inputs' own dtype when k and v are both fp16 or both bf16
-(tensor cores, fp32 accumulation); every product with an fp32 operand (``phi(q) S~`` and the
-backward's) uses TF32 for fp16/bf16 inputs (a relative rounding of 2^-11, below the output's own
-rounding to the input dtype) and full fp32 ("ieee") for fp32 inputs.
+(tensor cores, fp32 accumulation); every product with an fp32 operand (``phi(q) S~``, the mixing
+and the backward's) uses TF32 for fp16/bf16 inputs (a relative rounding of 2^-11 of one operand,
+below the output's own rounding to the input dtype) and full fp32 ("ieee") for fp32 inputs;
+``dMc`` is a torch fp32 GEMM.
 
 Head dims: ``d`` and ``d_v`` up to 128, any value (72 is padded to a 128-wide tile with masks);
 larger head dims, and float64 inputs on a GPU, run through the torch backend instead (same
@@ -130,7 +132,7 @@ def _fwd_summaries(
         vv = tl.load(v_base + tok[:, None] * svn + offs_e[None, :] * svd, mask=mask_t[:, None] & mask_e[None, :], other=0.0)
         kk = kk.to(DOT)
         if FEATURE_MAP:
-            kk = tl.maximum(kk, 0.0)
+            kk = tl.maximum(kk, 0.0).to(DOT)  # Triton 3.6 promotes bf16 vs a float literal to fp32
         acc = tl.dot(tl.trans(kk), vv.to(DOT), acc, input_precision=PREC, out_dtype=ACC)
         if NORMALIZE:
             zacc += tl.sum(kk.to(ACC), axis=0)
@@ -311,6 +313,31 @@ def _bwd_key(
                  dphi.to(dk_ptr.dtype.element_ty), mask=mask_td)
 
 
+@triton.jit
+def _mix_gemm(
+    a_ptr, b_ptr, c_ptr, R, K, NCOL, sar, sak,
+    ACC: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """C[R, NCOL] = A[R, K] @ B[K, NCOL] (A strided, B and C contiguous): the block mixing S~ = Mc S over all heads."""
+    pid_r = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_r = offs_r < R
+    mask_n = offs_n < NCOL
+    acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=ACC)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        mask_k = kk < K
+        a = tl.load(a_ptr + offs_r[:, None] * sar + kk[None, :] * sak, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptr + kk[:, None].to(tl.int64) * NCOL + offs_n[None, :], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(a.to(ACC), b.to(ACC), acc, input_precision=PREC, out_dtype=ACC)
+    c_out = c_ptr + offs_r[:, None].to(tl.int64) * NCOL + offs_n[None, :]
+    tl.store(c_out, acc, mask=mask_r[:, None] & mask_n[None, :])
+
+
 # ----------------------------------------------------------------------------------------------
 # Host side
 
@@ -389,9 +416,33 @@ def _precision(*tensors: torch.Tensor) -> str:
     return "tf32" if any(t.dtype in _LOW_PRECISION for t in tensors) else "ieee"
 
 
-def _mix(mix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``Mc @ x`` over the leading block axis: ``[M, M] x [M, ...] -> [M, ...]`` (one GEMM)."""
-    return torch.mm(mix, x.reshape(x.shape[0], -1)).view(x.shape)
+def _mix(mix: torch.Tensor, parts: torch.Tensor, prec: str) -> torch.Tensor:
+    """``Mc @ sum_p parts[p]`` over the block axis, all heads at once: ``[P, M, ...] -> [M, ...]``.
+
+    One GEMM ``[M, P*M] x [P*M, B*H*d*d_v]`` with ``Mc`` repeated ``P`` times along its columns, so
+    the partial summaries of split blocks are summed by the same product. By the ``_mix_gemm``
+    kernel: TF32 tensor cores for fp16/bf16 inputs (``prec``; torch's fp32 matmul would run
+    full-fp32 SIMT, the slowest step of the forward at the Wan shape), full fp32 / fp64 otherwise.
+    """
+    p, m = parts.shape[0], parts.shape[1]
+    a = mix if p == 1 else mix.repeat(1, p)
+    b = parts.reshape(p * m, -1)
+    ncol = b.shape[1]
+    out = torch.empty(parts.shape[1:], dtype=parts.dtype, device=parts.device)
+    if ncol == 0:
+        return out
+    if _on_gpu(parts.device):
+        block_r, block_k, block_n, warps = 64, 32, 128, 4
+    else:  # interpreter: few, large programs
+        block_r, block_k, block_n, warps = _next_pow2(min(m, 256)), _next_pow2(min(p * m, 256)), 4096, 4
+    grid = (triton.cdiv(m, block_r), triton.cdiv(ncol, block_n))
+    _launch(
+        _mix_gemm, grid,
+        a, b, out, m, p * m, ncol, a.stride(0), a.stride(1),
+        ACC=_TL_DTYPE[parts.dtype], PREC=prec, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n,
+        num_warps=warps, num_stages=3,
+    )
+    return out
 
 
 class _MHLATriton(torch.autograd.Function):
@@ -424,10 +475,8 @@ class _MHLATriton(torch.autograd.Function):
             FEATURE_MAP=feature_map, NORMALIZE=normalize, ACC=_TL_DTYPE[acc], DOT=_TL_DTYPE[dot], PREC=prec,
             BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
-        s = s_parts[0] if parts == 1 else s_parts.sum(0)
-        z = (z_parts[0] if parts == 1 else z_parts.sum(0)) if normalize else None
-        s_mix = _mix(mix, s)
-        z_mix = _mix(mix, z) if normalize else s_mix
+        s_mix = _mix(mix, s_parts, prec)
+        z_mix = _mix(mix, z_parts, prec) if normalize else s_mix
 
         tiles = -(-length // cfg["BLOCK_T"])
         _launch(
@@ -438,7 +487,9 @@ class _MHLATriton(torch.autograd.Function):
             FEATURE_MAP=feature_map, NORMALIZE=normalize, ACC=_TL_DTYPE[acc], PREC=prec,
             BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
-        if need_grad:
+        if need_grad:  # the un-mixed summaries (for dMc and the recomputed S~)
+            s = s_parts[0] if parts == 1 else s_parts.sum(0)
+            z = (z_parts[0] if parts == 1 else z_parts.sum(0)) if normalize else None
             ctx.save_for_backward(q, k, v, mixing, s, z)
             ctx.layout, ctx.normalize, ctx.eps, ctx.feature_map = layout, normalize, eps, feature_map
         return out
@@ -459,8 +510,8 @@ class _MHLATriton(torch.autograd.Function):
         cfg = _config(d, dv, length, device, prec)
         mix = mixing.to(device=device, dtype=acc)
         eps_t = torch.full((1,), eps, dtype=acc, device=device)
-        s_mix = _mix(mix, s)
-        z_mix = _mix(mix, z) if normalize else s_mix
+        s_mix = _mix(mix, s[None], prec)
+        z_mix = _mix(mix, z[None], prec) if normalize else s_mix
 
         dq = _empty_like_layout(q, d, q.dtype) if need_q else s_mix  # placeholder pointer when unused
         split = _split_tokens(length, bh * m, cfg["BLOCK_T_BWD"], device)
@@ -476,11 +527,10 @@ class _MHLATriton(torch.autograd.Function):
             FEATURE_MAP=feature_map, NORMALIZE=normalize, STORE_DQ=bool(need_q), ACC=_TL_DTYPE[acc], PREC=prec,
             BLOCK_T=cfg["BLOCK_T_BWD"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps_bwd"], num_stages=cfg["num_stages"],
         )
-        ds_mix = ds_parts[0] if parts == 1 else ds_parts.sum(0)
-        dz_mix = (dz_parts[0] if parts == 1 else dz_parts.sum(0)) if normalize else None
-
         dmix = None
-        if need_mix:  # dMc[i, j] = sum over batch and heads of <dS~_i, S_j> (+ <dz~_i, z_j>)
+        if need_mix:  # dMc[i, j] = sum over batch and heads of <dS~_i, S_j> (+ <dz~_i, z_j>): torch GEMMs
+            ds_mix = ds_parts[0] if parts == 1 else ds_parts.sum(0)
+            dz_mix = (dz_parts[0] if parts == 1 else dz_parts.sum(0)) if normalize else None
             dmix = torch.mm(ds_mix.reshape(m, -1), s.reshape(m, -1).t())
             if normalize:
                 dmix += torch.mm(dz_mix.reshape(m, -1), z.reshape(m, -1).t())
@@ -489,8 +539,8 @@ class _MHLATriton(torch.autograd.Function):
         dk = dvv = None
         if need_k or need_v:
             mix_t = mix.t()
-            ds = _mix(mix_t, ds_mix)
-            dz = _mix(mix_t, dz_mix) if normalize else ds
+            ds = _mix(mix_t, ds_parts, prec)
+            dz = _mix(mix_t, dz_parts, prec) if normalize else ds
             dk = _empty_like_layout(k, d, k.dtype) if need_k else ds
             dvv = _empty_like_layout(v, dv, v.dtype) if need_v else ds
             tiles = -(-length // cfg["BLOCK_T"])
