@@ -13,6 +13,9 @@ short side is ``short_side`` pixels. The randomness of item ``i`` is a pure func
 - :class:`CaptionedImageCrops`: your own images with captions (text-to-image: SANA), captions
   from ``root/metadata.jsonl`` (Hugging Face ``imagefolder`` convention: one JSON object per
   line with ``file_name`` and ``text``) or from a sidecar ``<image stem>.txt``.
+- :class:`VideoClips`: captioned videos (text-to-video: Wan): video files (mp4 / webm / mov / mkv /
+  avi through imageio-ffmpeg, animated gif / webp through PIL) or folders of frames; random clips
+  of ``num_frames`` frames, ``{"pixel_values": float32 [3, F, H, W] in [-1, 1], "caption": str}``.
 """
 
 from __future__ import annotations
@@ -33,7 +36,10 @@ __all__ = [
     "PhotoCrops",
     "ImageFolderCrops",
     "CaptionedImageCrops",
+    "VideoClips",
     "read_captions",
+    "read_video_frames",
+    "VIDEO_EXTENSIONS",
     "IMAGE_EXTENSIONS",
     "MAX_CLASSES",
 ]
@@ -42,6 +48,8 @@ __all__ = [
 MAX_CLASSES = 1000
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm")
+VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi", ".gif", ".webp")
+_FFMPEG_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi")
 
 
 def _skimage(name: str) -> Callable[[], np.ndarray]:
@@ -126,6 +134,12 @@ def _check_sizes(resolution: int, short_side: int | None) -> int:
     return int(short_side)
 
 
+def _item_generator(seed: int, epoch: int, index: int) -> torch.Generator:
+    # Mix (seed, epoch, index) into one 63-bit seed (SplitMix64-style constants).
+    x = (seed * 0x9E3779B97F4A7C15 + epoch * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) % (1 << 63)
+    return torch.Generator().manual_seed(x)
+
+
 class _RandomCrops(Dataset, abc.ABC):
     """Shared crop / flip / normalise logic; subclasses provide ``_image(k)`` and ``_label(k)``."""
 
@@ -144,9 +158,7 @@ class _RandomCrops(Dataset, abc.ABC):
         self.epoch = int(epoch)
 
     def _generator(self, index: int) -> torch.Generator:
-        # Mix (seed, epoch, index) into one 63-bit seed (SplitMix64-style constants).
-        x = (self.seed * 0x9E3779B97F4A7C15 + self.epoch * 0xBF58476D1CE4E5B9 + index * 0x94D049BB133111EB) % (1 << 63)
-        return torch.Generator().manual_seed(x)
+        return _item_generator(self.seed, self.epoch, index)
 
     @abc.abstractmethod
     def _image(self, k: int) -> torch.Tensor:
@@ -387,7 +399,7 @@ def read_captions(root: str | os.PathLike, files: Sequence[str], caption_column:
                         f"{meta}:{n}: expected a JSON object with 'file_name' and {caption_column!r}; got {line.strip()[:80]!r} ({e})"
                     ) from None
                 path = os.path.normpath(os.path.join(root, name))
-                if not os.path.isfile(path):
+                if not os.path.exists(path):  # a file, or a folder of frames (videos)
                     raise ValueError(f"{meta}:{n}: file_name {name!r} does not exist under {root}")
                 from_metadata[path] = str(text)
     captions: list[str | None] = []
@@ -476,3 +488,216 @@ class CaptionedImageCrops(_RandomCrops):
 
     def _sources(self) -> list:
         return _file_stats(self.files) + [self.captions]
+
+
+# -- videos ----------------------------------------------------------------------------------------
+def _is_frame_folder(path: str) -> bool:
+    with os.scandir(path) as it:
+        entries = list(it)
+    return bool(entries) and any(e.is_file() and e.name.lower().endswith(IMAGE_EXTENSIONS) for e in entries) and not any(
+        e.is_dir() for e in entries
+    )
+
+
+def read_video_frames(path: str | os.PathLike, start: int = 0, count: int | None = None, stride: int = 1) -> torch.Tensor:
+    """Frames ``start, start + stride, ...`` (``count`` of them; ``None``: to the end) of a video as
+    uint8 ``[F, 3, H, W]``.
+
+    ``path``: a video file (mp4 / webm / mov / mkv / avi through imageio with imageio-ffmpeg; animated
+    gif / webp through PIL) or a folder of frame images (sorted by name).
+
+    Raises:
+        ValueError: unreadable file, or fewer frames than asked for.
+        ImportError: imageio / imageio-ffmpeg missing for an ffmpeg format.
+    """
+    path = os.fspath(path)
+    wanted = None if count is None else [start + i * stride for i in range(count)]
+    last = None if wanted is None else wanted[-1]
+    frames: list[np.ndarray] = []
+    total = 0
+    try:
+        if os.path.isdir(path):
+            names = sorted(f for f in os.listdir(path) if f.lower().endswith(IMAGE_EXTENSIONS))
+            total = len(names)
+            picks = range(start, total, stride) if wanted is None else [i for i in wanted if i < total]
+            for i in picks:
+                with Image.open(os.path.join(path, names[i])) as im:
+                    frames.append(np.asarray(im.convert("RGB")))
+        elif path.lower().endswith(_FFMPEG_EXTENSIONS):
+            try:
+                import imageio.v2 as imageio
+            except ImportError as e:  # pragma: no cover - depends on the environment
+                raise ImportError(f"reading {path} needs imageio and imageio-ffmpeg: pip install imageio imageio-ffmpeg") from e
+            reader = imageio.get_reader(path, "ffmpeg")
+            try:
+                for i, frame in enumerate(reader):
+                    total = i + 1
+                    if i >= start and (i - start) % stride == 0 and (wanted is None or i in wanted):
+                        frames.append(np.asarray(frame)[..., :3])
+                    if last is not None and i >= last:
+                        break
+            finally:
+                reader.close()
+        else:
+            from PIL import ImageSequence
+
+            with Image.open(path) as im:
+                for i, frame in enumerate(ImageSequence.Iterator(im)):
+                    total = i + 1
+                    if i >= start and (i - start) % stride == 0 and (wanted is None or i in wanted):
+                        frames.append(np.asarray(frame.convert("RGB")))
+                    if last is not None and i >= last:
+                        break
+    except (OSError, RuntimeError) as e:
+        raise ValueError(f"cannot read video {path!r}: {e}") from e
+    if count is not None and len(frames) < count:
+        raise ValueError(
+            f"video {path!r} has {total} frames; a clip of {count} frames with stride {stride} from frame {start} needs "
+            f"{start + (count - 1) * stride + 1}: lower data.num_frames / data.frame_stride or drop the video"
+        )
+    if not frames:
+        raise ValueError(f"video {path!r} has no frames")
+    return torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2).contiguous()
+
+
+def _video_length(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(1 for f in os.listdir(path) if f.lower().endswith(IMAGE_EXTENSIONS))
+    if path.lower().endswith(_FFMPEG_EXTENSIONS):
+        import imageio.v2 as imageio
+
+        reader = imageio.get_reader(path, "ffmpeg")
+        try:
+            n = reader.count_frames()
+        finally:
+            reader.close()
+        return int(n)
+    with Image.open(path) as im:
+        return int(getattr(im, "n_frames", 1))
+
+
+class VideoClips(Dataset):
+    """Random clips of captioned videos (text-to-video fine-tuning, e.g. Wan).
+
+    Videos: every file under ``root`` with an extension in ``VIDEO_EXTENSIONS`` and every folder of
+    frame images (a folder holding images and no sub-folders); recursive, sorted. Captions: as for
+    :class:`CaptionedImageCrops` (``metadata.jsonl`` with ``file_name`` naming the file or folder, or
+    a sidecar ``<name>.txt`` beside it). A clip is ``num_frames`` frames ``frame_stride`` apart from a
+    random start, scaled (Lanczos) so it covers ``(height, width)``, randomly cropped and flipped;
+    the randomness of item ``i`` is a function of ``(seed, epoch, i)`` (:meth:`set_epoch`).
+
+    Args:
+        root: the folder.
+        resolution: ``S`` (square) or ``(height, width)`` of the clips, pixels.
+        num_frames: frames per clip (Wan: ``4 k + 1``: 1, 5, ..., 81).
+        frame_stride: take every ``frame_stride``-th frame.
+        clips_per_video: items per video per epoch.
+        seed, hflip, caption_column, missing_caption: as in :class:`CaptionedImageCrops`.
+
+    Item: ``{"pixel_values": float32 [3, F, H, W] in [-1, 1], "caption": str}``.
+
+    Raises:
+        FileNotFoundError: ``root`` is not a folder. ValueError: no videos, missing captions (with
+        ``missing_caption="error"``), bad sizes; at access, a video shorter than a clip.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        resolution: int | Sequence[int] = 64,
+        num_frames: int = 17,
+        frame_stride: int = 1,
+        clips_per_video: int = 1,
+        seed: int = 0,
+        hflip: bool = True,
+        caption_column: str = "text",
+        missing_caption: str = "error",
+    ):
+        root = os.fspath(root)
+        if not os.path.isdir(root):
+            raise FileNotFoundError(f"video folder {root!r} does not exist or is not a directory")
+        if missing_caption not in ("error", "empty"):
+            raise ValueError(f"missing_caption must be 'error' or 'empty'; got {missing_caption!r}")
+        size = (resolution, resolution) if isinstance(resolution, int) else tuple(resolution)
+        if len(size) != 2 or any(int(v) != v or v < 1 for v in size):
+            raise ValueError(f"resolution must be a positive integer or (height, width); got {resolution!r}")
+        for name, v in (("num_frames", num_frames), ("frame_stride", frame_stride), ("clips_per_video", clips_per_video)):
+            if int(v) != v or v < 1:
+                raise ValueError(f"{name} must be a positive integer; got {v!r}")
+        videos: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+            for d in list(dirnames):
+                full = os.path.join(dirpath, d)
+                if _is_frame_folder(full):
+                    videos.append(full)
+                    dirnames.remove(d)
+            videos += [os.path.join(dirpath, f) for f in sorted(filenames) if f.lower().endswith(VIDEO_EXTENSIONS)]
+        videos.sort()
+        if not videos:
+            raise ValueError(f"video folder {root!r} has no videos ({', '.join(VIDEO_EXTENSIONS)}) or frame folders")
+        captions = read_captions(root, videos, caption_column)
+        lacking = [v for v, c in zip(videos, captions) if c is None]
+        if lacking and missing_caption == "error":
+            raise ValueError(
+                f"{len(lacking)} of {len(videos)} videos have no caption (first: {lacking[0]!r}); add them to "
+                f"{os.path.join(root, 'metadata.jsonl')} or a sidecar .txt, or set missing_caption='empty'"
+            )
+        self.root, self.videos, self.captions = root, videos, [c or "" for c in captions]
+        self.size = (int(size[0]), int(size[1]))
+        self.num_frames, self.frame_stride, self.clips_per_video = int(num_frames), int(frame_stride), int(clips_per_video)
+        self.seed, self.hflip, self.epoch = int(seed), bool(hflip), 0
+        self._lengths: dict[int, int] = {}
+
+    id2label = None
+
+    def __len__(self) -> int:
+        return len(self.videos) * self.clips_per_video
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the clips of ``epoch``."""
+        self.epoch = int(epoch)
+
+    def fingerprint(self) -> dict:
+        """What defines the items (for latent caches)."""
+        return {
+            "class": type(self).__name__, "size": list(self.size), "num_frames": self.num_frames, "stride": self.frame_stride,
+            "clips_per_video": self.clips_per_video, "seed": self.seed, "hflip": self.hflip,
+            "sources": [[v, *(_file_stats([v])[0][1:] if os.path.isfile(v) else [_video_length(v)])] for v in self.videos] + [self.captions],
+        }
+
+    def __getitem__(self, index: int) -> dict:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for a dataset of {len(self)} clips")
+        index %= len(self)
+        k = index % len(self.videos)
+        path = self.videos[k]
+        if k not in self._lengths:
+            self._lengths[k] = _video_length(path)
+        span = (self.num_frames - 1) * self.frame_stride + 1
+        if self._lengths[k] < span:
+            raise ValueError(
+                f"video {path!r} has {self._lengths[k]} frames; a clip needs {span} (num_frames {self.num_frames}, "
+                f"frame_stride {self.frame_stride}): lower them or drop the video"
+            )
+        g = _item_generator(self.seed, self.epoch, index)
+        start = int(torch.randint(0, self._lengths[k] - span + 1, (1,), generator=g))
+        frames = read_video_frames(path, start, self.num_frames, self.frame_stride)  # uint8 [F, 3, h, w]
+        h, w = frames.shape[-2:]
+        H, W = self.size
+        scale = max(H / h, W / w)
+        new = (max(W, round(w * scale)), max(H, round(h * scale)))
+        if new != (w, h):
+            frames = torch.stack([
+                _to_tensor(Image.fromarray(f.permute(1, 2, 0).numpy()).resize(new, Image.Resampling.LANCZOS, reducing_gap=3.0))
+                for f in frames
+            ])
+        h, w = frames.shape[-2:]
+        top = int(torch.randint(0, h - H + 1, (1,), generator=g))
+        left = int(torch.randint(0, w - W + 1, (1,), generator=g))
+        flip = bool(torch.rand((), generator=g) < 0.5)
+        clip = frames[:, :, top : top + H, left : left + W]
+        if self.hflip and flip:
+            clip = clip.flip(-1)
+        pixels = clip.to(torch.float32).permute(1, 0, 2, 3) / 127.5 - 1.0  # [3, F, H, W]
+        return {"pixel_values": pixels.contiguous(), "caption": self.captions[k]}

@@ -32,6 +32,7 @@ __all__ = [
     "add_lora",
     "has_lora",
     "lora_parameters",
+    "mhla_parameters",
     "merge_lora_",
     "unload_lora_",
     "lora_state_dict",
@@ -60,13 +61,13 @@ def add_lora(
 ):
     """Add LoRA adapters (``peft.LoraConfig``, adapter name ``"default"``) to ``transformer`` in place.
 
-    Afterwards exactly the LoRA matrices (and, with ``train_mixing``, the MHLA mixing matrices)
-    have ``requires_grad=True``. LoRA B starts at zero, so the model's output is unchanged.
+    Afterwards exactly the LoRA matrices (and, with ``train_mixing``, the MHLA parameters: the
+    mixing matrices and Wan's output norms, see :func:`mhla_parameters`) have ``requires_grad=True``. LoRA B starts at zero, so the model's output is unchanged.
 
     Args:
         rank: LoRA rank ``r``. alpha: scale numerator (``None``: ``rank``, i.e. scale 1).
         dropout: LoRA dropout. target_modules: peft ``target_modules`` (module-name suffixes).
-        train_mixing: keep the MHLA mixing matrices trainable.
+        train_mixing: keep the MHLA parameters trainable.
 
     Returns:
         The ``LoraConfig`` used.
@@ -75,8 +76,6 @@ def add_lora(
         ValueError: the model already has LoRA adapters, bad rank, or no module matches ``target_modules``.
     """
     from peft import LoraConfig, inject_adapter_in_model
-
-    from .mixing import mixing_parameters
 
     if has_lora(transformer):
         raise ValueError("the model already has LoRA adapters (merge_lora_ or unload_lora_ first)")
@@ -99,9 +98,15 @@ def add_lora(
     for name, p in transformer.named_parameters():
         p.requires_grad_("lora_" in name)
     if train_mixing:
-        for p in mixing_parameters(transformer):
+        for p in mhla_parameters(transformer):
             p.requires_grad_(True)
     return config
+
+
+def mhla_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters MHLA adds to a model: every parameter of an ``mhla_*`` submodule of an
+    attention layer (the mixing matrices ``mhla_mixing``, Wan's output norms ``mhla_output_norm``)."""
+    return [p for name, p in model.named_parameters() if ".mhla_" in f".{name}"]
 
 
 def _tuner_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:

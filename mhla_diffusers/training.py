@@ -1,4 +1,4 @@
-"""Fine-tuning diffusion transformers with or without MHLA on accelerate: DiT and SANA.
+"""Fine-tuning diffusion transformers with or without MHLA on accelerate: DiT, SANA and Wan 2.1.
 
 One flat loop (:func:`train`; ``finetune/train.py`` only parses arguments and calls it) over
 family-agnostic pieces, each usable alone:
@@ -7,10 +7,10 @@ family-agnostic pieces, each usable alone:
 - :func:`build_models` — the transformer, the autoencoder, the training objective, the frozen
   teacher (distillation), text encoder / pipeline where the family has one; MHLA applied if asked
   and not present yet; the trainable set (full, LoRA, attention-only, mixing-only).
-- :func:`build_dataset` — photos, class folders (DiT) or captioned folders (SANA).
+- :func:`build_dataset` — photos, class folders (DiT), captioned folders (SANA), videos (Wan).
 - :func:`build_optimizer` — AdamW, the mixing matrices in their own group (own lr, no decay).
 - :func:`training_loss` — the data loss of the family's objective (:class:`~mhla_diffusers.flow.Objective`:
-  DDPM epsilon for DiT, flow matching for SANA) plus the distillation terms
+  DDPM epsilon for DiT, flow matching for SANA and Wan) plus the distillation terms
   (:mod:`mhla_diffusers.distill`: output matching and attention transfer), weighted by the config.
 - :func:`evaluate_heldout` / :func:`evaluate_loss` — held-out losses on fixed noise and timesteps.
 - :func:`prepare_parameter_dtypes` — frozen weights in the mixed-precision dtype, trainable ones in fp32.
@@ -18,7 +18,8 @@ family-agnostic pieces, each usable alone:
 - :func:`export_pipeline` (DiT) and :func:`export_model` (any family) — the final pipeline in the
   converted-checkpoint format, written atomically, LoRA merged or saved beside it.
 
-What differs per family lives in one small recipe class each (:class:`DiTRecipe`, :class:`SanaRecipe`).
+What differs per family lives in one small recipe class each (:class:`DiTRecipe`, :class:`SanaRecipe`,
+:class:`WanRecipe`).
 After every optimizer step :func:`mhla_diffusers.clamp_mixing_` keeps the mixing matrices in
 ``[0, 1]`` (MHLA paper, Sec. 3.3).
 """
@@ -53,6 +54,7 @@ __all__ = [
     "TrainingParts",
     "DiTRecipe",
     "SanaRecipe",
+    "WanRecipe",
     "get_recipe",
     "build_models",
     "build_dataset",
@@ -82,7 +84,7 @@ TRAINABLE_SETS = ("full", "lora", "attention", "mixing")
 DEFAULT_CONFIG: dict[str, Any] = {
     "output_dir": None,
     "model": {
-        # dit | sana. null: the class of model.pretrained's transformer (dit for model.init).
+        # dit | sana | wan. null: the class of model.pretrained's transformer (dit for model.init).
         "family": None,
         # A pipeline folder (plain or MHLA checkpoint, loaded with load_mhla_pipeline) ...
         "pretrained": None,
@@ -99,9 +101,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
             "clip_sample": False,
             "prediction_type": "epsilon",
         },
-        # Text-conditioned families (SANA): how captions are encoded (the pipeline's encode_prompt).
+        # Text-conditioned families (SANA, Wan): how captions are encoded (the pipeline's encode_prompt).
         "text": {
-            "max_sequence_length": 300,
+            "max_sequence_length": None,  # null: the pipeline's default (SANA 300, Wan 512)
             # "default": the pipeline's own (SANA's complex human instruction, as at inference); null: none
             "complex_human_instruction": "default",
         },
@@ -110,7 +112,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     # arguments of mhla_diffusers.apply_mhla, applied when the loaded model has no MHLA yet.
     "mhla": None,
     "objective": {
-        "kind": None,  # epsilon (DiT) | flow (SANA); null: the family's
+        "kind": None,  # epsilon (DiT) | flow (SANA, Wan); null: the family's
         "shift": None,  # flow: sigma shift; null: the pipeline scheduler's flow_shift (else 1.0)
         "timestep_sampling": "logit_normal",  # flow: logit_normal | mode | uniform
         "logit_mean": 0.0,
@@ -141,11 +143,14 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "export": False,  # export the EMA weights as the final model
     },
     "data": {
-        "kind": "photos",  # photos | folder (root/<class>/<images>) | captions (images + metadata.jsonl / .txt)
+        # photos | folder (root/<class>/<images>) | captions (images + metadata.jsonl / .txt) | video (videos + captions)
+        "kind": "photos",
         "root": None,  # kind=folder / captions
-        "resolution": 64,  # crop side, pixels
+        "resolution": 64,  # crop side, pixels (kind=video: also [height, width])
         "short_side": None,  # resize short side to this before cropping (None: dataset default)
-        "crops_per_image": 64,  # crops of each image per epoch
+        "crops_per_image": 64,  # crops of each image (clips of each video) per epoch
+        "num_frames": 17,  # kind=video: frames per clip (Wan: 4k+1)
+        "frame_stride": 1,  # kind=video: every n-th frame
         "photos": None,  # kind=photos: subset of PHOTO_NAMES (None: all)
         "hflip": True,
         "seed": 0,  # crop positions / flips / shuffling
@@ -159,8 +164,8 @@ DEFAULT_CONFIG: dict[str, Any] = {
     },
     "train": {
         "max_steps": 1000,  # optimizer steps
-        "trainable": "full",  # full | lora | attention (self-attention modules) | mixing (mixing matrices only)
-        "train_mixing": True,  # the MHLA mixing matrices are trained (whatever the trainable set)
+        "trainable": "full",  # full | lora | attention (self-attention modules) | mixing (MHLA parameters only)
+        "train_mixing": True,  # the MHLA parameters (mixing matrices, Wan output norms) train, whatever the set
         "lr": 1e-4,
         "mixing_lr": None,  # lr of the MHLA mixing matrices (None: lr)
         "weight_decay": 0.0,  # not applied to the mixing matrices
@@ -202,7 +207,7 @@ _FLOAT_KEYS = {
     "ema": ("decay",),
 }
 _NULLABLE_FLOATS = {"mixing_lr", "grad_clip", "shift", "alpha"}
-_MHLA_KEYS = {"layers", "num_blocks", "block_grid", "normalize", "eps", "backend", "init"}
+_MHLA_KEYS = {"layers", "num_blocks", "block_grid", "normalize", "eps", "backend", "init", "output_norm"}
 LOSS_CSV = "loss.csv"
 LOSS_PNG = "loss.png"
 TRAIN_STATE = "train_state.json"
@@ -322,20 +327,26 @@ def validate_config(config: dict) -> None:
         if unknown:
             raise ValueError(f"unknown mhla keys {sorted(unknown)}; valid: {sorted(_MHLA_KEYS)}")
     d, t = config["data"], config["train"]
-    _choice(config, "data", "kind", ("photos", "folder", "captions"))
-    if d["kind"] in ("folder", "captions") and not d["root"]:
+    _choice(config, "data", "kind", ("photos", "folder", "captions", "video"))
+    if d["kind"] in ("folder", "captions", "video") and not d["root"]:
         raise ValueError(f"data.kind={d['kind']} needs data.root (the image folder)")
     _choice(config, "data", "missing_caption", ("error", "empty"))
     if not isinstance(d["caption_template"], str) or "{}" not in d["caption_template"]:
         raise ValueError(f"data.caption_template must be a string containing {{}}; got {d['caption_template']!r}")
-    positive = [("data", "batch_size"), ("train", "max_steps"), ("train", "gradient_accumulation_steps"), ("train", "log_every"), ("lora", "rank")]
+    if d["kind"] == "video":
+        r = d["resolution"]
+        if not (isinstance(r, int) or (isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r))):
+            raise ValueError(f"data.resolution must be an integer or [height, width] for videos; got {r!r}")
+    elif not isinstance(d["resolution"], int):
+        raise ValueError(f"data.resolution must be an integer (square crops of images); got {d['resolution']!r}")
+    positive = [("data", "num_frames"), ("data", "frame_stride"), ("data", "batch_size"), ("train", "max_steps"), ("train", "gradient_accumulation_steps"), ("train", "log_every"), ("lora", "rank")]
     for section, key in positive:
         v = config[section][key]
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{section}.{key} must be a positive integer; got {v!r}")
     v = m["text"]["max_sequence_length"]
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"model.text.max_sequence_length must be a positive integer; got {v!r}")
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+        raise ValueError(f"model.text.max_sequence_length must be a positive integer or null; got {v!r}")
     for section, key in [("train", "warmup_steps"), ("train", "checkpointing_steps"), ("ema", "update_after_step")]:
         v = config[section][key]
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -438,7 +449,7 @@ class TrainingParts:
     """Everything :func:`train` builds besides the optimizer: models, objective, teacher, options.
 
     Attributes:
-        family: ``"dit"`` / ``"sana"``.
+        family: ``"dit"`` / ``"sana"`` / ``"wan"``.
         transformer: the model being trained (fp32, train mode, MHLA installed if asked).
         vae: the frozen autoencoder.
         noise_scheduler: DiT: the ``DDPMScheduler`` (its config also defines the exported sampler);
@@ -612,30 +623,34 @@ class DiTRecipe(_Recipe):
         export_pipeline(model, parts.vae, parts.noise_scheduler, out_dir, sampler=sampler, id2label=id2label, overwrite=True)
 
 
-def _default_complex_human_instruction(pipe) -> list[str] | None:
+def _call_default(pipe, name: str):
+    """The default of ``name`` in the pipeline's ``__call__`` (what inference uses), or ``None``."""
     import inspect
 
-    param = inspect.signature(type(pipe).__call__).parameters.get("complex_human_instruction")
+    param = inspect.signature(type(pipe).__call__).parameters.get(name)
     return None if param is None or param.default is inspect.Parameter.empty else param.default
 
 
-class SanaRecipe(_Recipe):
-    """Text-to-image SANA (``SanaTransformer2DModel`` + ``SanaPipeline``): flow matching (target
-    ``noise - x0``), captions encoded by the pipeline's ``encode_prompt`` (Gemma-2), caption dropout
-    to the empty caption; exported as the same pipeline (its text encoder, vae and sampler)."""
+class _TextRecipe(_Recipe):
+    """Shared by the text-conditioned flow-matching families (SANA, Wan): the pipeline's own
+    ``encode_prompt``, caption dropout to the empty caption, export as the same pipeline."""
 
-    family = "sana"
     objective = "flow"
     text_conditioned = True
+    transformer_class = ""
+    # encode_text's outputs -> the transformer's keyword arguments
+    condition_keys: dict[str, str] = {}
 
     def load(self, config: dict) -> TrainingParts:
-        """Load ``model.pretrained`` (a SanaPipeline folder, plain or converted)."""
+        """Load ``model.pretrained`` (a pipeline folder, plain or converted) and the flow objective;
+        the flow shift defaults to the pipeline scheduler's ``flow_shift``."""
         from .checkpoint import load_mhla_pipeline
 
         m = config["model"]
         pipe = load_mhla_pipeline(m["pretrained"], torch_dtype=torch.float32)
-        if type(pipe.transformer).__name__ != "SanaTransformer2DModel" or not hasattr(pipe, "encode_prompt"):
-            raise ValueError(f"family sana expects a SanaPipeline folder; {m['pretrained']} holds {type(pipe).__name__}")
+        if type(pipe.transformer).__name__ != self.transformer_class or not hasattr(pipe, "encode_prompt"):
+            raise ValueError(f"family {self.family} expects a pipeline with a {self.transformer_class}; "
+                             f"{m['pretrained']} holds {type(pipe).__name__} / {type(pipe.transformer).__name__}")
         for module in (pipe.vae, pipe.text_encoder):
             module.requires_grad_(False).eval()
         sched = pipe.scheduler.config
@@ -647,8 +662,8 @@ class SanaRecipe(_Recipe):
             mode_scale=o["mode_scale"], loss_weighting=o["loss_weighting"],
         )
         text = dict(m["text"])
-        if text["complex_human_instruction"] == "default":
-            text["complex_human_instruction"] = _default_complex_human_instruction(pipe)
+        if text["max_sequence_length"] is None:
+            text["max_sequence_length"] = _call_default(pipe, "max_sequence_length") or 300
         return TrainingParts(
             family=self.family, transformer=pipe.transformer, vae=pipe.vae, noise_scheduler=table,
             objective=objective, pipeline=pipe, text=text,
@@ -659,15 +674,8 @@ class SanaRecipe(_Recipe):
         parts.null_condition = self.encode_text(parts, [""], parts.pipeline.text_encoder.device)
         return []
 
-    def encode_text(self, parts, captions: Sequence[str], device) -> dict:
-        """``{"prompt_embeds" [B, L, D], "prompt_attention_mask" [B, L]}`` of ``captions`` (no grad)."""
-        with torch.no_grad():
-            embeds, mask, _, _ = parts.pipeline.encode_prompt(
-                list(captions), do_classifier_free_guidance=False, device=device, clean_caption=False,
-                max_sequence_length=int(parts.text["max_sequence_length"]),
-                complex_human_instruction=parts.text["complex_human_instruction"],
-            )
-        return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
+    def encode_text(self, parts, captions: Sequence[str], device) -> dict:  # pragma: no cover - abstract
+        raise NotImplementedError
 
     @staticmethod
     def captions(batch: Mapping, id2label: Mapping | None, template: str = "{}") -> list[str]:
@@ -676,41 +684,35 @@ class SanaRecipe(_Recipe):
             return [str(c) for c in batch["caption"]]
         if "class_labels" in batch and id2label:
             return [template.format(id2label[int(i)]) for i in batch["class_labels"]]
-        raise ValueError("a text-conditioned model needs captions: use data.kind=captions, or class-labelled data (photos / folder)")
+        raise ValueError("a text-conditioned model needs captions: use data.kind=captions / video, or class-labelled data (photos / folder)")
 
     def condition(self, parts, batch, drop, mode="dataset", random_labels=None):
-        """``{"encoder_hidden_states", "encoder_attention_mask"}``; dropped samples (and ``mode="null"``)
-        get the empty caption. ``mode="random"`` is not defined for text (use ``null``)."""
+        """The transformer's text inputs; dropped samples (and ``mode="null"``) get the empty caption.
+        ``mode="random"`` is not defined for text (use ``null``)."""
         if mode == "random":
             raise ValueError("distill.condition=random needs class labels; use null (empty captions) for text models")
         device = batch["latents"].device if "latents" in batch else batch["pixel_values"].device
         n = len(drop)
         drop = drop.to(device) if mode != "null" else torch.ones(n, dtype=torch.bool, device=device)
         if "prompt_embeds" in batch:
-            embeds, mask = batch["prompt_embeds"], batch["prompt_attention_mask"]
+            enc = {k: batch[k] for k in self.condition_keys}
             if bool(drop.any()):
-                null_e = parts.null_condition["prompt_embeds"].to(device, embeds.dtype).expand_as(embeds)
-                null_m = parts.null_condition["prompt_attention_mask"].to(device, mask.dtype).expand_as(mask)
-                embeds = torch.where(drop.view(-1, 1, 1), null_e, embeds)
-                mask = torch.where(drop.view(-1, 1), null_m, mask)
+                for k, v in enc.items():
+                    null = parts.null_condition[k].to(device, v.dtype).expand_as(v)
+                    enc[k] = torch.where(drop.view(-1, *([1] * (v.ndim - 1))), null, v)
         else:
             captions = self.captions(batch, parts.id2label, parts.text.get("template", "{}"))
             captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
             enc = self.encode_text(parts, captions, device)
-            embeds, mask = enc["prompt_embeds"], enc["prompt_attention_mask"]
-        return {"encoder_hidden_states": embeds.float(), "encoder_attention_mask": mask}
-
-    def predict(self, model, noisy, timesteps, cond):
-        """The velocity prediction ``v = noise - x0``."""
-        return model(
-            noisy, encoder_hidden_states=cond["encoder_hidden_states"], encoder_attention_mask=cond["encoder_attention_mask"],
-            timestep=timesteps,
-        ).sample
+        out = {self.condition_keys[k]: v for k, v in enc.items()}
+        out["encoder_hidden_states"] = out["encoder_hidden_states"].float()
+        return out
 
     def cache_encode(self, parts, batch, device):
-        """``{"latents", "prompt_embeds", "prompt_attention_mask"}`` of a batch."""
+        """``{"latents", <text embeddings>}`` of a batch."""
         captions = self.captions(batch, parts.id2label, parts.text.get("template", "{}"))
-        return {"latents": _encode_latents(parts.vae, batch["pixel_values"].to(device)), **self.encode_text(parts, captions, device)}
+        latents = self.latents(parts, {"pixel_values": batch["pixel_values"].to(device)})
+        return {"latents": latents, **self.encode_text(parts, captions, device)}
 
     def encoders(self, parts):
         return [parts.vae, parts.pipeline.text_encoder, {"text": {k: v for k, v in parts.text.items()}}]
@@ -724,7 +726,81 @@ class SanaRecipe(_Recipe):
         save_mhla_pipeline(type(parts.pipeline)(**components), out_dir, overwrite=True)
 
 
-RECIPES: dict[str, _Recipe] = {"dit": DiTRecipe(), "sana": SanaRecipe()}
+class SanaRecipe(_TextRecipe):
+    """Text-to-image SANA (``SanaTransformer2DModel`` + ``SanaPipeline``): flow matching (target
+    ``noise - x0``), captions encoded by the pipeline's ``encode_prompt`` (Gemma-2, with the
+    complex human instruction as at inference unless ``model.text`` says otherwise), caption dropout
+    to the empty caption; exported as the same pipeline (its text encoder, vae and sampler)."""
+
+    family = "sana"
+    transformer_class = "SanaTransformer2DModel"
+    condition_keys = {"prompt_embeds": "encoder_hidden_states", "prompt_attention_mask": "encoder_attention_mask"}
+
+    def load(self, config: dict) -> TrainingParts:
+        parts = super().load(config)
+        if parts.text["complex_human_instruction"] == "default":
+            parts.text["complex_human_instruction"] = _call_default(parts.pipeline, "complex_human_instruction")
+        return parts
+
+    def encode_text(self, parts, captions: Sequence[str], device) -> dict:
+        """``{"prompt_embeds" [B, L, D], "prompt_attention_mask" [B, L]}`` of ``captions`` (no grad)."""
+        with torch.no_grad():
+            embeds, mask, _, _ = parts.pipeline.encode_prompt(
+                list(captions), do_classifier_free_guidance=False, device=device, clean_caption=False,
+                max_sequence_length=int(parts.text["max_sequence_length"]),
+                complex_human_instruction=parts.text["complex_human_instruction"],
+            )
+        return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
+
+    def predict(self, model, noisy, timesteps, cond):
+        """The velocity prediction ``v = noise - x0``."""
+        return model(
+            noisy, encoder_hidden_states=cond["encoder_hidden_states"], encoder_attention_mask=cond["encoder_attention_mask"],
+            timestep=timesteps,
+        ).sample
+
+
+class WanRecipe(_TextRecipe):
+    """Text-to-video Wan 2.1 (``WanTransformer3DModel`` + ``WanPipeline``): flow matching (the
+    authors' recipe: shift 3 from the pipeline's scheduler, logit-normal timesteps), UMT5 captions
+    through ``encode_prompt`` (zero-padded to ``max_sequence_length``, 512 by default), latents of
+    ``AutoencoderKLWan`` normalised with its ``latents_mean`` / ``latents_std`` (the inverse of what
+    ``WanPipeline`` does before decoding). Images (photos, folders) train as one-frame videos."""
+
+    family = "wan"
+    transformer_class = "WanTransformer3DModel"
+    condition_keys = {"prompt_embeds": "encoder_hidden_states"}
+
+    def latents(self, parts, batch, generator=None):
+        """Normalised video latents ``[B, z, F', H/8, W/8]`` (``pixel_values`` ``[B, 3, F, H, W]`` or images ``[B, 3, H, W]``)."""
+        if "latents" in batch:
+            return batch["latents"].float()
+        pixels = batch["pixel_values"]
+        if pixels.ndim == 4:
+            pixels = pixels.unsqueeze(2)
+        vae = parts.vae
+        with torch.no_grad():
+            z = vae.encode(pixels.to(vae.dtype)).latent_dist.sample(generator=generator).float()
+        shape = (1, vae.config.z_dim) + (1,) * (z.ndim - 2)
+        mean = torch.tensor(vae.config.latents_mean, device=z.device, dtype=z.dtype).view(shape)
+        std = torch.tensor(vae.config.latents_std, device=z.device, dtype=z.dtype).view(shape)
+        return (z - mean) / std
+
+    def encode_text(self, parts, captions: Sequence[str], device) -> dict:
+        """``{"prompt_embeds" [B, L, D]}`` (zero rows after each caption's tokens), no grad."""
+        with torch.no_grad():
+            embeds, _ = parts.pipeline.encode_prompt(
+                list(captions), do_classifier_free_guidance=False, device=device,
+                max_sequence_length=int(parts.text["max_sequence_length"]),
+            )
+        return {"prompt_embeds": embeds}
+
+    def predict(self, model, noisy, timesteps, cond):
+        """The velocity prediction ``v = noise - x0``."""
+        return model(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=cond["encoder_hidden_states"]).sample
+
+
+RECIPES: dict[str, _Recipe] = {"dit": DiTRecipe(), "sana": SanaRecipe(), "wan": WanRecipe()}
 
 
 def get_recipe(family: str) -> _Recipe:
@@ -795,21 +871,21 @@ def set_trainable(
     - ``"lora"``: LoRA adapters from :func:`mhla_diffusers.lora.add_lora` (``lora``: the config's
       ``lora`` section: rank, alpha, dropout, target_modules); everything else frozen.
     - ``"attention"``: the parameters of the self-attention modules (q, k, v, out projections, norms).
-    - ``"mixing"``: nothing but the MHLA mixing matrices.
+    - ``"mixing"``: nothing but the MHLA parameters (mixing matrices, Wan's output norms).
 
-    With ``train_mixing`` the MHLA mixing matrices train in every set (``add_lora`` would freeze
-    them otherwise); without it they are frozen in every set.
+    With ``train_mixing`` the MHLA parameters (mixing matrices, Wan's output norms:
+    :func:`mhla_diffusers.lora.mhla_parameters`) train in every set (``add_lora`` would freeze them
+    otherwise); without it they are frozen in every set.
 
     Raises:
         ValueError: unknown ``trainable``, ``"mixing"`` on a model without MHLA, nothing left to train.
     """
     from .families import self_attention_modules
-    from .lora import add_lora
-    from .mixing import mixing_parameters
+    from .lora import add_lora, mhla_parameters
 
     if trainable not in TRAINABLE_SETS:
         raise ValueError(f"trainable must be one of {TRAINABLE_SETS}; got {trainable!r}")
-    mixing = mixing_parameters(transformer)
+    mixing = mhla_parameters(transformer)
     if trainable == "full":
         transformer.requires_grad_(True)
     elif trainable == "lora":
@@ -882,13 +958,20 @@ def check_resolution(transformer, vae, resolution: int) -> None:
 
 def build_dataset(data: Mapping[str, Any]):
     """The dataset of ``config["data"]``: :class:`PhotoCrops` (``kind: photos``),
-    :class:`ImageFolderCrops` (``folder``) or :class:`CaptionedImageCrops` (``captions``).
+    :class:`ImageFolderCrops` (``folder``), :class:`CaptionedImageCrops` (``captions``) or
+    :class:`VideoClips` (``video``).
 
     Raises:
         ValueError / FileNotFoundError: from the dataset constructors (bad sizes, empty folder, ...).
     """
-    from .data import CaptionedImageCrops, ImageFolderCrops, PhotoCrops
+    from .data import CaptionedImageCrops, ImageFolderCrops, PhotoCrops, VideoClips
 
+    if data["kind"] == "video":
+        return VideoClips(
+            data["root"], resolution=data["resolution"], num_frames=data.get("num_frames", 17), frame_stride=data.get("frame_stride", 1),
+            clips_per_video=data["crops_per_image"], seed=data["seed"], hflip=data["hflip"],
+            caption_column=data.get("caption_column", "text"), missing_caption=data.get("missing_caption", "error"),
+        )
     common = dict(resolution=data["resolution"], short_side=data["short_side"], seed=data["seed"], hflip=data["hflip"])
     if data["kind"] == "photos":
         return PhotoCrops(crops_per_photo=data["crops_per_image"], photos=data["photos"], **common)
