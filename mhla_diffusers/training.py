@@ -1570,7 +1570,7 @@ def train(config: dict) -> dict[str, Any]:
             ``resume`` without a complete checkpoint, a non-finite loss.
     """
     from accelerate import Accelerator
-    from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
+    from accelerate.utils import DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, set_seed
     from diffusers.optimization import get_scheduler
     from torch.utils.data import DataLoader, DistributedSampler
     from tqdm.auto import tqdm
@@ -1670,8 +1670,13 @@ def train(config: dict) -> dict[str, Any]:
         num_training_steps=max_steps * accelerator.num_processes,
     )
     model, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
+    # FSDP (untested here: it needs GPUs): parameters are sharded across processes, so the main
+    # process alone can neither evaluate nor export the wrapped model; see the export below.
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
     ema = None
     e_cfg = config["ema"]
+    if fsdp and e_cfg["enabled"]:
+        raise ValueError("ema.enabled with FSDP is not supported (the EMA would track parameter shards): use DDP or set ema.enabled=false")
     if e_cfg["enabled"]:
         from diffusers.training_utils import EMAModel
 
@@ -1713,7 +1718,7 @@ def train(config: dict) -> dict[str, Any]:
             eval_set = _cached_dataset(parts, eval_set, cache_dir, accelerator, int(ev_cfg["batch_size"]))
     eval_kwargs = dict(num_samples=int(ev_cfg["samples"]), batch_size=int(ev_cfg["batch_size"]), seed=int(ev_cfg["seed"]), teacher=parts.teacher)
     eval_start: dict = {}
-    if eval_set is not None and accelerator.is_main_process and step == 0:
+    if eval_set is not None and accelerator.is_main_process and step == 0 and not fsdp:
         with accelerator.autocast():
             eval_start = evaluate_heldout(parts, accelerator.unwrap_model(model), eval_set, **eval_kwargs)
         accelerator.print(f"held-out loss before training: {eval_start['loss']:.5f}")
@@ -1815,8 +1820,15 @@ def train(config: dict) -> dict[str, Any]:
     # Evaluate and export.
     accelerator.wait_for_everyone()
     summary: dict[str, Any] = {}
+    full_state = accelerator.get_state_dict(model) if fsdp else None  # a collective: every process takes part
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
+        if fsdp:  # a fresh, unsharded copy of the model carrying the gathered weights
+            fresh = build_models({**config, "distill": {**ds_cfg, "teacher": None}})
+            unwrapped = fresh.transformer
+            unwrapped.load_state_dict(full_state)
+            unwrapped.to(accelerator.device)
+            restore = [(m, attr, v) for m, attr, v in restore if m in set(unwrapped.modules())]
         for module, attribute, value in restore:
             setattr(module, attribute, value)
         unwrapped.eval()
