@@ -105,6 +105,7 @@ def cases() -> list[dict]:
     # Several tiles per block and several splits per block (the GPU's partial-summary path).
     out.append(_case("splits-and-tiles-fp64", grid=(9, 13), block_grid=(2, 2), dtype="float64", split=16))
     out.append(_case("splits-and-tiles-nonorm-fp32", grid=(9, 13), block_grid=(2, 2), normalize=False, split=16))
+    out.append(_case("splits-and-mixing-tiles-fp64", grid=(9, 13), block_grid=(5, 4), dtype="float64", split=16))
     # Mixing matrices of the degenerate identities.
     for kind in ("identity", "ones", "locality"):
         out.append(_case(f"mixing-{kind}-fp64", dtype="float64", mixing=kind, grid=(3, 5, 7), block_grid=(2, 2, 3)))
@@ -360,9 +361,10 @@ def main(argv=None):
         if a.only and a.only not in c["name"]:
             continue
         torch.manual_seed(1000 + i)
-        saved = triton_ops._INTERPRET_SPLIT_TOKENS, triton_ops._INTERPRET_BLOCK_T
-        if c["split"]:
+        saved = triton_ops._INTERPRET_SPLIT_TOKENS, triton_ops._INTERPRET_BLOCK_T, triton_ops._INTERPRET_MIX_BLOCKS
+        if c["split"]:  # small tiles: several tiles and splits per block, mixing GEMM in 16 x 16 x 64 tiles
             triton_ops._INTERPRET_SPLIT_TOKENS = triton_ops._INTERPRET_BLOCK_T = c["split"]
+            triton_ops._INTERPRET_MIX_BLOCKS = (16, 16, 64)
         try:
             results.append(run_case(c, torch, ops, BlockLayout))
         except Exception as exc:  # reported per case
@@ -370,7 +372,7 @@ def main(argv=None):
 
             results.append(dict(name=c["name"], error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:]))
         finally:
-            triton_ops._INTERPRET_SPLIT_TOKENS, triton_ops._INTERPRET_BLOCK_T = saved
+            triton_ops._INTERPRET_SPLIT_TOKENS, triton_ops._INTERPRET_BLOCK_T, triton_ops._INTERPRET_MIX_BLOCKS = saved
     torch.manual_seed(0)
     extra = {} if a.only else extra_checks(torch, ops, BlockLayout)
     extra["package_import_leaves_kernels_unimported"] = not kernels_imported_by_package

@@ -53,6 +53,7 @@ Configs are fixed per head dim (no autotuning).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from functools import lru_cache
 
@@ -74,6 +75,7 @@ _TARGET_PROGRAMS = 264
 _MIN_SPLIT_TOKENS = 256
 _INTERPRET_SPLIT_TOKENS: int | None = None  # tests: force splits of this many tokens under the interpreter
 _INTERPRET_BLOCK_T = 256  # token-tile cap under the interpreter (large tiles: few programs)
+_INTERPRET_MIX_BLOCKS: tuple[int, int, int] | None = None  # tests: (BLOCK_R, BLOCK_K, BLOCK_N) of _mix_gemm
 
 # When a list, kernel launches are appended to it as (kernel, grid, args, meta) instead of run, and
 # the GPU launch configuration is used whatever the device: lets a test compile the exact launches
@@ -319,23 +321,27 @@ def _mix_gemm(
     ACC: tl.constexpr, PREC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """C[R, NCOL] = A[R, K] @ B[K, NCOL] (A strided, B and C contiguous): the block mixing S~ = Mc S over all heads."""
-    pid_r = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    """C[R, NCOL] = A[R, K] @ B[K, NCOL] (A strided, B and C contiguous): the block mixing S~ = Mc S over all heads.
+
+    One program per column strip of C, looping over its row tiles: the strip of B it reads again
+    for the next row tile is still in cache, and the grid has no axis that could exceed 65535.
+    """
+    pid_n = tl.program_id(0)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_r = offs_r < R
     mask_n = offs_n < NCOL
-    acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=ACC)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        mask_k = kk < K
-        a = tl.load(a_ptr + offs_r[:, None] * sar + kk[None, :] * sak, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_ptr + kk[:, None].to(tl.int64) * NCOL + offs_n[None, :], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc = tl.dot(a.to(ACC), b.to(ACC), acc, input_precision=PREC, out_dtype=ACC)
-    c_out = c_ptr + offs_r[:, None].to(tl.int64) * NCOL + offs_n[None, :]
-    tl.store(c_out, acc, mask=mask_r[:, None] & mask_n[None, :])
+    for r0 in range(0, R, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < R
+        acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=ACC)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + offs_k
+            mask_k = kk < K
+            a = tl.load(a_ptr + offs_r[:, None] * sar + kk[None, :] * sak, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(b_ptr + kk[:, None].to(tl.int64) * NCOL + offs_n[None, :], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc = tl.dot(a.to(ACC), b.to(ACC), acc, input_precision=PREC, out_dtype=ACC)
+        c_out = c_ptr + offs_r[:, None].to(tl.int64) * NCOL + offs_n[None, :]
+        tl.store(c_out, acc, mask=mask_r[:, None] & mask_n[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -349,10 +355,11 @@ _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float
 def _index(layout: BlockLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(order [N], start [M], size [M])`` int32 on ``device``: tokens sorted by block (row-major
     inside a block), where each block's run starts, and its length."""
-    order = torch.argsort(layout.block_index, stable=True)
-    sizes = layout.block_sizes
-    starts = torch.cumsum(sizes, 0) - sizes
-    return tuple(t.to(device=device, dtype=torch.int32) for t in (order, starts, sizes))
+    with torch.inference_mode(False):  # cached: must not become an inference tensor
+        order = torch.argsort(layout.block_index, stable=True)
+        sizes = layout.block_sizes
+        starts = torch.cumsum(sizes, 0) - sizes
+        return tuple(t.to(device=device, dtype=torch.int32) for t in (order, starts, sizes))
 
 
 def _next_pow2(x: int, floor: int = 16) -> int:
@@ -433,9 +440,11 @@ def _mix(mix: torch.Tensor, parts: torch.Tensor, prec: str) -> torch.Tensor:
         return out
     if _on_gpu(parts.device):
         block_r, block_k, block_n, warps = 64, 32, 128, 4
+    elif _INTERPRET_MIX_BLOCKS is not None:  # tests: several row tiles, K steps and column strips
+        (block_r, block_k, block_n), warps = _INTERPRET_MIX_BLOCKS, 4
     else:  # interpreter: few, large programs
         block_r, block_k, block_n, warps = _next_pow2(min(m, 256)), _next_pow2(min(p * m, 256)), 4096, 4
-    grid = (triton.cdiv(m, block_r), triton.cdiv(ncol, block_n))
+    grid = (triton.cdiv(ncol, block_n),)
     _launch(
         _mix_gemm, grid,
         a, b, out, m, p * m, ncol, a.stride(0), a.stride(1),
@@ -445,11 +454,27 @@ def _mix(mix: torch.Tensor, parts: torch.Tensor, prec: str) -> torch.Tensor:
     return out
 
 
+def _device_of(x: torch.Tensor):
+    """Triton launches on the current CUDA device: make it ``x``'s (tensors on cuda:1 and others)."""
+    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+
+
 class _MHLATriton(torch.autograd.Function):
     """Forward and backward by the Triton kernels above (first order)."""
 
     @staticmethod
     def forward(ctx, q, k, v, mixing, layout, normalize, eps, feature_map, need_grad):
+        with _device_of(q):
+            return _MHLATriton._forward(ctx, q, k, v, mixing, layout, normalize, eps, feature_map, need_grad)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        with _device_of(grad_out):
+            return _MHLATriton._backward(ctx, grad_out)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, mixing, layout, normalize, eps, feature_map, need_grad):
         batch, heads, n, d = q.shape
         dv = v.shape[-1]
         bh, m, length = batch * heads, layout.num_blocks, layout.max_block_size
@@ -495,8 +520,7 @@ class _MHLATriton(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
+    def _backward(ctx, grad_out):
         q, k, v, mixing, s, z = ctx.saved_tensors
         layout, normalize, eps, feature_map = ctx.layout, ctx.normalize, ctx.eps, ctx.feature_map
         need_q, need_k, need_v, need_mix = ctx.needs_input_grad[:4]
