@@ -78,7 +78,8 @@ def test_kernels_match_reference_and_torch_backend(interpreter_report, name):
 
 @needs_triton
 def test_interpreter_extra_checks(interpreter_report):
-    """Empty batch, bitwise batch invariance (C03), bitwise determinism (no atomics), inputs unchanged;
+    """Empty batch, bitwise batch invariance (C03), bitwise determinism (no atomics), inputs unchanged,
+    an expanded (stride-0) output gradient;
     ``import mhla_diffusers`` (in that fresh process) did not import the kernel module."""
     _, extra = interpreter_report
     assert extra and all(extra.values()), extra

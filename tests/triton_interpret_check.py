@@ -330,6 +330,13 @@ def extra_checks(torch, ops, layout_cls):
     g2 = torch.autograd.grad(out2, leaves, torch.ones_like(out2))
     res["deterministic_bitwise"] = bool(torch.equal(out1, out2) and all(torch.equal(a, b) for a, b in zip(g1, g2)))
     res["inputs_unchanged"] = all(torch.equal(a, b) for a, b in zip(sample, copies))
+    # An expanded output gradient (stride 0 everywhere: out.sum().backward()) is read through its strides.
+    grads = []
+    for backend in ("triton", "torch"):
+        leaves = [t.clone().double().requires_grad_() for t in sample] + [mixing.double().requires_grad_()]
+        ops.mhla_attention(*leaves[:3], leaves[3], layout, backend=backend).sum().backward()
+        grads.append([t.grad for t in leaves])
+    res["expanded_grad_out_ok"] = all(bool(torch.allclose(a, b, rtol=1e-12, atol=1e-12)) for a, b in zip(*grads))
     # The triton entry point refuses nothing here and goes through the kernels (no torch fallback).
     from mhla_diffusers.ops import triton_ops
 
