@@ -1,8 +1,15 @@
 #!/usr/bin/env python
-"""Fine-tune (or train from scratch) a class-conditional DiT, with or without MHLA, on accelerate.
+"""Fine-tune DiT, SANA or Wan 2.1 with or without MHLA on accelerate (or train a DiT from scratch).
 
+    accelerate launch --config_file finetune/accelerate/single_gpu.yaml \\
+        finetune/train.py --config finetune/configs/sana_hybrid.yaml
     accelerate launch --config_file finetune/accelerate/single_cpu.yaml \\
         finetune/train.py --config finetune/configs/dit_demo_hybrid.yaml
+
+Objectives: DDPM epsilon (DiT), flow matching (SANA, Wan); distillation from the original model
+(distill section: output matching, attention transfer); trainable sets full / lora / attention /
+mixing (train.trainable, lora section); EMA (ema section); bf16 / fp16 with fp32 trainable
+parameters; gradient checkpointing; latent caching (data.cache).
 
 Every option lives in the YAML config (see mhla_diffusers.training.DEFAULT_CONFIG for all keys
 and their defaults); any key can be overridden on the command line with --set (repeatable), the
@@ -12,7 +19,8 @@ value parsed as YAML:
 
 The shortcuts --output_dir, --max_steps, --pretrained and --resume do the same for those keys.
 Writes output_dir/{config.yaml, loss.csv, loss.png, checkpoints/, final/, train_summary.json};
-final/ is a complete DiTPipeline (load it with mhla_diffusers.load_mhla_pipeline).
+final/ is the family's complete pipeline in the converted-checkpoint format (load it with
+mhla_diffusers.load_mhla_pipeline; with lora.export=separate, mhla_diffusers.lora.load_mhla_pipeline_with_lora).
 """
 
 import argparse
@@ -22,7 +30,8 @@ from mhla_diffusers.training import load_config, train
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True, help="YAML config file (sections model, mhla, data, train, eval, export; output_dir)")
+    p.add_argument("--config", required=True,
+                   help="YAML config file (sections model, mhla, objective, distill, lora, ema, data, train, eval, export; output_dir)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. train.max_steps=10 (repeatable; VALUE is YAML)")
     p.add_argument("--output_dir", help="shortcut for --set output_dir=...")
