@@ -85,7 +85,6 @@ def main(argv=None) -> int:
         evaluate_heldout,
         load_config,
         plot_loss_curves,
-        read_loss_csv,
         read_loss_terms,
         train,
     )

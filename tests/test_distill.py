@@ -83,7 +83,7 @@ def test_distillation_alone_needs_no_labels_and_closes_the_gap(tmp_path):
 
     for i in range(3):
         (tmp_path / "images" / "all").mkdir(parents=True, exist_ok=True)
-        photo = mhla_diffusers.data.load_photo(["cat", "coffee", "rocket"][i])
+        photo = load_photo(["cat", "coffee", "rocket"][i])
         Image.fromarray(photo).save(tmp_path / "images" / "all" / f"{i}.png")
     cfg = tiny_config(
         tmp_path / "d", mhla={"layers": "all", "num_blocks": 4},

@@ -109,22 +109,18 @@ def test_exported_folder_computes_what_the_trained_model_computes(tmp_path, mode
 
 
 def test_trainer_lora_run_trains_only_adapters_and_mixing(tmp_path):
+    from diffusers import DDPMScheduler, DiTTransformer2DModel
     from safetensors.torch import load_file
 
-    from test_train import tiny_config
+    from test_train import TINY_DIT, tiny_config
 
-    cfg = tiny_config(tmp_path / "lora", model={"init": None, "pretrained": None}, mhla={"layers": "all", "num_blocks": 4})
-    # start from a saved base so that the frozen weights can be compared
-    from test_train import TINY_DIT
-
-    from diffusers import DDPMScheduler, DiTTransformer2DModel
-
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # a saved base, so that the frozen weights can be compared after training
     base = DiTTransformer2DModel(**TINY_DIT)
     vae = mhla_diffusers.SpaceToDepthAutoencoder(factor=2, scaling_factor=1.8)
     training.export_pipeline(base, vae, DDPMScheduler(), tmp_path / "base", sampler="ddim")
-    summary = training.train(load_config(cfg, [f"model.pretrained={tmp_path / 'base'}", "model.init=null", "train.trainable=lora",
-                                               "lora.export=separate", "train.mixing_lr=1e-2"]))
+    cfg = tiny_config(tmp_path / "lora", model={"init": None, "pretrained": str(tmp_path / "base")},
+                      mhla={"layers": "all", "num_blocks": 4})
+    summary = training.train(load_config(cfg, ["train.trainable=lora", "lora.export=separate", "train.mixing_lr=1e-2"]))
     assert summary["trainable"] == "lora" and summary["num_trainable_parameters"] < summary["num_parameters"] / 4
     a = load_file(tmp_path / "base" / "transformer" / "diffusion_pytorch_model.safetensors")
     b = load_file(tmp_path / "lora" / "final" / "transformer" / "diffusion_pytorch_model.safetensors")
@@ -132,5 +128,5 @@ def test_trainer_lora_run_trains_only_adapters_and_mixing(tmp_path):
     mixing = load_file(tmp_path / "lora" / "final" / "transformer" / "mhla.safetensors")
     fresh = DiTTransformer2DModel(**TINY_DIT)
     mhla_diffusers.apply_mhla(fresh, layers="all", num_blocks=4)
-    init = {f"{n}": p for n, p in fresh.state_dict().items() if "mhla_mixing" in n}
+    init = {n: p for n, p in fresh.state_dict().items() if "mhla_mixing" in n}
     assert any(not torch.equal(mixing[k], init[k]) for k in mixing)  # the mixing matrices trained
