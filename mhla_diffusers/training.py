@@ -919,20 +919,29 @@ def prepare_parameter_dtypes(model: torch.nn.Module, weight_dtype: torch.dtype) 
     through the low-precision dtype (no precision is lost). Same end state as casting the model and
     then :func:`diffusers.training_utils.cast_training_params`.
 
+    Frozen parameters of the modules the model class keeps in fp32 (diffusers'
+    ``_keep_in_fp32_modules``, e.g. Wan's time embedder and norms) stay fp32, as
+    ``from_pretrained(torch_dtype=...)`` keeps them.
+
     Returns:
-        ``{"frozen": elements in weight_dtype, "trainable": elements in fp32}``.
+        ``{"frozen": elements in weight_dtype, "trainable": elements in fp32, "kept_fp32": frozen elements kept in fp32}``.
     """
-    frozen = trainable = 0
-    for p in model.parameters():
-        if p.requires_grad:
+    keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    frozen = trainable = kept = 0
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if p.requires_grad or any(k in parts for k in keep):
             if p.dtype != torch.float32:
                 p.data = p.data.to(torch.float32)
-            trainable += p.numel()
+            if p.requires_grad:
+                trainable += p.numel()
+            else:
+                kept += p.numel()
         else:
             if p.dtype != weight_dtype:
                 p.data = p.data.to(weight_dtype)
             frozen += p.numel()
-    return {"frozen": frozen, "trainable": trainable}
+    return {"frozen": frozen, "trainable": trainable, "kept_fp32": kept}
 
 
 def vae_scale_factor(vae) -> int:
@@ -1633,7 +1642,7 @@ def train(config: dict) -> dict[str, Any]:
     for module in [m for m in frozen if m is not None]:  # teacher, text encoder: in the weight dtype
         module.to(accelerator.device)
         if weight_dtype != torch.float32:
-            module.to(weight_dtype)
+            prepare_parameter_dtypes(module, weight_dtype)
     parts.vae.to(accelerator.device)  # the autoencoder stays fp32 (as diffusers' SANA / SD3 recipes keep it)
     dataset = build_dataset(d_cfg)
     labels = getattr(dataset, "id2label", None)

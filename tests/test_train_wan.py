@@ -107,3 +107,16 @@ def test_wan_lora_on_photos_as_one_frame_videos(tmp_path, wan_setup):
     pipe = load_mhla_pipeline_with_lora(tmp_path / "lora" / "final")
     trainable = [n for n, p in pipe.transformer.named_parameters() if "lora_" in n]
     assert trainable and mhla_diffusers.is_mhla_model(pipe.transformer)
+
+
+def test_wan_frozen_weights_in_bf16_keep_the_fp32_modules():
+    from helpers_wan import tiny_wan
+
+    model = tiny_wan(num_layers=1)
+    training.set_trainable(model, "lora", lora={"rank": 2})
+    counts = training.prepare_parameter_dtypes(model, torch.bfloat16)
+    assert counts["kept_fp32"] > 0 and counts["frozen"] > 0 and counts["trainable"] > 0
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert dtypes["condition_embedder.time_embedder.linear_1.weight"] == torch.float32  # _keep_in_fp32_modules
+    assert dtypes["blocks.0.ffn.net.0.proj.weight"] == torch.bfloat16
+    assert all(d == torch.float32 for n, d in dtypes.items() if "lora_" in n)
