@@ -1637,6 +1637,11 @@ def train(config: dict) -> dict[str, Any]:
         weight_dtype = torch.float32
     if t_cfg["gradient_checkpointing"]:
         transformer.enable_gradient_checkpointing()
+    # Frozen weights are about to be cast down: the main process keeps their fp32 values (CPU) so that
+    # the export (LoRA merged into them) is written at full precision, not from the bf16 / fp16 copies.
+    frozen_fp32 = {}
+    if weight_dtype != torch.float32 and accelerator.is_main_process:
+        frozen_fp32 = {n: p.detach().to("cpu", copy=True) for n, p in transformer.named_parameters() if not p.requires_grad}
     prepare_parameter_dtypes(transformer, weight_dtype)  # frozen -> weight_dtype, trainable -> fp32 (C16)
     frozen = [parts.teacher, getattr(parts.pipeline, "text_encoder", None)]
     for module in [m for m in frozen if m is not None]:  # teacher, text encoder: in the weight dtype
@@ -1843,6 +1848,10 @@ def train(config: dict) -> dict[str, Any]:
         unwrapped.eval()
         if ema is not None and e_cfg["export"]:
             ema.copy_to(trainable_params)
+        if frozen_fp32:  # the frozen weights back at full precision for evaluation and export
+            for name, p in unwrapped.named_parameters():
+                if name in frozen_fp32:
+                    p.data = frozen_fp32[name].to(p.device)
         eval_end: dict = {}
         if eval_set is not None:
             with accelerator.autocast():

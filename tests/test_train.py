@@ -360,6 +360,24 @@ def test_bf16_mixed_precision_on_cpu(tmp_path):
     assert math.isfinite(summary["final_loss"]) and math.isfinite(summary["eval_loss"])
     pipe = mhla_diffusers.load_mhla_pipeline(tmp_path / "bf16" / "final")
     assert all(p.dtype == torch.float32 for p in pipe.transformer.parameters())  # trained and exported in fp32
+    # LoRA: the frozen weights (and the distillation teacher) run in bf16 under CPU autocast
+    summary = training.train(load_config(
+        tiny_config(tmp_path / "bf16_lora", mhla={"layers": "all", "num_blocks": 4},
+                    train={"mixed_precision": "bf16", "max_steps": 2, "trainable": "lora"},
+                    distill={"teacher": "original", "output_weight": 1.0, "attention_weight": 1.0}),
+        ["eval.samples=4", "eval.batch_size=4"],
+    ))
+    assert math.isfinite(summary["final_loss"]) and math.isfinite(summary["eval_distill"])
+    pipe = mhla_diffusers.load_mhla_pipeline(tmp_path / "bf16_lora" / "final")
+    # frozen weights ran in bf16, but the export merges the LoRA into their fp32 originals
+    assert all(p.dtype == torch.float32 for p in pipe.transformer.parameters())
+    from diffusers import DiTTransformer2DModel
+
+    torch.manual_seed(0)  # train() seeds 0 before building the model from scratch
+    fresh = DiTTransformer2DModel(**TINY_DIT).state_dict()
+    saved = pipe.transformer.state_dict()
+    untouched = [k for k in fresh if "attn1" not in k and "mhla" not in k]
+    assert untouched and all(torch.equal(saved[k], fresh[k]) for k in untouched)  # not rounded through bf16
 
 
 def test_fp16_recipe_keeps_trainable_parameters_fp32_c16(tmp_path):
