@@ -715,6 +715,7 @@ class _TextRecipe(_Recipe):
         return {"latents": latents, **self.encode_text(parts, captions, device)}
 
     def encoders(self, parts):
+        """The vae, the text encoder and the text options (all change what the cache holds)."""
         return [parts.vae, parts.pipeline.text_encoder, {"text": {k: v for k, v in parts.text.items()}}]
 
     def write(self, model, parts, out_dir, *, sampler, id2label):
@@ -737,6 +738,7 @@ class SanaRecipe(_TextRecipe):
     condition_keys = {"prompt_embeds": "encoder_hidden_states", "prompt_attention_mask": "encoder_attention_mask"}
 
     def load(self, config: dict) -> TrainingParts:
+        """As :meth:`_TextRecipe.load`; ``complex_human_instruction: default`` becomes the pipeline's own."""
         parts = super().load(config)
         if parts.text["complex_human_instruction"] == "default":
             parts.text["complex_human_instruction"] = _call_default(parts.pipeline, "complex_human_instruction")
