@@ -291,10 +291,16 @@ def _install_from_config(transformer: nn.Module, config: dict, folder: Path) -> 
 
 
 def _usable_backend(backend: str) -> str:
-    """The recorded backend if this installation has it, else ``"auto"`` (backends give the same numbers)."""
+    """The recorded backend if it can run here, else ``"auto"`` (backends give the same numbers).
+
+    ``"triton"`` runs only on CUDA tensors: a checkpoint saved with it and loaded on a machine
+    without CUDA (triton installed or not) gets ``"auto"``, not a failure at the first forward.
+    """
     from .ops import available_backends
 
-    if backend == "auto" or backend in available_backends():
+    if backend in ("auto", "torch"):
+        return backend
+    if backend in available_backends() and (backend != "triton" or torch.cuda.is_available()):
         return backend
     import warnings
 
@@ -319,30 +325,57 @@ def _transformer_class(folder: Path):
     return cls
 
 
-def load_mhla_transformer(path: str | os.PathLike, *, torch_dtype: torch.dtype | None = None, **kwargs) -> nn.Module:
+def _load_saved_lora(model: nn.Module, default_dir: Path, lora) -> None:
+    """Apply a LoRA adapter saved beside a checkpoint (``transformer_lora/``, see ``mhla_diffusers.lora``).
+
+    ``lora=True``: the adapter in ``default_dir`` if there is one; ``False``: none; a path: that
+    adapter, which must exist.
+    """
+    if lora is False or lora is None:
+        return
+    folder = default_dir if lora is True else Path(lora)
+    if lora is True and not folder.is_dir():
+        return
+    from .lora import load_lora
+
+    load_lora(model, folder)
+
+
+def load_mhla_transformer(
+    path: str | os.PathLike, *, torch_dtype: torch.dtype | None = None, lora: bool | str | os.PathLike = True, **kwargs
+) -> nn.Module:
     """Load a transformer from a converted (or plain) checkpoint: a transformer folder or a pipeline folder.
 
-    Returns the model in eval mode with MHLA installed as recorded (unchanged if none recorded).
+    Returns the model in eval mode with MHLA installed as recorded (unchanged if none recorded) and,
+    with ``lora=True`` (default), the LoRA adapter a fine-tuning run saved beside the transformer
+    folder (``transformer_lora/``, export mode "separate") applied; ``lora=False`` skips it, a
+    path loads that adapter folder.
 
     Raises:
-        FileNotFoundError: no checkpoint at ``path``.
+        FileNotFoundError: no checkpoint at ``path`` (or no adapter at an explicit ``lora`` path).
         MHLACheckpointError: see :func:`read_mhla_config` and :func:`load_mhla_weights`.
+        ValueError: an adapter whose keys do not match the model.
     """
     folder = transformer_folder(path)
     config = read_mhla_config(folder)
     model = _transformer_class(folder).from_pretrained(folder, **_dtype_kwargs(torch_dtype), **kwargs)
     if config is not None:
         _install_from_config(model, config, folder)
+    _load_saved_lora(model, folder.parent / "transformer_lora", lora)
     return model.eval()
 
 
-def load_mhla_pipeline(path: str | os.PathLike, *, torch_dtype: torch.dtype | None = None, **kwargs):
+def load_mhla_pipeline(
+    path: str | os.PathLike, *, torch_dtype: torch.dtype | None = None, lora: bool | str | os.PathLike = True, **kwargs
+):
     """Load a diffusers pipeline folder whose transformer may be a converted MHLA checkpoint.
 
-    Returns a ready pipeline (its ``transformer`` in eval mode, MHLA installed if recorded).
+    Returns a ready pipeline (its ``transformer`` in eval mode, MHLA installed if recorded, and
+    the LoRA adapter of ``<path>/transformer_lora`` applied when present and ``lora=True``;
+    ``lora=False`` skips it, a path loads that adapter folder).
 
     Raises:
-        FileNotFoundError: ``path`` holds no ``model_index.json``.
+        FileNotFoundError: ``path`` holds no ``model_index.json`` (or no adapter at an explicit ``lora`` path).
         MHLACheckpointError: see :func:`load_mhla_transformer`.
     """
     from diffusers import DiffusionPipeline
@@ -354,5 +387,6 @@ def load_mhla_pipeline(path: str | os.PathLike, *, torch_dtype: torch.dtype | No
     pipe = DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(torch_dtype), **kwargs)
     if config is not None:
         _install_from_config(pipe.transformer, config, path / "transformer")
+    _load_saved_lora(pipe.transformer, path / "transformer_lora", lora)
     pipe.transformer.eval()
     return pipe

@@ -13,7 +13,8 @@
 - :func:`save_lora` / :func:`load_lora` keep the adapter beside the checkpoint instead
   (``<pipeline>/transformer_lora/adapter_config.json`` + ``adapter_model.safetensors``, peft's
   format); :func:`load_mhla_pipeline_with_lora` / :func:`load_mhla_transformer_with_lora` load
-  a checkpoint and its adapter in one call (``load_mhla_pipeline`` alone does NOT apply it).
+  a checkpoint and its adapter in one call; ``load_mhla_pipeline`` / ``load_mhla_transformer``
+  apply an adapter found in that default place too (``lora=False`` skips it).
 """
 
 from __future__ import annotations
@@ -239,9 +240,7 @@ def load_mhla_transformer_with_lora(path: str | os.PathLike, lora_dir: str | os.
     from .checkpoint import load_mhla_transformer, transformer_folder
 
     folder = transformer_folder(path)
-    model = load_mhla_transformer(path, **kwargs)
-    load_lora(model, lora_dir or folder.parent / LORA_DIR_NAME)
-    return model.eval()
+    return load_mhla_transformer(path, lora=lora_dir or folder.parent / LORA_DIR_NAME, **kwargs)
 
 
 def load_mhla_pipeline_with_lora(path: str | os.PathLike, lora_dir: str | os.PathLike | None = None, **kwargs):
@@ -249,7 +248,6 @@ def load_mhla_pipeline_with_lora(path: str | os.PathLike, lora_dir: str | os.Pat
     (``<path>/transformer_lora`` unless ``lora_dir`` is given)."""
     from .checkpoint import load_mhla_pipeline
 
-    pipe = load_mhla_pipeline(path, **kwargs)
-    load_lora(pipe.transformer, lora_dir or Path(path) / LORA_DIR_NAME)
+    pipe = load_mhla_pipeline(path, lora=lora_dir or Path(path) / LORA_DIR_NAME, **kwargs)
     pipe.transformer.eval()
     return pipe

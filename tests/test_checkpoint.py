@@ -491,3 +491,16 @@ def test_overwrite_never_replaces_the_source_or_the_working_directory(tmp_path, 
         with atomic_directory(src.parent, overwrite=True):
             pass
     assert (src / "config.json").is_file()
+
+
+def test_recorded_backend_that_cannot_run_here_becomes_auto(monkeypatch):
+    """A checkpoint saved with backend 'triton' loads on a machine without CUDA (triton installed or not)."""
+    from mhla_diffusers import checkpoint
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert checkpoint._usable_backend("torch") == "torch"
+    assert checkpoint._usable_backend("auto") == "auto"
+    with pytest.warns(UserWarning, match="not available here"):
+        assert checkpoint._usable_backend("triton") == "auto"
+    with pytest.warns(UserWarning):
+        assert checkpoint._usable_backend("no-such-backend") == "auto"

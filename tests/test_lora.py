@@ -106,6 +106,13 @@ def test_exported_folder_computes_what_the_trained_model_computes(tmp_path, mode
     transformer = (lora.load_mhla_transformer_with_lora if mode == "separate" else mhla_diffusers.load_mhla_transformer)(tmp_path / "final")
     with torch.no_grad():
         torch.testing.assert_close(transformer(x, **kwargs).sample, expected, rtol=1e-5, atol=2e-6)
+    # The ordinary loaders apply an adapter saved beside the checkpoint too (never silently drop it);
+    # lora=False gives the base weights alone.
+    for load in (mhla_diffusers.load_mhla_transformer, lambda p, **kw: mhla_diffusers.load_mhla_pipeline(p, **kw).transformer):
+        with torch.no_grad():
+            torch.testing.assert_close(load(tmp_path / "final")(x, **kwargs).sample, expected, rtol=1e-5, atol=2e-6)
+            bare = load(tmp_path / "final", lora=False)(x, **kwargs).sample
+        assert (mode == "merge") == bool(torch.allclose(bare, expected, rtol=1e-5, atol=2e-6))
 
 
 def test_trainer_lora_run_trains_only_adapters_and_mixing(tmp_path):

@@ -214,3 +214,17 @@ def test_gpu_check_arguments():
         module.parse_args(["--device", "cpu"])
     assert set(module.SHAPES) == {"sana-4096", "dit-1024", "dit-4096", "wan-M105", "wan-M150"}
     assert module.SHAPES["wan-M105"] == (2, 12, (21, 30, 52), 128, (3, 5, 7))
+
+
+def test_auto_picks_triton_on_cuda_only_when_opted_in(monkeypatch):
+    """'auto' keeps CUDA tensors on torch until MHLA_AUTO_TRITON=1 (kernels not yet run on a GPU here)."""
+    from mhla_diffusers import ops
+
+    monkeypatch.setattr(ops, "_triton_gpu_problem", lambda: None)  # pretend a working driver
+    monkeypatch.delenv("MHLA_AUTO_TRITON", raising=False)
+    assert ops.resolve_backend("auto", torch.device("cuda")) == "torch"
+    monkeypatch.setenv("MHLA_AUTO_TRITON", "1")
+    assert ops.resolve_backend("auto", torch.device("cuda")) == "triton"
+    assert ops.resolve_backend("auto", torch.device("cpu")) == "torch"
+    monkeypatch.setattr(ops, "_triton_gpu_problem", lambda: "no driver")
+    assert ops.resolve_backend("auto", torch.device("cuda")) == "torch"

@@ -54,6 +54,11 @@ def _interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
+def _auto_picks_triton() -> bool:
+    """Whether ``"auto"`` may pick the Triton kernels for CUDA tensors (``MHLA_AUTO_TRITON=1``)."""
+    return os.environ.get("MHLA_AUTO_TRITON", "0").lower() in ("1", "true", "yes", "on")
+
+
 def available_backends() -> list[str]:
     """Names accepted by ``backend=`` besides ``"auto"``: ``"torch"``, and ``"triton"`` when the
     ``triton`` package is installed (it then runs on CUDA tensors; see :func:`resolve_backend`)."""
@@ -63,8 +68,10 @@ def available_backends() -> list[str]:
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Map ``"auto"`` to a concrete backend for tensors on ``device``; validate explicit names.
 
-    ``"auto"``: ``"triton"`` for CUDA tensors when triton is installed and has a working GPU
-    driver, ``"torch"`` otherwise (never the Triton interpreter). ``"triton"`` explicitly: CUDA
+    ``"auto"``: ``"torch"``, or ``"triton"`` for CUDA tensors when ``MHLA_AUTO_TRITON=1`` is set
+    and triton is installed with a working GPU driver (never the Triton interpreter). The kernels
+    pass the interpreter and sm_90 compilation tests but have not yet been run on a GPU in this
+    project (benchmarks/TRITON.md), so "auto" opts in only on request until they have. ``"triton"`` explicitly: CUDA
     tensors, or CPU tensors when ``TRITON_INTERPRET=1`` is set (the interpreter: slow, for tests).
 
     Raises:
@@ -73,7 +80,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     """
     device = torch.device(device)
     if backend == "auto":
-        return "triton" if device.type == "cuda" and _triton_gpu_problem() is None else "torch"
+        use_triton = device.type == "cuda" and _auto_picks_triton() and _triton_gpu_problem() is None
+        return "triton" if use_triton else "torch"
     if backend not in _BACKENDS:
         raise ValueError(f"unknown MHLA backend {backend!r}; choose one of {['auto', *available_backends()]}")
     if backend == "triton":
