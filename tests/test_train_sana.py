@@ -40,7 +40,8 @@ def sana_config(out, base, *overrides):
 
 
 def _sample(folder, lora=False):
-    pipe = load_mhla_pipeline_with_lora(folder) if lora else mhla_diffusers.load_mhla_pipeline(folder)
+    # lora=True: the explicit loader; False: the base alone (load_mhla_pipeline would apply an adapter found beside it)
+    pipe = load_mhla_pipeline_with_lora(folder) if lora else mhla_diffusers.load_mhla_pipeline(folder, lora=False)
     pipe.set_progress_bar_config(disable=True)
     return pipe, pipe("a photo of a cat", height=32, width=32, num_inference_steps=2, use_resolution_binning=False,
                       generator=torch.Generator().manual_seed(0), output_type="np", max_sequence_length=8,
