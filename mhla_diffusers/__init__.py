@@ -1,5 +1,12 @@
 """mhla_diffusers: Multi-Head Linear Attention (MHLA, arXiv 2601.07832, ICLR 2026) for diffusers."""
 
+import os as _os
+
+# Triton decides at import time whether its own functions run in the CPU interpreter, and diffusers
+# (imported below) imports triton: remember whether TRITON_INTERPRET was on at this point so that
+# the Triton backend can say clearly when it was switched on too late.
+_TRITON_INTERPRET_AT_IMPORT = _os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+
 from .autoencoder import SpaceToDepthAutoencoder
 from .layout import BlockLayout, choose_block_grid, default_num_blocks
 from .mixing import MixingMatrix, clamp_mixing_, mixing_init, mixing_parameters

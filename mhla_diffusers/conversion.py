@@ -121,6 +121,11 @@ def _load_single_file(src: Path, config: str | None, family: str | None, torch_d
         model = cls.from_single_file(str(src), **load_kwargs, **_dtype_kwargs(torch_dtype))
     except (KeyError, IndexError) as err:  # diffusers' key mapping fails on another model's file
         raise ValueError(f"{src} is not an original {cls.__name__} checkpoint (missing key {err})") from err
+    except (NotImplementedError, RuntimeError) as err:  # weights left on the meta device, or shape mismatches
+        raise ValueError(
+            f"{src} does not match the config {config} (layers or sizes differ; diffusers said: {type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}); pass the config of the model this file belongs to"
+        ) from err
     if pipeline_folder is None:
         return None, model
     dtypes = _pipeline_dtypes(Path(pipeline_folder)) if Path(pipeline_folder).is_dir() else {}

@@ -228,3 +228,21 @@ def test_auto_picks_triton_on_cuda_only_when_opted_in(monkeypatch):
     assert ops.resolve_backend("auto", torch.device("cpu")) == "torch"
     monkeypatch.setattr(ops, "_triton_gpu_problem", lambda: "no driver")
     assert ops.resolve_backend("auto", torch.device("cuda")) == "torch"
+
+
+@needs_triton
+def test_interpreter_refuses_bfloat16():
+    """bf16 arithmetic is wrong in Triton's interpreter: a clear error, not silently wrong numbers."""
+    code = (
+        "import torch\n"
+        "from mhla_diffusers import BlockLayout, mhla_attention, mixing_init\n"
+        "lay = BlockLayout((4, 4), (2, 2)); q = torch.randn(1, 2, 16, 8)\n"
+        "mhla_attention(q, q, q, mixing_init(lay), lay, backend='triton')\n"
+        "try:\n"
+        "    mhla_attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), mixing_init(lay), lay, backend='triton')\n"
+        "except ValueError as err:\n"
+        "    print('REFUSED', err)\n"
+    )
+    proc = _run(["-c", code], interpret=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "REFUSED" in proc.stdout and "bfloat16" in proc.stdout, proc.stdout

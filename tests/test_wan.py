@@ -859,3 +859,15 @@ def test_real_size_1_3b_conversion_forward_round_trip(tmp_path):
     assert sorted(k for k in res if "mhla" in k) == sorted(mixing) and len(mixing) == 20
     assert all(torch.equal(res[k], v) for k, v in mixing.items())
     assert _rel(res["output"], hybrid) < 1e-6, _rel(res["output"], hybrid)
+
+
+def test_single_file_with_a_config_of_another_size_is_a_clear_error(tmp_path, capsys):
+    """An original file whose layers do not match the --config: exit 2 with a message, nothing written."""
+    small = tiny_wan(num_layers=2)
+    save_file(original_wan_state_dict(small), tmp_path / "two_layers.safetensors")
+    tiny_wan(num_layers=3).save_pretrained(tmp_path / "three_layers")
+    out = tmp_path / "out"
+    code, err = run_main("conversion/convert.py", "--family", "wan", "--src", tmp_path / "two_layers.safetensors",
+                         "--config", tmp_path / "three_layers", "--out", out, capsys=capsys)
+    assert code == 2 and "does not match the config" in err, err
+    assert not out.exists()

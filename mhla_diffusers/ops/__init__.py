@@ -23,7 +23,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _triton_backend(q, k, v, mixing, layout, **kwargs):
-    """The Triton kernels, imported on first use (importing mhla_diffusers never imports triton)."""
+    """The Triton kernels, imported on first use (importing mhla_diffusers never imports them; diffusers may import triton itself)."""
     from .triton_ops import mhla_attention_triton
 
     return mhla_attention_triton(q, k, v, mixing, layout, **kwargs)

@@ -583,14 +583,24 @@ class _MHLATriton(torch.autograd.Function):
         return (dq if need_q else None), dk, dvv, dmix, None, None, None, None, None
 
 
-def check_supported(q: torch.Tensor) -> None:
+def check_supported(q: torch.Tensor, *others: torch.Tensor) -> None:
     """Raise ``ValueError`` unless the kernels can run on ``q``'s device: CUDA tensors, or CPU
-    tensors with the interpreter on (``TRITON_INTERPRET=1``)."""
+    tensors with the interpreter on (``TRITON_INTERPRET=1``, set before ``mhla_diffusers`` /
+    diffusers / triton were imported) and no bfloat16 input (the interpreter's bf16 arithmetic
+    is wrong)."""
     if q.device.type == "cpu":
-        if interpreter_enabled() and not _INTERPRETED:
+        import mhla_diffusers
+
+        late = interpreter_enabled() and not (_INTERPRETED and getattr(mhla_diffusers, "_TRITON_INTERPRET_AT_IMPORT", True))
+        if late:
             raise ValueError(
-                "TRITON_INTERPRET=1 was set after mhla_diffusers.ops.triton_ops was imported: its kernels are "
-                "compiled for a GPU. Set it before the first import (e.g. in the environment of the process)"
+                "TRITON_INTERPRET=1 was set after mhla_diffusers (which imports diffusers and triton) was imported: "
+                "Triton's functions are set up for a GPU. Set it in the environment before the first import"
+            )
+        if _INTERPRETED and any(t.dtype == torch.bfloat16 for t in (q, *others)):
+            raise ValueError(
+                "bfloat16 inputs cannot run in Triton's CPU interpreter (its bf16 arithmetic is wrong); "
+                "use float32 / float64 / float16 there, or backend='torch'"
             )
         if not _INTERPRETED:
             raise ValueError(
@@ -656,7 +666,7 @@ def mhla_attention_triton(
     Raises:
         ValueError: for CPU tensors without the interpreter, or tensors on other devices.
     """
-    check_supported(q)
+    check_supported(q, k, v, mixing)
     if torch_fallback_reason(q, v) is not None:
         from .torch_ops import mhla_attention_torch
 
