@@ -141,7 +141,7 @@ def _item_generator(seed: int, epoch: int, index: int) -> torch.Generator:
 
 
 class _RandomCrops(Dataset, abc.ABC):
-    """Shared crop / flip / normalise logic; subclasses provide ``_image(k)`` and ``_label(k)``."""
+    """Shared crop / flip / normalise logic; subclasses provide ``_image(k)`` and ``_target(k)``."""
 
     resolution: int
     seed: int
@@ -165,8 +165,8 @@ class _RandomCrops(Dataset, abc.ABC):
         """Image ``k`` as uint8 ``[3, H, W]`` (each concrete dataset reads its own source)."""
 
     @abc.abstractmethod
-    def _label(self, k: int) -> int:
-        """Class id of image ``k``."""
+    def _target(self, k: int) -> dict:
+        """What item ``k`` carries beside its pixels (``class_labels`` or ``caption``)."""
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not -len(self) <= index < len(self):
@@ -186,10 +186,6 @@ class _RandomCrops(Dataset, abc.ABC):
         pixels = crop.to(torch.float32) / 127.5 - 1.0
         return {"pixel_values": pixels.contiguous(), **self._target(k)}
 
-    def _target(self, k: int) -> dict:
-        """What item ``k`` carries beside its pixels (class-labelled datasets: ``class_labels``)."""
-        return {"class_labels": torch.tensor(self._label(k), dtype=torch.long)}
-
     def fingerprint(self) -> dict:
         """What defines the items (for latent caches): class, sizes, seed, flips, image sources."""
         return {
@@ -206,7 +202,18 @@ class _RandomCrops(Dataset, abc.ABC):
         return []
 
 
-class PhotoCrops(_RandomCrops):
+class _ClassCrops(_RandomCrops):
+    """Crops of class-labelled images: items carry ``class_labels``; subclasses provide ``_label(k)``."""
+
+    @abc.abstractmethod
+    def _label(self, k: int) -> int:
+        """Class id of image ``k``."""
+
+    def _target(self, k: int) -> dict:
+        return {"class_labels": torch.tensor(self._label(k), dtype=torch.long)}
+
+
+class PhotoCrops(_ClassCrops):
     """Random crops of the real photographs shipped in the scikit-image / scikit-learn wheels.
 
     Each photo is one class (``class_labels`` = its index in ``photos``); ``id2label`` maps ids to
@@ -270,7 +277,7 @@ class PhotoCrops(_RandomCrops):
         return list(self.names)
 
 
-class ImageFolderCrops(_RandomCrops):
+class ImageFolderCrops(_ClassCrops):
     """Random crops of your own images laid out as ``root/<class name>/<image>``.
 
     Classes are the sub-folders of ``root`` in sorted order (class id = position); images are the
@@ -479,9 +486,6 @@ class CaptionedImageCrops(_RandomCrops):
 
     def _image(self, k: int) -> torch.Tensor:
         return _read_image(self.files[k], self.short_side)
-
-    def _label(self, k: int) -> int:  # pragma: no cover - captioned items carry no label
-        raise NotImplementedError
 
     def _target(self, k: int) -> dict:
         return {"caption": self.captions[k]}

@@ -26,6 +26,7 @@ After every optimizer step :func:`mhla_diffusers.clamp_mixing_` keeps the mixing
 
 from __future__ import annotations
 
+import abc
 import copy
 import csv
 import io
@@ -497,15 +498,16 @@ def _encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None
     return z.float() * vae.config.scaling_factor
 
 
-class _Recipe:
+class _Recipe(abc.ABC):
     """The per-family part of training (one small subclass per family)."""
 
     family = ""
     objective = ""
     text_conditioned = False
 
-    def load(self, config: dict) -> TrainingParts:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def load(self, config: dict) -> TrainingParts:
+        """Load the pipeline / transformer / VAE / encoders named by ``config`` (MHLA installed as configured)."""
 
     def dropout(self, config: dict) -> float:
         """Probability of dropping a sample's condition (classifier-free guidance)."""
@@ -522,21 +524,25 @@ class _Recipe:
         with torch.no_grad():
             return _encode_latents(parts.vae, batch["pixel_values"], generator)
 
-    def condition(self, parts, batch, drop, mode="dataset", random_labels=None) -> dict:  # pragma: no cover
-        raise NotImplementedError
+    @abc.abstractmethod
+    def condition(self, parts, batch, drop, mode="dataset", random_labels=None) -> dict:
+        """The transformer's conditioning kwargs for ``batch`` (labels or text embeddings), ``drop`` [B] bool marking dropped conditions."""
 
-    def predict(self, model, noisy, timesteps, cond) -> torch.Tensor:  # pragma: no cover
-        raise NotImplementedError
+    @abc.abstractmethod
+    def predict(self, model, noisy, timesteps, cond) -> torch.Tensor:
+        """The model's prediction for noisy latents ``noisy`` at ``timesteps`` (epsilon or flow velocity, by objective)."""
 
-    def cache_encode(self, parts: TrainingParts, batch: Mapping, device) -> dict:  # pragma: no cover
-        raise NotImplementedError
+    @abc.abstractmethod
+    def cache_encode(self, parts: TrainingParts, batch: Mapping, device) -> dict:
+        """What a latent cache stores for ``batch``: latents and, for text families, the text embeddings."""
 
     def encoders(self, parts: TrainingParts) -> list:
         """The frozen encoders whose outputs a latent cache stores (fingerprinted in its key)."""
         return [parts.vae]
 
-    def write(self, model, parts: TrainingParts, out_dir: Path, *, sampler: str, id2label) -> None:  # pragma: no cover
-        raise NotImplementedError
+    @abc.abstractmethod
+    def write(self, model, parts: TrainingParts, out_dir: Path, *, sampler: str, id2label) -> None:
+        """Write the trained model as a ready diffusers pipeline (converted-checkpoint format) into ``out_dir``."""
 
 
 class DiTRecipe(_Recipe):
@@ -674,8 +680,9 @@ class _TextRecipe(_Recipe):
         parts.null_condition = self.encode_text(parts, [""], parts.pipeline.text_encoder.device)
         return []
 
-    def encode_text(self, parts, captions: Sequence[str], device) -> dict:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def encode_text(self, parts, captions: Sequence[str], device) -> dict:
+        """Encode ``captions`` with the pipeline's own ``encode_prompt``: the transformer's text kwargs."""
 
     @staticmethod
     def captions(batch: Mapping, id2label: Mapping | None, template: str = "{}") -> list[str]:
