@@ -421,6 +421,16 @@ def read_captions(root: str | os.PathLike, files: Sequence[str], caption_column:
     return captions
 
 
+def _captioned_root(root, kind: str, missing_caption: str) -> str:
+    """``root`` as a string, checked to be a directory; ``missing_caption`` checked ('error' / 'empty')."""
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"{kind} folder {root!r} does not exist or is not a directory")
+    if missing_caption not in ("error", "empty"):
+        raise ValueError(f"missing_caption must be 'error' or 'empty'; got {missing_caption!r}")
+    return root
+
+
 class CaptionedImageCrops(_RandomCrops):
     """Random crops of captioned images (text-to-image fine-tuning, e.g. SANA).
 
@@ -451,11 +461,7 @@ class CaptionedImageCrops(_RandomCrops):
         caption_column: str = "text",
         missing_caption: str = "error",
     ):
-        root = os.fspath(root)
-        if not os.path.isdir(root):
-            raise FileNotFoundError(f"image folder {root!r} does not exist or is not a directory")
-        if missing_caption not in ("error", "empty"):
-            raise ValueError(f"missing_caption must be 'error' or 'empty'; got {missing_caption!r}")
+        root = _captioned_root(root, "image", missing_caption)
         self.resolution = int(resolution)
         self.short_side = _check_sizes(resolution, short_side)
         if int(crops_per_image) != crops_per_image or crops_per_image < 1:
@@ -617,11 +623,7 @@ class VideoClips(Dataset):
         caption_column: str = "text",
         missing_caption: str = "error",
     ):
-        root = os.fspath(root)
-        if not os.path.isdir(root):
-            raise FileNotFoundError(f"video folder {root!r} does not exist or is not a directory")
-        if missing_caption not in ("error", "empty"):
-            raise ValueError(f"missing_caption must be 'error' or 'empty'; got {missing_caption!r}")
+        root = _captioned_root(root, "video", missing_caption)
         size = (resolution, resolution) if isinstance(resolution, int) else tuple(resolution)
         if len(size) != 2 or any(int(v) != v or v < 1 for v in size):
             raise ValueError(f"resolution must be a positive integer or (height, width); got {resolution!r}")

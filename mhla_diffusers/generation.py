@@ -98,12 +98,15 @@ def generate_class_images(
         raise GenerationError(
             f"{checkpoint} holds a {type(pipe).__name__}; class-label generation needs a DiTPipeline{hint}"
         )
-    pipe = pipe.to(device)
     ids = resolve_class_labels(pipe, class_labels)
-    generator = torch.Generator("cpu").manual_seed(seed)
+    return _run(pipe, device, seed, class_labels=ids, num_inference_steps=steps, guidance_scale=guidance_scale).images
+
+
+def _run(pipe, device, seed: int, **call_kwargs):
+    """Move ``pipe`` to ``device`` and call it under inference mode with a CPU generator seeded ``seed``."""
+    pipe = pipe.to(device)
     with torch.inference_mode():
-        result = pipe(class_labels=ids, num_inference_steps=steps, guidance_scale=guidance_scale, generator=generator)
-    return result.images
+        return pipe(generator=torch.Generator("cpu").manual_seed(seed), **call_kwargs)
 
 
 def _takes_prompt(pipe) -> bool:
@@ -161,19 +164,16 @@ def generate_text_images(
         )
     native = int(pipe.transformer.config.sample_size) * int(pipe.vae_scale_factor)
     height, width = height or native, width or native
-    pipe = pipe.to(device)
-    generator = torch.Generator("cpu").manual_seed(seed)
-    with torch.inference_mode():
-        result = pipe(
-            prompt=prompts,
-            negative_prompt=negative_prompt,
-            height=height,
-            width=width,
-            num_inference_steps=steps,
-            guidance_scale=guidance_scale,
-            generator=generator,
-            use_resolution_binning=use_resolution_binning,
-        )
+    result = _run(
+        pipe, device, seed,
+        prompt=prompts,
+        negative_prompt=negative_prompt,
+        height=height,
+        width=width,
+        num_inference_steps=steps,
+        guidance_scale=guidance_scale,
+        use_resolution_binning=use_resolution_binning,
+    )
     return result.images
 
 
@@ -258,20 +258,17 @@ def generate_videos(
             f"{type(pipe).__name__} generates {factor}k + 1 frames (1, {1 + factor}, {1 + 2 * factor}, ...); got {frames}. "
             f"Nearest valid counts: {low} or {low + factor}"
         )
-    pipe = pipe.to(device)
-    generator = torch.Generator("cpu").manual_seed(seed)
-    with torch.inference_mode():
-        result = pipe(
-            prompt=prompts,
-            negative_prompt=negative_prompt,
-            height=height,
-            width=width,
-            num_frames=frames,
-            num_inference_steps=steps,
-            guidance_scale=guidance_scale,
-            generator=generator,
-            output_type="np",
-        )
+    result = _run(
+        pipe, device, seed,
+        prompt=prompts,
+        negative_prompt=negative_prompt,
+        height=height,
+        width=width,
+        num_frames=frames,
+        num_inference_steps=steps,
+        guidance_scale=guidance_scale,
+        output_type="np",
+    )
     return [video for video in result.frames]
 
 
