@@ -10,7 +10,7 @@ _TRITON_INTERPRET_AT_IMPORT = _os.environ.get("TRITON_INTERPRET", "0").lower() i
 from .autoencoder import SpaceToDepthAutoencoder
 from .layout import BlockLayout, choose_block_grid, default_num_blocks
 from .mixing import MixingMatrix, clamp_mixing_, mixing_init, mixing_parameters
-from .ops import available_backends, mhla_attention, mhla_attention_reference
+from .ops import InterleavedRotary, available_backends, mhla_attention, mhla_attention_reference
 from .grid import token_grid
 from .hybrid import select_layers
 from .processor import MHLAProcessor
@@ -36,6 +36,7 @@ __all__ = [
     "mixing_parameters",
     "mhla_attention",
     "mhla_attention_reference",
+    "InterleavedRotary",
     "available_backends",
     "SpaceToDepthAutoencoder",
     "token_grid",

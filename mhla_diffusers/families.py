@@ -32,6 +32,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .ops.rotary import InterleavedRotary
+
 __all__ = [
     "Family",
     "FAMILIES",
@@ -181,7 +183,7 @@ def _reference_grid_wan(config) -> tuple[int, int, int]:
     return (max(1, t // pt), max(1, h // ph), max(1, w // pw))
 
 
-class WanRotary:
+class WanRotary(InterleavedRotary):
     """Wan 2.1's 3D rotary embedding as a map on ``[B, heads, N, d]`` feature tensors.
 
     The exact rotation of diffusers' ``WanAttnProcessor`` (``apply_rotary_emb``, interleaved pairs):
@@ -191,11 +193,10 @@ class WanRotary:
         out[..., 0::2] = x1 * cos - x2 * sin
         out[..., 1::2] = x1 * sin + x2 * cos
 
-    computed in the promoted dtype of the input and the (float32) tables and returned in the input's
-    dtype (float32 or float64 features from the operator). Differentiable. For float32 / float64
-    inputs it runs as one complex multiplication ``(x1 + i x2) (cos + i sin)``, the same two
-    products and one sum / difference per output (about 5x faster on CPU than the slice form; on
-    this CPU bit-identical to diffusers' formula), else as the slice form above.
+    An :class:`~mhla_diffusers.ops.InterleavedRotary` on those tables: computed in the promoted
+    dtype of the input and the (float32) tables, returned in the input's dtype; for float32 /
+    float64 inputs as one complex multiplication (on this CPU bit-identical to diffusers' formula).
+    The Triton backend applies it inside its kernels.
 
     Args:
         rotary_emb: ``(freqs_cos, freqs_sin)`` as ``WanTransformer3DModel.rope`` returns it: two float
@@ -210,37 +211,16 @@ class WanRotary:
         if not (isinstance(rotary_emb, (tuple, list)) and len(rotary_emb) == 2):
             raise ValueError("Wan's rotary_emb must be a pair (freqs_cos, freqs_sin) of tensors of shape (1, N, 1, d)")
         cos, sin = rotary_emb
-        if cos.ndim != 4 or cos.shape != sin.shape or cos.shape[0] != 1 or cos.shape[2] != 1 or cos.shape[-1] % 2:
+        if (
+            not isinstance(cos, torch.Tensor) or not isinstance(sin, torch.Tensor)
+            or cos.ndim != 4 or cos.shape != sin.shape or cos.shape[0] != 1 or cos.shape[2] != 1 or cos.shape[-1] % 2
+        ):
             raise ValueError(
-                f"Wan's rotary_emb tensors must have shape (1, N, 1, d) with even d; got {tuple(cos.shape)}, {tuple(sin.shape)}"
+                f"Wan's rotary_emb tensors must have shape (1, N, 1, d) with even d; got "
+                f"{tuple(getattr(cos, 'shape', ()))}, {tuple(getattr(sin, 'shape', ()))}"
             )
-        # (1, N, 1, d) -> (1, 1, N, d / 2): broadcast over [B, heads, N, d / 2]
-        self.cos = cos[..., 0::2].transpose(1, 2)
-        self.sin = sin[..., 1::2].transpose(1, 2)
-        self._complex = None
-
-    @property
-    def num_tokens(self) -> int:
-        return self.cos.shape[2]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.ndim != 4 or x.shape[2] != self.cos.shape[2] or x.shape[-1] != 2 * self.cos.shape[-1]:
-            raise ValueError(
-                f"features of shape {tuple(x.shape)} do not match Wan's rotary tables for "
-                f"{self.cos.shape[2]} tokens x {2 * self.cos.shape[-1]} channels"
-            )
-        if x.dtype in (torch.float32, torch.float64) and self.cos.dtype in (torch.float32, torch.float64):
-            if self._complex is None or self._complex.device != x.device:
-                self._complex = torch.complex(self.cos.to(x.device), self.sin.to(x.device))
-            try:
-                pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
-            except RuntimeError:  # a view whose strides do not allow it: the copy does
-                pairs = torch.view_as_complex(x.contiguous().unflatten(-1, (-1, 2)))
-            return torch.view_as_real(pairs * self._complex).flatten(-2).to(x.dtype)
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        cos, sin = self.cos.to(x.device), self.sin.to(x.device)
-        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-        return out.to(x.dtype)
+        # (1, N, 1, d) -> (N, d / 2)
+        super().__init__(cos[0, :, 0, 0::2], sin[0, :, 0, 1::2])
 
 
 def _wan_attn_processor():

@@ -203,3 +203,83 @@ def test_errors_feature_map_and_rotary_shape():
         mhla_attention(q, k, v, mixing, layout, rotary=lambda x: x[..., :4])
     with pytest.raises(ValueError, match="feature_map"):
         mhla_attention_reference(q, k, v, mixing, layout, feature_map="gelu")
+
+
+# ----------------------------------------------------------------------------------------------
+# InterleavedRotary: the rotation the Triton kernels fuse (its kernel path: tests/test_triton.py)
+
+
+def _tables(n, d, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    angles = torch.rand(n, d // 2, generator=gen, dtype=torch.float64) * 2 * math.pi
+    return angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16], ids=str)
+def test_interleaved_rotary_equals_the_slice_formula(dtype):
+    """The class's rotation (complex product for fp32 / fp64, slice form otherwise) is the formula, on a strided view too."""
+    from mhla_diffusers import InterleavedRotary
+
+    n, d = 30, 8
+    cos, sin = _tables(n, d)
+    rot = InterleavedRotary(cos, sin)
+    x = torch.randn(2, n, 3, d, dtype=torch.float64).transpose(1, 2)  # diffusers' layout, non-contiguous
+    expected = make_rotary(n, d)(x)
+    got = rot(x.to(dtype))
+    assert got.dtype == dtype and got.shape == x.shape
+    assert rel_err(got, expected) <= {torch.float64: 1e-15, torch.float32: 1e-6, torch.float16: 2e-3}[dtype]
+    assert (rot.num_tokens, rot.head_dim) == (n, d)
+    c32, s32 = rot.tables(torch.device("cpu"))
+    assert c32.dtype == torch.float32 and c32.is_contiguous() and torch.equal(c32, cos.float()) and torch.equal(s32, sin.float())
+    assert rot.tables("cpu") [0] is c32  # cached per device and dtype
+
+
+@pytest.mark.parametrize("normalize", [True, False], ids=["norm", "nonorm"])
+def test_interleaved_rotary_in_the_operator_matches_reference(normalize):
+    """mhla_attention(rotary=InterleavedRotary) on the torch backend (composed) == the dense reference with the same map."""
+    from mhla_diffusers import InterleavedRotary
+
+    layout = BlockLayout((3, 5, 7), (2, 2, 3))
+    q, k, v = make_inputs(2, 3, layout.num_tokens, 8, dtype=torch.float64)
+    rot = InterleavedRotary(*_tables(layout.num_tokens, 8))
+    compare(q, k, v, make_mixing(layout, "rand", torch.float64), layout, 1e-9, rotary=rot, normalize=normalize)
+
+
+def test_interleaved_rotary_tables_with_gradients_are_composed():
+    """Tables that require a gradient get it (the composed path), equal to the slice formula's gradient."""
+    from mhla_diffusers import InterleavedRotary
+
+    layout = BlockLayout((5, 6), (2, 3))
+    q, k, v = make_inputs(1, 2, layout.num_tokens, 8, dtype=torch.float64)
+    mixing = make_mixing(layout, "rand", torch.float64)
+    grads = []
+    for complex_form in (True, False):
+        cos, sin = (t.clone().requires_grad_() for t in _tables(layout.num_tokens, 8))
+        if complex_form:
+            rot = InterleavedRotary(cos, sin)
+        else:
+            def rot(x, cos=cos, sin=sin):
+                return torch.stack((x[..., 0::2] * cos - x[..., 1::2] * sin, x[..., 0::2] * sin + x[..., 1::2] * cos), -1).flatten(-2)
+        mhla_attention(q, k, v, mixing, layout, rotary=rot, backend="torch").square().sum().backward()
+        grads.append((cos.grad, sin.grad))
+    assert grads[0][0] is not None and grads[0][0].abs().max() > 0
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_interleaved_rotary_errors():
+    from mhla_diffusers import InterleavedRotary
+
+    with pytest.raises(ValueError, match=r"\[N, d / 2\]"):
+        InterleavedRotary(torch.ones(4, 3), torch.ones(4, 2))
+    with pytest.raises(ValueError, match=r"\[N, d / 2\]"):
+        InterleavedRotary(torch.ones(1, 4, 1, 8), torch.ones(1, 4, 1, 8))
+    with pytest.raises(ValueError, match="tensors"):
+        InterleavedRotary([1.0], [0.0])
+    layout = BlockLayout((5, 6), (2, 3))
+    q, k, v = make_inputs(1, 2, layout.num_tokens, 8)
+    mixing = make_mixing(layout, "rand")
+    with pytest.raises(ValueError, match="30 tokens x 6 channels"):  # head dim 8 vs tables for 6
+        mhla_attention(q, k, v, mixing, layout, rotary=InterleavedRotary(*_tables(30, 6)))
+    with pytest.raises(ValueError, match="31 tokens"):
+        mhla_attention(q, k, v, mixing, layout, rotary=InterleavedRotary(*_tables(31, 8)))

@@ -72,6 +72,8 @@ def test_kernels_match_reference_and_torch_backend(interpreter_report, name):
     assert not bad_torch, f"vs torch backend above {r['tol']}: {bad_torch} (all {r['vs_torch']})"
     if "layout_kept" in r:
         assert r["layout_kept"], "output / gradients lost the [B, N, H, d] memory layout of the inputs"
+    if "rotary_path_ok" in r:
+        assert r["rotary_path_ok"], "the rotation did not take the expected path (fused in the kernels / composed)"
     if "c02" in r:  # CASES C02: exact zeros where phi(q) or phi(k) vanish, no NaN
         assert all(r["c02"].values()), r["c02"]
 
@@ -169,18 +171,21 @@ def test_interpreter_switched_on_after_import_is_a_clear_error(monkeypatch):
 
 @needs_triton
 def test_kernels_compile_for_sm90():
-    """The exact CUDA launches (bf16, d = 72 and 128, normalize and feature_map on) compile to sm_90 cubins
-    within the shared memory of an H100/H200 (the full grid: ``python tests/triton_compile_check.py``)."""
-    proc = _run(["tests/triton_compile_check.py", "--dims", "72", "128", "--dtypes", "bfloat16", "--quick"], interpret=False, timeout=300)
+    """The exact CUDA launches (bf16, d = 72 and 128, normalize and feature_map on, with and without the
+    fused RoPE) compile to sm_90 cubins within the shared memory of an H100/H200 (the full grid:
+    ``python tests/triton_compile_check.py``)."""
+    proc = _run(["tests/triton_compile_check.py", "--dims", "72", "128", "--dtypes", "bfloat16", "--quick", "--rotary"],
+                interpret=False, timeout=300)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if not rows and ("ptxas" in proc.stderr or "No such file" in proc.stderr):
         pytest.skip(f"no ptxas in this Triton installation: {proc.stderr[-500:]}")
     assert rows, proc.stderr[-5000:]
     kernels = {"_fwd_summaries", "_mix_gemm", "_fwd_output", "_bwd_query", "_bwd_key"}
-    assert len(rows) == 2 * len(kernels), rows
+    assert len(rows) == 2 * 2 * len(kernels), rows
     failed = [r for r in rows if not r["ok"]]
     assert not failed, failed
     assert {r["kernel"] for r in rows} == kernels
+    assert {r["kernel"] for r in rows if r["rotary"]} == kernels
 
 
 @needs_triton

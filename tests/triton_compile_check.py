@@ -49,7 +49,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 
 
-def record_launches(d, dtype, *, normalize=True, feature_map=True, grid=(7, 9), block_grid=(2, 3), heads=2, dv=None):
+def record_launches(d, dtype, *, normalize=True, feature_map=True, rotary=False, grid=(7, 9), block_grid=(2, 3), heads=2, dv=None):
     """Run forward + backward on CPU tensors with launches recorded; returns [(kernel, grid, args, meta)]."""
     from mhla_diffusers.layout import BlockLayout
     from mhla_diffusers.ops import triton_ops
@@ -59,9 +59,15 @@ def record_launches(d, dtype, *, normalize=True, feature_map=True, grid=(7, 9), 
     # diffusers' memory layout: [B, N, H, d] viewed as [B, H, N, d]
     q, k, v = (torch.zeros(1, layout.num_tokens, heads, w, dtype=dtype).transpose(1, 2).requires_grad_() for w in (d, d, dv))
     mixing = torch.rand(layout.num_blocks, layout.num_blocks).requires_grad_()
+    rot = None
+    if rotary:  # Wan's RoPE fused into the kernels
+        from mhla_diffusers.ops import InterleavedRotary
+
+        angles = torch.rand(layout.num_tokens, d // 2)
+        rot = InterleavedRotary(angles.cos(), angles.sin())
     triton_ops._RECORD = []
     try:
-        out = triton_ops._MHLATriton.apply(q, k, v, mixing, layout, normalize, 1e-6, feature_map, True)
+        out = triton_ops._MHLATriton.apply(q, k, v, mixing, layout, normalize, 1e-6, feature_map, rot, True)
         out.backward(torch.zeros_like(out))
         return triton_ops._RECORD
     finally:
@@ -101,8 +107,8 @@ def check(dims, dtypes, variants, arch=90):
     rows = []
     for dtype_name in dtypes:
         for d in dims:
-            for normalize, feature_map in variants:
-                launches = record_launches(d, DTYPES[dtype_name], normalize=normalize, feature_map=feature_map)
+            for normalize, feature_map, rotary in variants:
+                launches = record_launches(d, DTYPES[dtype_name], normalize=normalize, feature_map=feature_map, rotary=rotary)
                 seen = set()
                 for kernel, grid, args, meta in launches:
                     key = (kernel.__name__, tuple(sorted(meta.items())))
@@ -110,7 +116,7 @@ def check(dims, dtypes, variants, arch=90):
                         continue
                     seen.add(key)
                     row = dict(kernel=kernel.__name__, d=d, dtype=dtype_name, normalize=normalize, feature_map=feature_map,
-                               arch=arch, num_warps=meta.get("num_warps"), block_t=meta.get("BLOCK_T"), grid=list(grid))
+                               rotary=rotary, arch=arch, num_warps=meta.get("num_warps"), block_t=meta.get("BLOCK_T"), grid=list(grid))
                     t0 = time.time()
                     try:
                         compiled, log = compile_launch(kernel, args, meta, target)
@@ -131,10 +137,15 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dims", type=int, nargs="+", default=[32, 64, 72, 128])
     p.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
-    p.add_argument("--quick", action="store_true", help="only normalize + feature_map on (else also both off)")
+    p.add_argument("--quick", action="store_true",
+                   help="only normalize + feature_map on (else also both off, and the fused RoPE with normalize on and off)")
+    p.add_argument("--rotary", action="store_true", help="with --quick: also the fused RoPE (normalize + feature_map on)")
     p.add_argument("--arch", type=int, default=90)
     a = p.parse_args(argv)
-    variants = [(True, True)] if a.quick else [(True, True), (False, False)]
+    if a.quick:
+        variants = [(True, True, False)] + ([(True, True, True)] if a.rotary else [])
+    else:
+        variants = [(True, True, False), (False, False, False), (True, True, True), (False, True, True)]
     rows = check(a.dims, a.dtypes, variants, a.arch)
     return 0 if all(r["ok"] for r in rows) else 1
 

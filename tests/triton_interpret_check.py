@@ -128,10 +128,25 @@ def cases() -> list[dict]:
     for dtype in ("float16", "float32"):
         out.append(_case(f"c01-{dtype}", grid=(64, 64), block_grid=(1, 1), d=32, dtype=dtype, mixing="ones", inputs="c01",
                          oracle="blockwise"))
-    # The RoPE variant (numerator through the kernels with feature_map off, torch denominator).
+    # The RoPE variant composed from a plain callable (a numerator and a denominator call of the kernels).
     for normalize in (True, False):
-        out.append(_case(f"rotary-{'norm' if normalize else 'nonorm'}-fp64", dtype="float64", rotary=True, normalize=normalize,
-                         grid=(3, 5, 7), block_grid=(2, 2, 3)))
+        out.append(_case(f"rotary-{'norm' if normalize else 'nonorm'}-fp64", dtype="float64", rotary="callable",
+                         normalize=normalize, grid=(3, 5, 7), block_grid=(2, 2, 3)))
+    # The RoPE variant fused into the kernels (an InterleavedRotary, Wan's): both normalisations and
+    # feature maps, head dims 72 (pairs in a padded tile) and 128, diffusers' memory layout, splits
+    # and several tiles per block, partial requires_grad, fp16.
+    fused = dict(rotary="fused", grid=(3, 5, 7), block_grid=(2, 2, 3))
+    for normalize in (True, False):
+        out.append(_case(f"rotary-fused-{'norm' if normalize else 'nonorm'}-fp64", dtype="float64", normalize=normalize, **fused))
+    out.append(_case("rotary-fused-nofm-norm-fp64", dtype="float64", feature_map=False, inputs="shifted", **fused))
+    out.append(_case("rotary-fused-headdim-72-fp32", d=72, **fused))
+    out.append(_case("rotary-fused-headdim-128-nonorm-fp32", d=128, normalize=False, **fused))
+    out.append(_case("rotary-fused-noncontiguous-fp32", batch=2, heads=3, memory="bnhd", **fused))
+    out.append(_case("rotary-fused-splits-fp64", dtype="float64", split=16, rotary="fused", grid=(9, 13), block_grid=(2, 2)))
+    out.append(_case("rotary-fused-grad-q-only-fp32", requires="q", **fused))
+    out.append(_case("rotary-fused-grad-k-only-fp32", requires="k", **fused))
+    out.append(_case("rotary-fused-grad-v-and-mixing-fp32", requires="vm", **fused))
+    out.append(_case("rotary-fused-fp16-72", d=72, dtype="float16", **fused))
     names = [c["name"] for c in out]
     assert len(names) == len(set(names)), "duplicate case names"
     return out
@@ -141,10 +156,15 @@ def cases() -> list[dict]:
 # Running (needs torch, triton and TRITON_INTERPRET=1)
 
 
-def _rotation(n, d, torch):
+def _rotation(n, d, torch, kind):
+    """A random interleaved-pair rotation: a plain function (``"callable"``) or an InterleavedRotary (``"fused"``)."""
     gen = torch.Generator().manual_seed(1)
     angles = torch.rand(n, d // 2, generator=gen, dtype=torch.float64) * 2 * math.pi
     cos, sin = angles.cos(), angles.sin()
+    if kind == "fused":
+        from mhla_diffusers.ops import InterleavedRotary
+
+        return InterleavedRotary(cos, sin)
 
     def rotate(x):
         c, s = cos.to(x.dtype), sin.to(x.dtype)
@@ -227,7 +247,7 @@ def run_case(c, torch, ops, layout_cls):
     layout = layout_cls(c["grid"], c["block_grid"])
     q, k, v, mixing = _inputs(c, layout, torch)
     fm = "relu" if c["feature_map"] else None
-    rotary = _rotation(layout.num_tokens, c["d"], torch) if c["rotary"] else None
+    rotary = _rotation(layout.num_tokens, c["d"], torch, c["rotary"]) if c["rotary"] else None
     kw = dict(normalize=c["normalize"], eps=c["eps"], feature_map=fm, rotary=rotary)
     grad_out = torch.randn(*q.shape[:3], c["dv"], dtype=torch.float64).to(q.dtype)
     if c["memory"] == "bnhd":
@@ -242,7 +262,13 @@ def run_case(c, torch, ops, layout_cls):
         return out.detach(), [next(got) if f else None for f in flags]
 
     t0 = time.time()
-    out, dgrads = grads(lambda q, k, v, m: ops.mhla_attention(q, k, v, m, layout, backend="triton", **kw))
+    calls = []  # kernel launches of the forward: a fused rotary runs _fwd_summaries once, a composed one twice
+    original = ops._BACKENDS["triton"]
+    ops._BACKENDS["triton"] = lambda *a, **k: calls.append(k.get("rotary")) or original(*a, **k)
+    try:
+        out, dgrads = grads(lambda q, k, v, m: ops.mhla_attention(q, k, v, m, layout, backend="triton", **kw))
+    finally:
+        ops._BACKENDS["triton"] = original
     seconds = time.time() - t0
     out_t, tgrads = grads(lambda q, k, v, m: ops.mhla_attention(q, k, v, m, layout, backend="torch", **kw))
     if c["oracle"] == "dense":
@@ -287,6 +313,10 @@ def run_case(c, torch, ops, layout_cls):
         tols.append(TOL.get(c["mix_dtype"], 1e-5))
     result = dict(name=c["name"], seconds=round(seconds, 3), tol=max(tols), vs_reference=vs_ref, vs_torch=vs_torch,
                   finite=finite, dtypes_ok=bool(dtypes_ok))
+    if c["rotary"]:  # the fused path is one backend call given the rotation; the composed one, 1 or 2 without it
+        result["rotary_path_ok"] = (
+            calls == [rotary] if c["rotary"] == "fused" else (len(calls) == 1 + c["normalize"] and not any(calls))
+        )
     if c["memory"] == "bnhd":  # output and input gradients keep diffusers' memory layout
         result["layout_kept"] = bool(out.transpose(1, 2).is_contiguous() and all(
             g is None or g.transpose(1, 2).is_contiguous() for g in dgrads[:3]))

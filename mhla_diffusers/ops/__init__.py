@@ -15,9 +15,13 @@ import torch
 
 from ..layout import BlockLayout
 from .reference import implied_attention, mhla_attention_reference
+from .rotary import InterleavedRotary
 from .torch_ops import compute_dtype, mhla_attention_torch
 
-__all__ = ["mhla_attention", "mhla_attention_reference", "implied_attention", "available_backends", "resolve_backend"]
+__all__ = [
+    "mhla_attention", "mhla_attention_reference", "implied_attention", "available_backends", "resolve_backend",
+    "InterleavedRotary",
+]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -129,8 +133,12 @@ def mhla_attention(
 
         S_b = (R phi(K_b))^T V_b,   out = (R phi(q)) S~_i / (phi(q) . z~_i + eps)
 
-    computed as one numerator call of the backend on the rotated features (``feature_map`` off)
-    plus a second call for the denominator (a value of ones); both in the accumulation dtype.
+    The Triton backend applies an :class:`InterleavedRotary` (e.g. Wan's
+    :class:`~mhla_diffusers.families.WanRotary`) inside its kernels: one pass, numerator and
+    denominator fused, the tables treated as constants. Any other ``rotary`` callable (and any
+    rotary on the torch backend) is composed: one numerator call of the backend on the rotated
+    features (``feature_map`` off) plus a second call for the denominator (a value of ones), both
+    in the accumulation dtype; gradients then also flow into the callable's own tensors.
 
     Summaries, normaliser and mixing are accumulated in fp32 (fp64 for fp64 inputs) whatever the
     input dtype; the output has the dtype of ``q``. Cost O(N d^2 + M^2 d^2); gradients for q, k,
@@ -148,8 +156,9 @@ def mhla_attention(
         feature_map: ``"relu"`` (phi = ReLU, the paper's) or ``None``: q and k are features
             already (e.g. computed by the caller); with ``normalize`` they should then be
             non-negative, or the denominator may vanish.
-        rotary: ``None`` or a function mapping a ``[B, heads, N, d]`` feature tensor (float32 /
-            float64, possibly a non-contiguous view) to its rotated version of the same shape.
+        rotary: ``None``, an :class:`InterleavedRotary`, or any function mapping a ``[B, heads, N, d]``
+            feature tensor (float32 / float64, possibly a non-contiguous view) to its rotated
+            version of the same shape.
 
     Returns:
         ``[B, heads, N, d_v]`` tensor in ``q.dtype``.
@@ -187,10 +196,24 @@ def mhla_attention(
         raise ValueError(f"eps must be >= 0; got {eps}")
     if feature_map not in ("relu", None):
         raise ValueError(f'feature_map must be "relu" (phi = ReLU) or None (q, k are features already); got {feature_map!r}')
-    fn = _BACKENDS[resolve_backend(backend, q.device)]
+    name = resolve_backend(backend, q.device)
+    fn = _BACKENDS[name]
     if rotary is None:
         return fn(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map == "relu")
+    if name == "triton" and _fused_rotary(rotary, q, v):
+        rotary.check(q.shape)
+        return fn(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map == "relu", rotary=rotary)
     return _rotary_attention(fn, q, k, v, mixing, layout, rotary, normalize=normalize, eps=eps, feature_map=feature_map)
+
+
+def _fused_rotary(rotary, q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the Triton kernels apply ``rotary`` themselves: an :class:`InterleavedRotary` whose
+    tables need no gradient, on inputs the kernels take (not sent to the torch fallback)."""
+    if not isinstance(rotary, InterleavedRotary) or rotary.requires_grad:
+        return False
+    from .triton_ops import torch_fallback_reason
+
+    return torch_fallback_reason(q, v) is None
 
 
 def _rotary_attention(fn, q, k, v, mixing, layout, rotary, *, normalize, eps, feature_map):

@@ -63,6 +63,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from ..layout import BlockLayout
+from .rotary import InterleavedRotary
 
 __all__ = ["mhla_attention_triton", "interpreter_enabled", "check_supported", "torch_fallback_reason", "MAX_HEAD_DIM"]
 
@@ -96,15 +97,33 @@ _INTERPRETED = interpreter_enabled()
 
 
 @triton.jit
+def _rotate(x, cos, sin, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rotate the interleaved channel pairs of a ``[BLOCK_T, BLOCK_D]`` tile by per-row angles:
+    ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)`` with ``cos``, ``sin`` of ``[BLOCK_T, BLOCK_D / 2]``
+    (pass ``-sin`` for the transposed rotation ``R^T``, the backward's)."""
+    x0, x1 = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_D // 2, 2)))
+    return tl.reshape(tl.join(x0 * cos - x1 * sin, x0 * sin + x1 * cos), (BLOCK_T, BLOCK_D))
+
+
+@triton.jit
+def _load_tables(cos_ptr, sin_ptr, tok, mask_t, HALF, BLOCK_D: tl.constexpr):
+    """Rows ``tok`` of the ``[N, HALF]`` rotary tables as ``[BLOCK_T, BLOCK_D / 2]`` tiles (0 where masked)."""
+    offs_h = tl.arange(0, BLOCK_D // 2)
+    mask = mask_t[:, None] & (offs_h < HALF)[None, :]
+    offs = tok[:, None] * HALF + offs_h[None, :]
+    return tl.load(cos_ptr + offs, mask=mask, other=0.0), tl.load(sin_ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
 def _fwd_summaries(
-    k_ptr, v_ptr, order_ptr, start_ptr, size_ptr, s_ptr, z_ptr,
+    k_ptr, v_ptr, order_ptr, start_ptr, size_ptr, s_ptr, z_ptr, cos_ptr, sin_ptr,
     H, D, DV, BH, M, P, split_tokens,
     skb, skh, skn, skd, svb, svh, svn, svd,
-    FEATURE_MAP: tl.constexpr, NORMALIZE: tl.constexpr,
+    FEATURE_MAP: tl.constexpr, NORMALIZE: tl.constexpr, ROTARY: tl.constexpr,
     ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """S_b = phi(K_b)^T V_b and z_b = sum phi(K_b) over one split of one block, for one (batch, head)."""
+    """S_b = phi(K_b)^T V_b (or (R phi(K_b))^T V_b) and z_b = sum phi(K_b) over one split of one block, for one (batch, head)."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     m = pid // P
@@ -135,7 +154,12 @@ def _fwd_summaries(
         kk = kk.to(DOT)
         if FEATURE_MAP:
             kk = tl.maximum(kk, 0.0).to(DOT)  # Triton 3.6 promotes bf16 vs a float literal to fp32
-        acc = tl.dot(tl.trans(kk), vv.to(DOT), acc, input_precision=PREC, out_dtype=ACC)
+        if ROTARY:  # DOT is ACC here: the rotated keys are not rounded to 16 bits
+            cos, sin = _load_tables(cos_ptr, sin_ptr, tok, mask_t, D // 2, BLOCK_D)
+            rk = _rotate(kk, cos, sin, BLOCK_T, BLOCK_D)
+        else:
+            rk = kk
+        acc = tl.dot(tl.trans(rk), vv.to(DOT), acc, input_precision=PREC, out_dtype=ACC)
         if NORMALIZE:
             zacc += tl.sum(kk.to(ACC), axis=0)
 
@@ -148,14 +172,14 @@ def _fwd_summaries(
 
 @triton.jit
 def _fwd_output(
-    q_ptr, st_ptr, zt_ptr, eps_ptr, o_ptr, order_ptr, start_ptr, size_ptr,
+    q_ptr, st_ptr, zt_ptr, eps_ptr, o_ptr, order_ptr, start_ptr, size_ptr, cos_ptr, sin_ptr,
     H, D, DV, BH, TILES,
     sqb, sqh, sqn, sqd, sob, soh, son, sod,
-    FEATURE_MAP: tl.constexpr, NORMALIZE: tl.constexpr,
+    FEATURE_MAP: tl.constexpr, NORMALIZE: tl.constexpr, ROTARY: tl.constexpr,
     ACC: tl.constexpr, PREC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """out = phi(q) S~_b / (phi(q) . z~_b + eps) for one tile of block b's queries, one (batch, head)."""
+    """out = phi(q) S~_b / (phi(q) . z~_b + eps) (numerator R phi(q) S~_b with ROTARY) for one tile of block b's queries, one (batch, head)."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     m = pid // TILES
@@ -178,9 +202,14 @@ def _fwd_output(
                  mask=mask_t[:, None] & mask_d[None, :], other=0.0).to(ACC)
     if FEATURE_MAP:
         qq = tl.maximum(qq, 0.0)
+    if ROTARY:
+        cos, sin = _load_tables(cos_ptr, sin_ptr, tok, mask_t, D // 2, BLOCK_D)
+        rq = _rotate(qq, cos, sin, BLOCK_T, BLOCK_D)
+    else:
+        rq = qq
     row = (m * BH + bh).to(tl.int64)
     st = tl.load(st_ptr + row * D * DV + offs_d[:, None] * DV + offs_e[None, :], mask=mask_d[:, None] & mask_e[None, :], other=0.0)
-    num = tl.dot(qq, st, input_precision=PREC, out_dtype=ACC)
+    num = tl.dot(rq, st, input_precision=PREC, out_dtype=ACC)
     if NORMALIZE:
         zt = tl.load(zt_ptr + row * D + offs_d, mask=mask_d, other=0.0)
         den = tl.sum(qq * zt[None, :], axis=1) + tl.load(eps_ptr)
@@ -192,10 +221,10 @@ def _fwd_output(
 
 @triton.jit
 def _bwd_query(
-    q_ptr, g_ptr, st_ptr, zt_ptr, eps_ptr, dq_ptr, dst_ptr, dzt_ptr, order_ptr, start_ptr, size_ptr,
+    q_ptr, g_ptr, st_ptr, zt_ptr, eps_ptr, dq_ptr, dst_ptr, dzt_ptr, order_ptr, start_ptr, size_ptr, cos_ptr, sin_ptr,
     H, D, DV, BH, M, P, split_tokens,
     sqb, sqh, sqn, sqd, sgb, sgh, sgn, sgd, sdb, sdh, sdn, sdd,
-    FEATURE_MAP: tl.constexpr, NORMALIZE: tl.constexpr, STORE_DQ: tl.constexpr,
+    FEATURE_MAP: tl.constexpr, NORMALIZE: tl.constexpr, STORE_DQ: tl.constexpr, ROTARY: tl.constexpr,
     ACC: tl.constexpr, PREC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
@@ -238,17 +267,24 @@ def _bwd_query(
             qq = tl.maximum(qraw, 0.0)
         else:
             qq = qraw
+        if ROTARY:
+            cos, sin = _load_tables(cos_ptr, sin_ptr, tok, mask_t, D // 2, BLOCK_D)
+            rq = _rotate(qq, cos, sin, BLOCK_T, BLOCK_D)
+        else:
+            rq = qq
         gn = tl.load(g_base + tok[:, None] * sgn + offs_e[None, :] * sgd, mask=mask_t[:, None] & mask_e[None, :], other=0.0).to(ACC)
         if NORMALIZE:
-            num = tl.dot(qq, st, input_precision=PREC, out_dtype=ACC)
+            num = tl.dot(rq, st, input_precision=PREC, out_dtype=ACC)
             den = tl.sum(qq * zt[None, :], axis=1) + eps
             den = tl.where(mask_t, den, 1.0)  # padded rows: g = 0, keep 0 / den finite even with eps = 0
             gn = gn / den[:, None]
             gd = -tl.sum(gn * num, axis=1) / den
             dzt += tl.sum(qq * gd[:, None], axis=0)
-        dst = tl.dot(tl.trans(qq), gn, dst, input_precision=PREC, out_dtype=ACC)
+        dst = tl.dot(tl.trans(rq), gn, dst, input_precision=PREC, out_dtype=ACC)
         if STORE_DQ:
             da = tl.dot(gn, tl.trans(st), input_precision=PREC, out_dtype=ACC)
+            if ROTARY:  # d/d phi(q) of (R phi(q)) S~ is R^T (gn S~^T)
+                da = _rotate(da, cos, -sin, BLOCK_T, BLOCK_D)
             if NORMALIZE:
                 da += gd[:, None] * zt[None, :]
             if FEATURE_MAP:
@@ -263,15 +299,16 @@ def _bwd_query(
 
 @triton.jit
 def _bwd_key(
-    k_ptr, v_ptr, ds_ptr, dz_ptr, dk_ptr, dv_ptr, order_ptr, start_ptr, size_ptr,
+    k_ptr, v_ptr, ds_ptr, dz_ptr, dk_ptr, dv_ptr, order_ptr, start_ptr, size_ptr, cos_ptr, sin_ptr,
     H, D, DV, BH, TILES,
     skb, skh, skn, skd, svb, svh, svn, svd,
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
-    FEATURE_MAP: tl.constexpr, NORMALIZE: tl.constexpr, NEED_DK: tl.constexpr, NEED_DV: tl.constexpr,
+    FEATURE_MAP: tl.constexpr, NORMALIZE: tl.constexpr, NEED_DK: tl.constexpr, NEED_DV: tl.constexpr, ROTARY: tl.constexpr,
     ACC: tl.constexpr, PREC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """Key side of the backward for one tile of block b's tokens: dv = phi(K) dS_b, dk = (V dS_b^T + dz_b) [k > 0]."""
+    """Key side of the backward for one tile of block b's tokens: dv = phi(K) dS_b, dk = (V dS_b^T + dz_b) [k > 0]
+    (with ROTARY: dv = (R phi(K)) dS_b, dk = (R^T (V dS_b^T) + dz_b) [k > 0])."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     m = pid // TILES
@@ -295,17 +332,23 @@ def _bwd_key(
     ds = tl.load(ds_ptr + row * D * DV + offs_d[:, None] * DV + offs_e[None, :], mask=mask_d[:, None] & mask_e[None, :], other=0.0)
 
     kraw = tl.load(k_ptr + b * skb + h * skh + tok[:, None] * skn + offs_d[None, :] * skd, mask=mask_td, other=0.0).to(ACC)
+    if ROTARY:
+        cos, sin = _load_tables(cos_ptr, sin_ptr, tok, mask_t, D // 2, BLOCK_D)
     if NEED_DV:
         if FEATURE_MAP:
             kk = tl.maximum(kraw, 0.0)
         else:
             kk = kraw
+        if ROTARY:
+            kk = _rotate(kk, cos, sin, BLOCK_T, BLOCK_D)
         dvv = tl.dot(kk, ds, input_precision=PREC, out_dtype=ACC)
         tl.store(dv_ptr + b * sdvb + h * sdvh + tok[:, None] * sdvn + offs_e[None, :] * sdvd,
                  dvv.to(dv_ptr.dtype.element_ty), mask=mask_te)
     if NEED_DK:
         vv = tl.load(v_ptr + b * svb + h * svh + tok[:, None] * svn + offs_e[None, :] * svd, mask=mask_te, other=0.0).to(ACC)
         dphi = tl.dot(vv, tl.trans(ds), input_precision=PREC, out_dtype=ACC)
+        if ROTARY:
+            dphi = _rotate(dphi, cos, -sin, BLOCK_T, BLOCK_D)
         if NORMALIZE:
             dz = tl.load(dz_ptr + row * D + offs_d, mask=mask_d, other=0.0)
             dphi += dz[None, :]
@@ -463,9 +506,9 @@ class _MHLATriton(torch.autograd.Function):
     """Forward and backward by the Triton kernels above (first order)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mixing, layout, normalize, eps, feature_map, need_grad):
+    def forward(ctx, q, k, v, mixing, layout, normalize, eps, feature_map, rotary, need_grad):
         with _device_of(q):
-            return _MHLATriton._forward(ctx, q, k, v, mixing, layout, normalize, eps, feature_map, need_grad)
+            return _MHLATriton._forward(ctx, q, k, v, mixing, layout, normalize, eps, feature_map, rotary, need_grad)
 
     @staticmethod
     @once_differentiable
@@ -474,19 +517,21 @@ class _MHLATriton(torch.autograd.Function):
             return _MHLATriton._backward(ctx, grad_out)
 
     @staticmethod
-    def _forward(ctx, q, k, v, mixing, layout, normalize, eps, feature_map, need_grad):
+    def _forward(ctx, q, k, v, mixing, layout, normalize, eps, feature_map, rotary, need_grad):
         batch, heads, n, d = q.shape
         dv = v.shape[-1]
         bh, m, length = batch * heads, layout.num_blocks, layout.max_block_size
         device = q.device
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        dot = k.dtype if (k.dtype == v.dtype and k.dtype in _LOW_PRECISION) else acc
+        # phi(K)^T V on 16-bit tensor cores when k and v are both 16-bit; rotated keys stay in acc.
+        dot = k.dtype if (k.dtype == v.dtype and k.dtype in _LOW_PRECISION and rotary is None) else acc
         prec = _precision(q, k, v)
         order, starts, sizes = _index(layout, device)
         cfg = _config(d, dv, length, device, prec)
         mix = mixing.to(device=device, dtype=acc)
         eps_t = torch.full((1,), eps, dtype=acc, device=device)
         out = _empty_like_layout(q, dv, q.dtype)
+        cos, sin = rotary.tables(device, acc) if rotary is not None else (order, order)  # placeholders when unused
 
         split = _split_tokens(length, bh * m, cfg["BLOCK_T"], device)
         parts = -(-length // split)
@@ -494,10 +539,10 @@ class _MHLATriton(torch.autograd.Function):
         z_parts = torch.empty(parts, m, bh, d, dtype=acc, device=device) if normalize else s_parts
         _launch(
             _fwd_summaries, (m * parts, bh),
-            k, v, order, starts, sizes, s_parts, z_parts,
+            k, v, order, starts, sizes, s_parts, z_parts, cos, sin,
             heads, d, dv, bh, m, parts, split,
             *k.stride(), *v.stride(),
-            FEATURE_MAP=feature_map, NORMALIZE=normalize, ACC=_TL_DTYPE[acc], DOT=_TL_DTYPE[dot], PREC=prec,
+            FEATURE_MAP=feature_map, NORMALIZE=normalize, ROTARY=rotary is not None, ACC=_TL_DTYPE[acc], DOT=_TL_DTYPE[dot], PREC=prec,
             BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         s_mix = _mix(mix, s_parts, prec)
@@ -506,23 +551,23 @@ class _MHLATriton(torch.autograd.Function):
         tiles = -(-length // cfg["BLOCK_T"])
         _launch(
             _fwd_output, (m * tiles, bh),
-            q, s_mix, z_mix, eps_t, out, order, starts, sizes,
+            q, s_mix, z_mix, eps_t, out, order, starts, sizes, cos, sin,
             heads, d, dv, bh, tiles,
             *q.stride(), *out.stride(),
-            FEATURE_MAP=feature_map, NORMALIZE=normalize, ACC=_TL_DTYPE[acc], PREC=prec,
+            FEATURE_MAP=feature_map, NORMALIZE=normalize, ROTARY=rotary is not None, ACC=_TL_DTYPE[acc], PREC=prec,
             BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         if need_grad:  # the un-mixed summaries (for dMc and the recomputed S~)
             s = s_parts[0] if parts == 1 else s_parts.sum(0)
             z = (z_parts[0] if parts == 1 else z_parts.sum(0)) if normalize else None
             ctx.save_for_backward(q, k, v, mixing, s, z)
-            ctx.layout, ctx.normalize, ctx.eps, ctx.feature_map = layout, normalize, eps, feature_map
+            ctx.layout, ctx.normalize, ctx.eps, ctx.feature_map, ctx.rotary = layout, normalize, eps, feature_map, rotary
         return out
 
     @staticmethod
     def _backward(ctx, grad_out):
         q, k, v, mixing, s, z = ctx.saved_tensors
-        layout, normalize, eps, feature_map = ctx.layout, ctx.normalize, ctx.eps, ctx.feature_map
+        layout, normalize, eps, feature_map, rotary = ctx.layout, ctx.normalize, ctx.eps, ctx.feature_map, ctx.rotary
         need_q, need_k, need_v, need_mix = ctx.needs_input_grad[:4]
         batch, heads, n, d = q.shape
         dv = v.shape[-1]
@@ -536,6 +581,7 @@ class _MHLATriton(torch.autograd.Function):
         eps_t = torch.full((1,), eps, dtype=acc, device=device)
         s_mix = _mix(mix, s[None], prec)
         z_mix = _mix(mix, z[None], prec) if normalize else s_mix
+        cos, sin = rotary.tables(device, acc) if rotary is not None else (order, order)
 
         dq = _empty_like_layout(q, d, q.dtype) if need_q else s_mix  # placeholder pointer when unused
         split = _split_tokens(length, bh * m, cfg["BLOCK_T_BWD"], device)
@@ -545,10 +591,10 @@ class _MHLATriton(torch.autograd.Function):
         dq_strides = dq.stride() if need_q else (0, 0, 0, 0)
         _launch(
             _bwd_query, (m * parts, bh),
-            q, grad_out, s_mix, z_mix, eps_t, dq, ds_parts, dz_parts, order, starts, sizes,
+            q, grad_out, s_mix, z_mix, eps_t, dq, ds_parts, dz_parts, order, starts, sizes, cos, sin,
             heads, d, dv, bh, m, parts, split,
             *q.stride(), *grad_out.stride(), *dq_strides,
-            FEATURE_MAP=feature_map, NORMALIZE=normalize, STORE_DQ=bool(need_q), ACC=_TL_DTYPE[acc], PREC=prec,
+            FEATURE_MAP=feature_map, NORMALIZE=normalize, STORE_DQ=bool(need_q), ROTARY=rotary is not None, ACC=_TL_DTYPE[acc], PREC=prec,
             BLOCK_T=cfg["BLOCK_T_BWD"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps_bwd"], num_stages=cfg["num_stages"],
         )
         dmix = None
@@ -570,17 +616,17 @@ class _MHLATriton(torch.autograd.Function):
             tiles = -(-length // cfg["BLOCK_T"])
             _launch(
                 _bwd_key, (m * tiles, bh),
-                k, v, ds, dz, dk, dvv, order, starts, sizes,
+                k, v, ds, dz, dk, dvv, order, starts, sizes, cos, sin,
                 heads, d, dv, bh, tiles,
                 *k.stride(), *v.stride(),
                 *(dk.stride() if need_k else (0, 0, 0, 0)), *(dvv.stride() if need_v else (0, 0, 0, 0)),
                 FEATURE_MAP=feature_map, NORMALIZE=normalize, NEED_DK=bool(need_k), NEED_DV=bool(need_v),
-                ACC=_TL_DTYPE[acc], PREC=prec,
+                ROTARY=rotary is not None, ACC=_TL_DTYPE[acc], PREC=prec,
                 BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             )
             dk = dk if need_k else None
             dvv = dvv if need_v else None
-        return (dq if need_q else None), dk, dvv, dmix, None, None, None, None, None
+        return (dq if need_q else None), dk, dvv, dmix, None, None, None, None, None, None
 
 
 def check_supported(q: torch.Tensor, *others: torch.Tensor) -> None:
@@ -637,6 +683,7 @@ def mhla_attention_triton(
     normalize: bool = True,
     eps: float = 1e-6,
     feature_map: bool = True,
+    rotary: InterleavedRotary | None = None,
 ) -> torch.Tensor:
     """MHLA by the Triton kernels (module docstring). Inputs are validated by :func:`mhla_attention`.
 
@@ -655,6 +702,9 @@ def mhla_attention_triton(
         eps: added to the denominator, in fp32 (fp64 for fp64 ``q``).
         feature_map: apply ``phi = ReLU`` to q and k inside the kernels (True), or treat q and k as
             features already (False: no ReLU, no ReLU derivative in the backward).
+        rotary: an :class:`~mhla_diffusers.ops.InterleavedRotary` applied inside the kernels (the
+            RoPE variant: ``R phi`` in the numerator, ``phi`` in the denominator; its tables are
+            read in the accumulation dtype and get no gradient), or ``None``. Even ``d`` only.
 
     Returns:
         ``[B, heads, N, d_v]`` in ``q.dtype`` and ``q``'s memory layout. Differentiable (first
@@ -667,11 +717,20 @@ def mhla_attention_triton(
         ValueError: for CPU tensors without the interpreter, or tensors on other devices.
     """
     check_supported(q, k, v, mixing)
+    if rotary is not None:
+        if not isinstance(rotary, InterleavedRotary):
+            raise TypeError(f"the Triton kernels take an InterleavedRotary as rotary; got {type(rotary).__name__}")
+        rotary.check(q.shape)
     if torch_fallback_reason(q, v) is not None:
+        if rotary is not None:
+            raise ValueError(
+                f"rotary inputs the kernels do not take ({torch_fallback_reason(q, v)}): call mhla_attention, "
+                "which composes the rotation with the torch backend"
+            )
         from .torch_ops import mhla_attention_torch
 
         return mhla_attention_torch(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map)
     if q.numel() == 0 or v.numel() == 0:
         return _empty_like_layout(q, v.shape[-1], q.dtype) * mixing.sum().to(q.dtype)
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mixing))
-    return _MHLATriton.apply(q, k, v, mixing, layout, bool(normalize), float(eps), bool(feature_map), need_grad)
+    return _MHLATriton.apply(q, k, v, mixing, layout, bool(normalize), float(eps), bool(feature_map), rotary, need_grad)
