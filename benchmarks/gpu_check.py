@@ -14,13 +14,18 @@ What it does (each case in its own try/except: an error is printed, recorded, an
    blocks beyond), outputs AND gradients (dq, dk, dv, dmixing), by relative error
    ``max |x - ref| / max(max |ref|, quotient-rule term scale)`` (as in tests/test_ops.py), and
    against the torch backend on the same inputs. Uneven layouts, head dims 32/72/128,
-   non-contiguous inputs, normalize and feature_map off, CASES C01 (fp16, N(0, 30^2), M = 1).
+   non-contiguous inputs, normalize and feature_map off, CASES C01 (fp16, N(0, 30^2), M = 1),
+   Wan's RoPE variant fused into the kernels (an ``InterleavedRotary``; random angles).
 2. Timing (CUDA events, median of repetitions after warm-up; first call = compile reported apart):
    forward (no grad) and forward + backward of
        triton      mhla_attention(..., backend="triton")
        torch       mhla_attention(..., backend="torch")
        sdpa        F.scaled_dot_product_attention (FlashAttention on H100/H200 for bf16)
        linear      plain ReLU linear attention, M = 1, through the Triton kernels
+       triton-rope MHLA with Wan's RoPE fused into the Triton kernels (Wan shapes only)
+       triton-rope-composed  the same rotation given as a plain function: two kernel calls (numerator,
+                   denominator) around a torch rotation, what fusing saves (Wan shapes only)
+       torch-rope  the same through the torch backend (rotation composed; Wan shapes only)
    at the SANA (B=2, H=36, N=4096 = 64x64, d=32), DiT-XL (B=2, H=16, N=1024 and 4096, d=72) and Wan
    2.1 (B=2, H=12, N=32,760 = 21x30x52, d=128, block grids (3,5,7): M=105 and (3,5,10): M=150) shapes.
 3. Bandwidth: compulsory bytes of the forward = read q, k, v + write the output (input dtype);
@@ -96,7 +101,8 @@ TINY_SHAPES = {
     "dit-tiny": (1, 2, (7, 9), 72, (2, 3)),
     "wan-tiny": (1, 2, (3, 5, 7), 128, (2, 2, 3)),
 }
-METHODS = ("triton", "torch", "sdpa", "linear")
+METHODS = ("triton", "torch", "sdpa", "linear", "triton-rope", "triton-rope-composed", "torch-rope")
+ROPE_METHODS = ("triton-rope", "triton-rope-composed", "torch-rope")  # timed at the Wan shapes only
 
 
 def parse_args(argv=None):
@@ -135,20 +141,28 @@ def _rel_err(actual, expected, scale=None):
     return err / denom if denom > 0 else err
 
 
-def _blockwise_parts(q, k, v, mixing, layout, feature_map, eps):
-    """float64 numerator and denominator by a loop over blocks (O(N d^2); the oracle beyond N = 4096)."""
+def _random_rotary(n, d, gen, device):
+    """An InterleavedRotary with random angles (tables float32 [n, d / 2] on ``device``)."""
+    angles = torch.rand(n, d // 2, generator=gen, dtype=torch.float64) * 2 * math.pi
+    return ops.InterleavedRotary(angles.cos().float().to(device), angles.sin().float().to(device))
+
+
+def _blockwise_parts(q, k, v, mixing, layout, feature_map, eps, rotary=None):
+    """float64 numerator and denominator by a loop over blocks (O(N d^2); the oracle beyond N = 4096).
+    With ``rotary``: rotated features in the numerator, un-rotated in the denominator."""
     idx = layout.block_index.to(q.device)
     pq, pk = (torch.relu(q), torch.relu(k)) if feature_map else (q, k)
+    rq, rk = (rotary(pq), rotary(pk)) if rotary is not None else (pq, pk)
     m = layout.num_blocks
     masks = [idx == b for b in range(m)]
-    s = torch.stack([pk[:, :, mk].transpose(-1, -2) @ v[:, :, mk] for mk in masks])  # [M, B, H, d, dv]
+    s = torch.stack([rk[:, :, mk].transpose(-1, -2) @ v[:, :, mk] for mk in masks])  # [M, B, H, d, dv]
     z = torch.stack([pk[:, :, mk].sum(-2) for mk in masks])  # [M, B, H, d]
     s_mix = torch.einsum("ib,bxhde->ixhde", mixing, s)
     z_mix = torch.einsum("ib,bxhd->ixhd", mixing, z)
     num = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
     den = torch.zeros(*q.shape[:3], 1, dtype=q.dtype, device=q.device)
     for i, mk in enumerate(masks):
-        num[:, :, mk] = pq[:, :, mk] @ s_mix[i]
+        num[:, :, mk] = rq[:, :, mk] @ s_mix[i]
         den[:, :, mk] = pq[:, :, mk] @ z_mix[i].unsqueeze(-1) + eps
     return num, den
 
@@ -163,6 +177,7 @@ def correctness_cases(interpret: bool, quick: bool):
                 ("uneven-2d-d72-noncontig", 1, 2, (7, 9), (2, 3), 72, dt, dict(memory="bnhd")),
                 ("uneven-3d-d128", 1, 2, (3, 5, 7), (2, 2, 3), 128, dt, {}),
                 ("d32-nonorm-nofm", 1, 2, (8, 8), (2, 2), 32, dt, dict(normalize=False, feature_map=False)),
+                ("rope-3d-d128", 1, 2, (3, 5, 7), (2, 2, 3), 128, dt, dict(rotary=True, memory="bnhd")),
             ]
         cases.append(("c01-M1-scale30", 1, 2, (16, 16), (1, 1), 32, torch.float16, dict(scale=30.0, mixing="ones")))
         return cases
@@ -173,6 +188,8 @@ def correctness_cases(interpret: bool, quick: bool):
             ("uneven-45x23-d72", 1, 2, (45, 23), (3, 4), 72, dt, {}),
             ("wan-21x30x52-M105-d128", 1, 2, (21, 30, 52), (3, 5, 7), 128, dt, dict(memory="bnhd")),
             ("wan-nonorm-nofm-d128", 1, 2, (21, 30, 52), (3, 5, 10), 128, dt, dict(normalize=False, feature_map=False)),
+            ("wan-rope-M105-d128", 1, 2, (21, 30, 52), (3, 5, 7), 128, dt, dict(rotary=True, memory="bnhd")),
+            ("wan-rope-nonorm-M150-d128", 1, 2, (21, 30, 52), (3, 5, 10), 128, dt, dict(rotary=True, normalize=False)),
             ("tiny-uneven-7x9-d64", 2, 2, (7, 9), (2, 3), 64, dt, {}),
             ("one-token", 1, 2, (1, 1), (1, 1), 32, dt, dict(absolute=True)),
         ]
@@ -182,7 +199,8 @@ def correctness_cases(interpret: bool, quick: bool):
         ("fp32-dit-d72", 1, 2, (32, 32), (4, 4), 72, torch.float32, {}),
     ]
     if quick:
-        keep = ("sana-64x64-d32", "dit-32x32-d72-noncontig", "wan-21x30x52-M105-d128", "c01-M1-scale30-fp16", "fp32-dit-d72")
+        keep = ("sana-64x64-d32", "dit-32x32-d72-noncontig", "wan-21x30x52-M105-d128", "wan-rope-M105-d128", "c01-M1-scale30-fp16",
+                "fp32-dit-d72")
         cases = [c for c in cases if c[0] in keep]
     return cases
 
@@ -209,7 +227,8 @@ def check_correctness(name, batch, heads, grid, block_grid, d, dtype, opts, devi
         mixing = (mixing_init(layout) * 0.5 + 0.5 * torch.rand(m, m, generator=gen)).to(device)
     grad_out = torch.randn(batch, heads, n, d, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
     fm = "relu" if feature_map else None
-    kw = dict(normalize=normalize, eps=1e-6, feature_map=fm)
+    rotary = _random_rotary(n, d, gen, device) if opts.get("rotary") else None
+    kw = dict(normalize=normalize, eps=1e-6, feature_map=fm, rotary=rotary)
 
     def run(fn, cast=None):
         leaves = [(t.detach().to(cast) if cast else t.detach()).requires_grad_(True) for t in (q, k, v, mixing)]
@@ -226,14 +245,14 @@ def check_correctness(name, batch, heads, grid, block_grid, d, dtype, opts, devi
         out_r, grads_r = run(lambda *a: ops.mhla_attention_reference(*a, layout, dtype=torch.float64, **kw), torch.float64)
     else:
         def blockwise(q_, k_, v_, m_):
-            num, den = _blockwise_parts(q_, k_, v_, m_, layout, feature_map, 1e-6)
+            num, den = _blockwise_parts(q_, k_, v_, m_, layout, feature_map, 1e-6, rotary)
             return num / den if normalize else num
 
         out_r, grads_r = run(blockwise, torch.float64)
     scales = [None] * 4
     if normalize:
         leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v, mixing)]
-        num, den = _blockwise_parts(*leaves, layout, feature_map, 1e-6)
+        num, den = _blockwise_parts(*leaves, layout, feature_map, 1e-6, rotary)
         g = grad_out.double()
         first = torch.autograd.grad(num / den.detach(), leaves, g, retain_graph=True, allow_unused=True)
         second = torch.autograd.grad(num.detach() * den / den.detach() ** 2, leaves, g, allow_unused=True)
@@ -247,6 +266,7 @@ def check_correctness(name, batch, heads, grid, block_grid, d, dtype, opts, devi
     ok = finite and max(vs_ref.values()) <= tol and max(vs_torch.values()) <= tol
     return dict(case=name, dtype=str(dtype).replace("torch.", ""), batch=batch, heads=heads, grid=list(grid),
                 block_grid=list(layout.block_grid), num_blocks=m, d=d, normalize=normalize, feature_map=feature_map,
+                rotary=rotary is not None,
                 memory=opts.get("memory", "contiguous"), tol=tol, ok=ok, finite=finite, vs_reference=vs_ref, vs_torch=vs_torch,
                 first_call_s=round(first_call, 3))
 
@@ -298,6 +318,7 @@ def time_shape(name, spec, dtype, device, methods, reps, hbm_bytes_per_s):
     fwd_bytes = 4 * batch * heads * n * d * elt  # read q, k, v + write out
     fwdbwd_bytes = fwd_bytes + 7 * batch * heads * n * d * elt  # + read q, k, v, out-grad, write dq, dk, dv
     one = _plain_linear_layout(grid)
+    rotary = _random_rotary(n, d, gen, device) if len(grid) == 3 else None  # Wan's RoPE: video shapes only
 
     def call(method, q_, k_, v_, mix_):
         if method == "triton":
@@ -308,10 +329,15 @@ def time_shape(name, spec, dtype, device, methods, reps, hbm_bytes_per_s):
             return ops.mhla_attention(q_, k_, v_, mix_, one, backend="triton")
         if method == "sdpa":
             return F.scaled_dot_product_attention(q_, k_, v_)
+        if method in ROPE_METHODS:
+            rot = (lambda x: rotary(x)) if method.endswith("composed") else rotary  # a plain function is not fused
+            return ops.mhla_attention(q_, k_, v_, mix_, layout, backend=method.split("-")[0], rotary=rot)
         raise ValueError(method)
 
     rows = []
     for method in methods:
+        if method in ROPE_METHODS and rotary is None:
+            continue
         row = dict(shape=name, method=method, dtype=str(dtype).replace("torch.", ""), batch=batch, heads=heads, tokens=n,
                    grid=list(grid), d=d, num_blocks=1 if method == "linear" else (None if method == "sdpa" else m))
         try:
@@ -376,6 +402,15 @@ def summarise(timing, interpret=False):
         if tri and sdpa:
             s["fwd_speedup_vs_sdpa"] = sdpa["fwd_ms"] / tri["fwd_ms"]
             s["fwdbwd_speedup_vs_sdpa"] = sdpa["fwdbwd_ms"] / tri["fwdbwd_ms"]
+        rope, rope_c, rope_t = by.get((shape, "triton-rope")), by.get((shape, "triton-rope-composed")), by.get((shape, "torch-rope"))
+        if rope:
+            s["rope_fwd_vs_roofline"] = rope["fwd_vs_roofline"]
+            if sdpa:
+                s["rope_fwd_speedup_vs_sdpa"] = sdpa["fwd_ms"] / rope["fwd_ms"]
+            if rope_c:
+                s["rope_fusion_fwdbwd_speedup"] = rope_c["fwdbwd_ms"] / rope["fwdbwd_ms"]
+            if rope_t:
+                s["rope_fwdbwd_speedup_vs_torch"] = rope_t["fwdbwd_ms"] / rope["fwdbwd_ms"]
         out.append(s)
     return out
 
@@ -424,13 +459,17 @@ def write_markdown(path, report):
             f"| {r['shape']} | {dims} | {_fmt(r['num_blocks'])} | {r['method']} | {r['fwd_ms']:.3f} | {r['fwd_gbps']:.0f} | "
             f"{r['fwd_vs_roofline']:.2f} | {r['fwdbwd_ms']:.3f} | {r['first_call_s']:.2f} |"
         )
-    lines += ["", "## Targets (issue 5)", "", "| shape | fwd / roofline | fwd+bwd speed-up vs torch | fwd speed-up vs SDPA | targets met |",
-              "|---|---|---|---|---|"]
+    lines += ["", "## Targets (issue 5)", "",
+              "| shape | fwd / roofline | fwd+bwd speed-up vs torch | fwd speed-up vs SDPA | RoPE fused: fwd / roofline | "
+              "RoPE fused: fwd speed-up vs SDPA | RoPE fused vs composed (fwd+bwd) | RoPE fused vs torch (fwd+bwd) | targets met |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for s in report["summary"]:
         met = [k for k in s if k.startswith("target_")]
         verdict = ", ".join(f"{k[7:]}: {'yes' if s[k] else 'NO'}" for k in met) or "-"
         lines.append(f"| {s['shape']} | {_fmt(s.get('fwd_vs_roofline'), '.2f')} | {_fmt(s.get('fwdbwd_speedup_vs_torch'), '.2f')} | "
-                     f"{_fmt(s.get('fwd_speedup_vs_sdpa'), '.2f')} | {verdict} |")
+                     f"{_fmt(s.get('fwd_speedup_vs_sdpa'), '.2f')} | {_fmt(s.get('rope_fwd_vs_roofline'), '.2f')} | "
+                     f"{_fmt(s.get('rope_fwd_speedup_vs_sdpa'), '.2f')} | {_fmt(s.get('rope_fusion_fwdbwd_speedup'), '.2f')} | "
+                     f"{_fmt(s.get('rope_fwdbwd_speedup_vs_torch'), '.2f')} | {verdict} |")
     if report["errors"]:
         lines += ["", f"{len(report['errors'])} error(s): see gpu_check.json."]
     path.write_text("\n".join(lines) + "\n")
