@@ -32,6 +32,16 @@ deterministic and do not depend on the launch order):
                      torch GEMMs over ``[M, B*H*d*d_v]`` (the sum over heads and batch is free).
     _bwd_key         grid (M * tiles, B * H): ``dv = phi(K) dS``, ``dk = (V dS^T + dz) [k > 0]``.
 
+With an :class:`~mhla_diffusers.ops.InterleavedRotary` ``R`` (Wan's RoPE; the ``ROTARY`` variant of
+every kernel) the numerator uses rotated features and the denominator un-rotated ones::
+
+    S_b = (R phi(K_b))^T V_b,   out = (R phi(q)) S~_{b(q)} / (phi(q) . z~_{b(q)} + eps)
+
+q and k tiles are rotated at load (``_rotate``: pairs ``(2i, 2i+1)`` by the token's ``cos`` / ``sin``
+table rows, fp32); the backward multiplies the numerator's gradients by ``R^T`` (``-sin``):
+``dq = (R^T (gn S~^T) + gd z~) [q > 0]``, ``dv = (R phi(K)) dS``, ``dk = (R^T (V dS^T) + dz) [k > 0]``,
+``dS~ = sum (R phi(q))^T gn``. The rotated keys of ``S`` stay in fp32 (TF32 products), not 16 bits.
+
 Nothing of size ``N x N`` or ``N x d x d`` exists; the forward reads q, k, v once and writes the
 output once (plus the fp32 summaries ``[M, B*H, d, d_v]``, saved for the backward).
 
