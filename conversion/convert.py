@@ -27,9 +27,14 @@ def parse_layers(text: str):
     if text in ("all", "hybrid"):
         return text
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        layers = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--layers takes 'all', 'hybrid' or comma-separated indices; got {text!r}")
+    if not layers:
+        raise argparse.ArgumentTypeError(
+            f"no layers selected ({text!r}): give 'all', 'hybrid' or comma-separated indices such as 1,2,4"
+        )
+    return layers
 
 
 def parse_block_grid(text: str):

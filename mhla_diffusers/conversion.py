@@ -213,13 +213,21 @@ def convert_checkpoint(
 
     Raises:
         AlreadyConvertedError: ``src`` already has MHLA (C15): nothing is written.
-        ValueError: unknown family, family mismatch, bad layer or block options, a single file
+        ValueError: unknown family, family mismatch, bad layer or block options (no layer selected:
+            an empty list, ``"none"``, ``"hybrid"`` on a one-layer model), a single file
             without ``config`` (or ``config`` without a single file), a file of another model, a
             pipeline with a second transformer (Wan 2.2's ``transformer_2``: not supported yet).
         FileNotFoundError / OSError: ``src`` cannot be found or loaded.
     """
     from .apply import mhla_spec
 
+    if not isinstance(layers, str):
+        layers = list(layers)
+    if layers == "none" or (not isinstance(layers, str) and not layers):
+        raise ValueError(
+            f"no layers selected (layers={layers!r}): a conversion installs MHLA on at least one layer; "
+            "give 'all', 'hybrid' or a non-empty list of indices"
+        )
     src_path, out_path = Path(src).resolve(), Path(out).resolve()
     if Path(src).exists() and (src_path == out_path or src_path.is_relative_to(out_path)):
         raise ValueError(f"--out {out} would replace the source {src}; write the converted checkpoint elsewhere")
@@ -238,8 +246,13 @@ def convert_checkpoint(
     apply_mhla(
         model, layers, num_blocks=num_blocks, block_grid=block_grid, normalize=normalize, eps=eps, output_norm=output_norm
     )
+    spec = mhla_spec(model)
+    if spec is None:  # e.g. "hybrid" on a model with a single self-attention layer
+        raise ValueError(
+            f"no layers selected: layers={layers!r} picks none of the self-attention layers of {src}; nothing was written"
+        )
     if pipe is not None:
         save_mhla_pipeline(pipe, out, overwrite=overwrite)
     else:
         save_mhla_transformer(model, out, overwrite=overwrite)
-    return {**mhla_spec(model), "out": str(out)}
+    return {**spec, "out": str(out)}
