@@ -17,6 +17,7 @@ __all__ = [
     "generate_videos",
     "is_video_pipeline",
     "is_video_checkpoint",
+    "image_format",
     "save_grid",
     "save_video",
 ]
@@ -303,9 +304,47 @@ def save_video(frames, path: str | os.PathLike, fps: int = 16) -> Path:
     return path
 
 
+# Image file suffixes save_grid writes, and the PIL format of each.
+IMAGE_FORMATS = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}
+
+
+def image_format(path: str | os.PathLike) -> str:
+    """The PIL format (``"PNG"``, ``"JPEG"``, ``"WEBP"``) named by the suffix of ``path`` (any case).
+
+    Check an output path with it before generating: no compute is spent on images that cannot be saved.
+
+    Raises:
+        GenerationError: no suffix, a video suffix (``.mp4``: images are not videos) or another unknown one.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    known = ", ".join(sorted(IMAGE_FORMATS))
+    if suffix == ".mp4":
+        raise GenerationError(
+            f"{path.name}: mp4 is written for text-to-video checkpoints only; this writes an image grid: "
+            f"name it with one of {known}"
+        )
+    if suffix not in IMAGE_FORMATS:
+        what = f"an unknown image suffix {suffix!r}" if suffix else "no suffix"
+        raise GenerationError(f"{path.name} has {what}: images are written as {known} (the format follows the suffix)")
+    fmt = IMAGE_FORMATS[suffix]
+    from PIL import features
+
+    if fmt == "WEBP" and not features.check("webp"):
+        raise GenerationError(f"{path.name}: this Pillow build has no WebP support; use .png or .jpg")
+    return fmt
+
+
 def save_grid(images, path: str | os.PathLike, rows: int | None = None) -> Path:
-    """Save images as one grid PNG (``diffusers.utils.make_image_grid``), written atomically."""
+    """Save images as one grid (``diffusers.utils.make_image_grid``) in the format the suffix of
+    ``path`` names (``.png``, ``.jpg`` / ``.jpeg`` at quality 95, ``.webp`` at quality 95), written atomically.
+
+    Raises:
+        GenerationError: a suffix :func:`image_format` does not take (checked before anything is written).
+    """
     from diffusers.utils import make_image_grid
+
+    fmt = image_format(path)
 
     rows = rows or 1
     cols = -(-len(images) // rows)
@@ -316,6 +355,10 @@ def save_grid(images, path: str | os.PathLike, rows: int | None = None) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    grid.save(tmp, format="PNG")
-    os.replace(tmp, path)
+    options = {"quality": 95} if fmt in ("JPEG", "WEBP") else {}
+    try:
+        (grid.convert("RGB") if fmt == "JPEG" and grid.mode != "RGB" else grid).save(tmp, format=fmt, **options)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path

@@ -6,9 +6,11 @@
     python pipelines/generate.py --checkpoint wan-mhla --prompt "a cat walking in the snow" --frames 81 --out clip.mp4
 
 --class-labels for class-conditional pipelines (DiT): integers or, when the pipeline knows them
-(id2label), class names. --prompt for text-to-image pipelines (SANA): one image per prompt, all in
-one PNG grid; for text-to-video pipelines (Wan, recognised from the checkpoint, or --frames given):
-one mp4 per prompt (clip.mp4, or clip_0.mp4, clip_1.mp4, ... for several prompts).
+(id2label), class names. --prompt for text-to-image pipelines (SANA): one image per prompt. Images
+go into one grid, saved in the format the --out suffix names: .png, .jpg / .jpeg or .webp (any other
+suffix, .mp4 included, is refused with exit code 2 before anything is generated). For text-to-video
+pipelines (Wan, recognised from the checkpoint, or --frames given): one mp4 per prompt (clip.mp4, or
+clip_0.mp4, clip_1.mp4, ... for several prompts).
 """
 
 from __future__ import annotations
@@ -44,7 +46,11 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, default=None, help="rows of the output grid (default: 1)")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     parser.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
-    parser.add_argument("--out", required=True, help="output PNG (a grid of all images) or, for videos, an .mp4")
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="output image grid (.png, .jpg / .jpeg or .webp: the suffix picks the format) or, for videos, an .mp4",
+    )
     args = parser.parse_args(argv)
 
     from mhla_diffusers.generation import (
@@ -52,6 +58,7 @@ def main(argv=None) -> int:
         generate_class_images,
         generate_text_images,
         generate_videos,
+        image_format,
         is_video_checkpoint,
         save_grid,
         save_video,
@@ -75,6 +82,7 @@ def main(argv=None) -> int:
                 save_video(video, out, fps=args.fps)
             print(f"wrote {len(videos)} video(s) of {len(videos[0])} frames: {', '.join(outs)}")
             return 0
+        image_format(args.out)  # an image grid: refuse a suffix it cannot be saved as before generating
         if args.prompt is not None:
             images = generate_text_images(
                 args.checkpoint,

@@ -62,3 +62,62 @@ def test_convert_refuses_hybrid_that_selects_nothing(one_layer_pipeline, tmp_pat
                          "--out", tmp_path / "out", "--layers", "hybrid", capsys=capsys)
     assert code == 2 and "no layers selected" in err, err
     assert not (tmp_path / "out").exists()
+
+
+# generation: the --out suffix
+
+
+def _images(n=3):
+    from PIL import Image
+
+    return [Image.new("RGB", (8, 8), (40 * i, 100, 200)) for i in range(n)]
+
+
+@pytest.mark.parametrize("name, fmt", [("a.png", "PNG"), ("b.jpg", "JPEG"), ("c.JPEG", "JPEG"), ("d.webp", "WEBP")])
+def test_save_grid_writes_the_format_of_the_suffix(tmp_path, name, fmt):
+    from PIL import Image
+
+    from mhla_diffusers.generation import save_grid
+
+    path = save_grid(_images(), tmp_path / name, rows=1)
+    with Image.open(path) as image:
+        assert image.format == fmt and image.size == (24, 8)
+    assert [p.name for p in tmp_path.iterdir()] == [name]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("name, message", [("v.mp4", "mp4"), ("g.gif", "unknown image suffix '.gif'"), ("grid", "no suffix")])
+def test_save_grid_refuses_other_suffixes(tmp_path, name, message):
+    from mhla_diffusers.generation import GenerationError, image_format, save_grid
+
+    with pytest.raises(GenerationError, match=message):
+        image_format(tmp_path / name)
+    with pytest.raises(GenerationError, match=message):
+        save_grid(_images(), tmp_path / name)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", ["b.mp4", "g.gif", "grid", "x.tiff"])
+def test_generate_cli_refuses_a_bad_suffix_before_generating(base_pipeline, tmp_path, capsys, monkeypatch, name):
+    from mhla_diffusers import generation
+
+    def no_compute(*args, **kwargs):
+        raise AssertionError("generation started before --out was checked")
+
+    monkeypatch.setattr(generation, "generate_class_images", no_compute)
+    monkeypatch.setattr(generation, "generate_text_images", no_compute)
+    for kind in (["--class-labels", "1"], ["--prompt", "a cat"]):
+        code, err = run_main("pipelines/generate.py", "--checkpoint", base_pipeline, *kind, "--steps", "1",
+                             "--out", tmp_path / name, capsys=capsys)
+        assert code == 2 and ".png" in err and ".jpg" in err, err
+    assert not list(tmp_path.iterdir())
+
+
+def test_generate_cli_writes_jpeg_and_webp(base_pipeline, tmp_path, capsys):
+    from PIL import Image
+
+    for name, fmt in (("a.jpg", "JPEG"), ("c.webp", "WEBP")):
+        code, err = run_main("pipelines/generate.py", "--checkpoint", base_pipeline, "--class-labels", "1", "2",
+                             "--steps", "1", "--out", tmp_path / name, capsys=capsys)
+        assert code == 0, err
+        with Image.open(tmp_path / name) as image:
+            assert image.format == fmt and image.size == (2 * 8, 8)
