@@ -54,8 +54,8 @@ def main(argv=None):
         overrides.append("train.resume=true")
     summary = train(load_config(args.config, overrides))
     if summary:
-        print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-              f"{summary['step_time_s']} s/step -> {summary['final_dir']}")
+        speed = f"{summary['step_time_s']} s/step" if summary.get("step_time_s") is not None else "no step trained in this call"
+        print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, {speed} -> {summary['final_dir']}")
 
 
 if __name__ == "__main__":

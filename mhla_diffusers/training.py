@@ -1510,6 +1510,54 @@ def _complete_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
     return _checkpoints(ckpt_root)[0]
 
 
+def _check_resume(out: Path, final_dir: Path, resume: bool, complete: list[tuple[int, Path]], max_steps: int) -> dict | None:
+    """Check ``train.resume`` against what ``out`` holds, before anything is written.
+
+    Returns the stored summary (``train_summary.json``) when the run already finished at
+    ``max_steps`` with its final model in ``final_dir``: resuming it again has nothing to do.
+    ``None`` otherwise (train, or, with a checkpoint at ``max_steps`` but no final model, e.g. a run
+    killed while exporting, only export).
+
+    Raises:
+        ValueError: ``resume`` without a complete checkpoint; checkpoints without ``resume``; the
+            latest checkpoint past ``max_steps``; a run that already went past ``max_steps``
+            (its summary): resuming would overwrite its final model, ``loss.csv`` and summary with
+            those of an earlier step.
+    """
+    ckpt_root = out / "checkpoints"
+    if resume and not complete:
+        raise ValueError(f"train.resume is set but {ckpt_root} holds no complete checkpoint; run without --resume")
+    if not resume and complete:
+        raise ValueError(f"{ckpt_root} already holds checkpoints: pass --resume to continue, or use a new output_dir")
+    if not resume:
+        return None
+    latest, folder = complete[-1]
+    if latest > max_steps:
+        raise ValueError(
+            f"the latest checkpoint ({folder}) is at step {latest}, past train.max_steps = {max_steps}: nothing to "
+            f"resume (it would export the step-{latest} weights as the final model); raise train.max_steps above "
+            f"{latest} to continue the run. Nothing was written."
+        )
+    try:
+        summary = json.loads((out / SUMMARY).read_text())
+        done = summary["steps"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(done, int):
+        return None
+    if done > max_steps:
+        raise ValueError(
+            f"{out / SUMMARY}: this run already went to step {done}, past train.max_steps = {max_steps}; resuming "
+            f"would replace its final model ({summary.get('final_dir')}), loss.csv and summary with those of step "
+            f"{max_steps}. Raise train.max_steps to {done} or more to continue the run, or train into a new output_dir. "
+            "Nothing was written."
+        )
+    exported = summary.get("final_dir")
+    if done == max_steps and exported and Path(exported).resolve() == final_dir.resolve() and final_dir.is_dir():
+        return summary
+    return None
+
+
 def _save_ema(ema, folder: Path) -> None:
     from safetensors.torch import save_file
 
@@ -1567,7 +1615,9 @@ def train(config: dict) -> dict[str, Any]:
     format, written atomically; or ``export.dir``), ``train_summary.json`` and, with
     ``report_to: tensorboard``, ``logs/``. With ``train.resume`` it continues from the latest
     complete checkpoint (same data order, noise and final weights as an uninterrupted run on the
-    same hardware, bitwise on the CPU).
+    same hardware, bitwise on the CPU); a checkpoint at ``max_steps`` (a run killed while exporting)
+    is only evaluated and exported; a run that already finished at ``max_steps`` (its
+    ``train_summary.json`` and final model are there) is left as it is and its summary returned.
 
     The random draws of each step (noise, timesteps, condition dropout) are made for the global
     batch and sliced per process, so ``N`` processes with per-process batch ``B`` follow the run of
@@ -1585,7 +1635,9 @@ def train(config: dict) -> dict[str, Any]:
 
     Raises:
         ValueError: invalid config (see :func:`load_config`), a dataset smaller than one batch,
-            ``resume`` without a complete checkpoint, a non-finite loss.
+            ``resume`` without a complete checkpoint (or checkpoints without ``resume``), ``resume``
+            with the latest checkpoint or the finished run (``train_summary.json``) past
+            ``max_steps`` (these are raised before anything is written), a non-finite loss.
     """
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, set_seed
@@ -1628,6 +1680,20 @@ def train(config: dict) -> dict[str, Any]:
             f"{world} processes were launched but accelerate set up {accelerator.num_processes}: they would train "
             "independently over the same output_dir. Check the accelerate config (finetune/accelerate/*.yaml)"
         )
+    # Resume (or refuse to start over a run that has checkpoints, or to go back behind a later step):
+    # checked before anything is written or loaded.
+    max_steps = int(t_cfg["max_steps"])
+    final_dir = Path(config["export"]["dir"]) if config["export"]["dir"] else out / "final"
+    ckpt_root = out / "checkpoints"
+    complete, incomplete = _checkpoints(ckpt_root)
+    finished = _check_resume(out, final_dir, bool(t_cfg["resume"]), complete, max_steps)
+    if finished is not None:
+        accelerator.print(
+            f"{out} holds a finished run: step {finished['steps']} = train.max_steps, final model in {final_dir}; "
+            "nothing to resume (raise train.max_steps to train further)"
+        )
+        accelerator.end_training()
+        return finished if accelerator.is_main_process else {}
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         _atomic_write_bytes(out / "config.yaml", yaml.safe_dump(config, sort_keys=False).encode())
@@ -1685,7 +1751,6 @@ def train(config: dict) -> dict[str, Any]:
         eps=float(t_cfg["adam_eps"]),
     )
     trainable_params = [p for p in transformer.parameters() if p.requires_grad]
-    max_steps = int(t_cfg["max_steps"])
     # accelerate steps a prepared lr scheduler once per process per optimizer step.
     lr_scheduler = get_scheduler(
         t_cfg["lr_scheduler"], optimizer=optimizer,
@@ -1707,14 +1772,8 @@ def train(config: dict) -> dict[str, Any]:
                        use_ema_warmup=bool(e_cfg["use_warmup"]))
         ema.to(accelerator.device)
 
-    # Resume (or refuse to start over a run that has checkpoints).
+    # Resume (checked above, see _check_resume).
     step, rows = 0, []
-    ckpt_root = out / "checkpoints"
-    complete, incomplete = _checkpoints(ckpt_root)
-    if t_cfg["resume"] and not complete:
-        raise ValueError(f"train.resume is set but {ckpt_root} holds no complete checkpoint; run without --resume")
-    if not t_cfg["resume"] and complete:
-        raise ValueError(f"{ckpt_root} already holds checkpoints: pass --resume to continue, or use a new output_dir")
     accelerator.wait_for_everyone()
     if incomplete and accelerator.is_main_process:  # a run killed while saving: the folder is unusable
         for folder in incomplete:
@@ -1728,7 +1787,10 @@ def train(config: dict) -> dict[str, Any]:
         accelerator.project_configuration.iteration = int(folder.name.split("_")[-1]) + 1
         if (out / LOSS_CSV).is_file():
             rows = [r for r in _read_rows(out / LOSS_CSV) if r[0] <= step]
-        accelerator.print(f"resumed from {folder} at step {step}")
+        if step == max_steps:  # e.g. a run killed while exporting: only the evaluation and export are left
+            accelerator.print(f"resumed from {folder} at step {step} = train.max_steps: nothing left to train, exporting")
+        else:
+            accelerator.print(f"resumed from {folder} at step {step}")
     if t_cfg["report_to"]:
         accelerator.init_trackers("mhla_finetune", config=_flat_config(config))
 
@@ -1865,7 +1927,6 @@ def train(config: dict) -> dict[str, Any]:
         if eval_set is not None:
             with accelerator.autocast():
                 eval_end = evaluate_heldout(parts, unwrapped, eval_set, **eval_kwargs)
-        final_dir = Path(config["export"]["dir"]) if config["export"]["dir"] else out / "final"
         export_model(parts, unwrapped, final_dir, sampler=config["export"]["sampler"], id2label=id2label,
                      lora_export=config["lora"]["export"])
         write_loss_csv(out / LOSS_CSV, rows)

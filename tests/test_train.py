@@ -292,6 +292,60 @@ def test_incomplete_checkpoint_is_discarded_on_resume(tmp_path):
     assert json.loads((ckpts / "checkpoint_1" / "train_state.json").read_text())["step"] == 4
 
 
+def _snapshot(out):
+    """{relative path: bytes} of every file a run writes outside its checkpoints (final model, logs, config)."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(Path(out).rglob("*"))
+            if p.is_file() and "checkpoints" not in p.relative_to(out).parts}
+
+
+def test_resume_never_goes_back_behind_a_later_step(tmp_path, capsys):
+    """A finished run resumed with a smaller train.max_steps (a typo, a copied command) is refused before
+    anything is written: neither the latest checkpoint nor the exported final model may be past max_steps.
+    Resuming a finished run with its own max_steps is a no-op; a run killed while exporting (its last
+    checkpoint at max_steps, no final model) is only exported, to the weights of the uninterrupted run."""
+    from helpers import load_script
+
+    cfg = tiny_config(tmp_path / "r", train={"max_steps": 4, "checkpointing_steps": 2})
+    out = tmp_path / "r"
+    training.train(load_config(cfg))  # checkpoints at steps 2 and 4, final/ at step 4
+    full, weights = _snapshot(out), _final_tensors(out)
+
+    # the last checkpoint (step 4) is past max_steps: refused, nothing written
+    with pytest.raises(ValueError, match=r"checkpoint_1\) is at step 4, past train.max_steps = 3"):
+        training.train(load_config(cfg, ["train.resume=true", "train.max_steps=3"]))
+    assert _snapshot(out) == full
+
+    # the same max_steps again: the run is finished, nothing to do (nothing rewritten)
+    cli = load_script("finetune/train.py")
+    cli.main(["--config", str(cfg), "--resume"])
+    printed = capsys.readouterr().out
+    assert "holds a finished run" in printed and "done: 4 steps" in printed
+    assert _snapshot(out) == full
+
+    # killed while exporting: the step-4 checkpoint is complete, final/ and the summary are not there
+    shutil.rmtree(out / "final")
+    (out / "train_summary.json").unlink()
+    cli.main(["--config", str(cfg), "--resume"])
+    printed = capsys.readouterr().out
+    assert "at step 4 = train.max_steps: nothing left to train, exporting" in printed
+    assert "done: 4 steps" in printed and "None s/step" not in printed
+    again = _final_tensors(out)
+    assert again.keys() == weights.keys() and all(torch.equal(again[k], weights[k]) for k in weights)
+    assert [r[0] for r in read_loss_csv(out / "loss.csv")] == [1, 2, 3, 4]
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["steps"] == 4 and summary["step_time_s"] is None
+    assert (out / "loss.csv").read_bytes() == full["loss.csv"]
+
+    # the step-4 checkpoint gone (e.g. checkpoints_total_limit), the step-4 final model stays: resuming
+    # to step 3 (or 2) would export an earlier model over it and cut loss.csv; refused
+    after = _snapshot(out)
+    shutil.rmtree(out / "checkpoints" / "checkpoint_1")
+    for max_steps in (3, 2):
+        with pytest.raises(ValueError, match=f"already went to step 4, past train.max_steps = {max_steps}"):
+            training.train(load_config(cfg, ["train.resume=true", f"train.max_steps={max_steps}"]))
+        assert _snapshot(out) == after
+
+
 def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
     """accelerate launch, 2 CPU processes (gloo DDP) x batch 4 == 1 process x batch 8.
 
