@@ -6,12 +6,21 @@ from typing import Mapping, Sequence
 
 from torch import nn
 
-from .families import family_of, self_attention_modules, stock_processor
+from .families import family_of, find_family, self_attention_modules, stock_processor
 from .grid import install_grid_hooks, remove_grid_hooks
 from .hybrid import select_layers
 from .processor import MHLAProcessor
 
-__all__ = ["apply_mhla", "remove_mhla", "set_attn_processor", "attention_modules", "is_mhla_model", "mhla_spec"]
+__all__ = [
+    "apply_mhla",
+    "remove_mhla",
+    "set_attn_processor",
+    "attention_modules",
+    "is_mhla_model",
+    "mhla_spec",
+    "pending_mhla_layers",
+    "materialize_mhla",
+]
 
 
 def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -159,8 +168,59 @@ def set_attn_processor(model: nn.Module, processor) -> None:
 
 
 def is_mhla_model(model: nn.Module) -> bool:
-    """Whether any attention layer of ``model`` has MHLA installed."""
-    return any(getattr(attn, "mhla_mixing", None) is not None for attn in attention_modules(model).values())
+    """Whether any attention layer of ``model`` has MHLA installed: a mixing matrix, or an
+    :class:`MHLAProcessor` on a self-attention layer of a supported transformer whose matrix is
+    created at its first forward (the bare one-liner ``model.set_attn_processor(MHLAProcessor())``)."""
+    if any(getattr(attn, "mhla_mixing", None) is not None for attn in attention_modules(model).values()):
+        return True
+    return bool(pending_mhla_layers(model))
+
+
+def pending_mhla_layers(model: nn.Module) -> list[str]:
+    """Names of the self-attention layers that run an :class:`MHLAProcessor` but have no mixing matrix yet.
+
+    diffusers' own ``model.set_attn_processor(MHLAProcessor())`` (the bare one-liner) installs the
+    processor only; each layer's matrix is created at its first forward. ``[]`` for a model that is
+    not a supported transformer.
+    """
+    family = find_family(model)
+    if family is None:
+        return []
+    return [
+        name
+        for name, attn in self_attention_modules(model, family)
+        if isinstance(getattr(attn, "processor", None), MHLAProcessor) and getattr(attn, "mhla_mixing", None) is None
+    ]
+
+
+def materialize_mhla(transformer: nn.Module) -> list[str]:
+    """Create now the mixing matrices (and output norms) that the first forward would create for
+    the layers of :func:`pending_mhla_layers`: same block grid (the processor's, resolved on the
+    family's reference grid), locality init, fp32 on the layer's device.
+
+    Returns:
+        Names of the layers that got their matrices (``[]`` when none was pending).
+
+    Raises:
+        ValueError: ``transformer`` is not a supported transformer but has MHLA processors, or a
+            processor's settings do not fit the model (e.g. a preset the family lacks).
+    """
+    family = find_family(transformer)
+    if family is None:
+        if any(isinstance(getattr(a, "processor", None), MHLAProcessor) for a in attention_modules(transformer).values()):
+            family_of(transformer)  # raises, naming the supported classes
+        return []
+    pending = set(pending_mhla_layers(transformer))
+    if not pending:
+        return []
+    reference = family.reference_grid(transformer.config)
+    done = []
+    for name, attn in self_attention_modules(transformer, family):
+        if name in pending:
+            attn.processor.attach(attn, reference, family=family)
+            done.append(name)
+    install_grid_hooks(transformer)
+    return done
 
 
 def mhla_spec(transformer: nn.Module) -> dict | None:
@@ -168,7 +228,10 @@ def mhla_spec(transformer: nn.Module) -> dict | None:
 
     Keys: family, model_class, num_layers, layers, block_grid, num_blocks, normalize, eps, backend,
     and ``output_norm: true`` only for models whose MHLA layers have the per-head output RMSNorm
-    (absent means none, as in checkpoints written before it existed).
+    (absent means none, as in checkpoints written before it existed). Self-attention layers that
+    run an :class:`MHLAProcessor` whose mixing matrix is not created yet (the bare one-liner before
+    its first forward) count as MHLA layers, with the block grid and output norm their first
+    forward would give them (see :func:`materialize_mhla`).
 
     Raises:
         ValueError: when the MHLA layers disagree on settings (not representable in one config).
@@ -176,17 +239,25 @@ def mhla_spec(transformer: nn.Module) -> dict | None:
     family = family_of(transformer)
     modules = self_attention_modules(transformer, family)
     layers, specs = [], set()
+    reference = None
     for i, (name, attn) in enumerate(modules):
         mixing = getattr(attn, "mhla_mixing", None)
+        proc = getattr(attn, "processor", None)
         if mixing is None:
-            continue
-        proc = attn.processor
-        if not isinstance(proc, MHLAProcessor):
-            raise ValueError(f"{name} has a mixing matrix but its processor is {type(proc).__name__}, not MHLAProcessor")
+            if not isinstance(proc, MHLAProcessor):
+                continue
+            # created at the first forward: the settings that forward will give the layer
+            reference = reference or family.reference_grid(transformer.config)
+            block_grid = tuple(proc.resolve_block_grid(reference, family))
+            output_norm = getattr(attn, "mhla_output_norm", None) is not None or proc.resolve_output_norm(family)
+        else:
+            if not isinstance(proc, MHLAProcessor):
+                raise ValueError(f"{name} has a mixing matrix but its processor is {type(proc).__name__}, not MHLAProcessor")
+            block_grid = mixing.block_grid
+            output_norm = getattr(attn, "mhla_output_norm", None) is not None
         layers.append(i)
         eps = family.default_eps if proc.eps is None else proc.eps
-        output_norm = getattr(attn, "mhla_output_norm", None) is not None
-        specs.add((mixing.block_grid, proc.normalize, eps, proc.backend, output_norm))
+        specs.add((tuple(block_grid), proc.normalize, eps, proc.backend, output_norm))
     if not layers:
         return None
     if len(specs) > 1:
