@@ -7,7 +7,19 @@ keys) plus, in the transformer's folder:
   eps, backend (see :func:`~mhla_diffusers.mhla_spec`);
 * ``mhla.safetensors`` — the MHLA parameters, fp32: the mixing matrices, keyed
   ``<attention path>.mhla_mixing.weight``, and any other per-layer MHLA submodule's parameters
-  (Wan's per-head output RMSNorm: ``<attention path>.mhla_output_norm.weight``).
+  (Wan's per-head output RMSNorm: ``<attention path>.mhla_output_norm.weight``). Its header
+  metadata ``mhla_config`` repeats the settings that give the weights their meaning (family,
+  model class, layers, block grid, number of blocks, normalize, eps, output norm) and the config's
+  ``weights_sha256`` covers the whole file, header included: an edit of any of these settings in
+  ``mhla_config.json`` no longer matches and is refused on load. (``backend`` is a run-time
+  choice, the same numbers on every backend: it may be edited.) Checkpoints written before this
+  metadata existed still load; only their settings cannot be cross-checked.
+
+Saving a model that runs :class:`~mhla_diffusers.MHLAProcessor` on self-attention layers whose
+mixing matrices are not created yet (the bare one-liner ``model.set_attn_processor(MHLAProcessor())``
+before its first forward) creates them first, as that forward would: the checkpoint is always the
+MHLA model, never silently the stock one. A pipeline's ``id2label`` (DiT class names), which
+diffusers' ``save_pretrained`` drops, is written into ``model_index.json``.
 
 Loading: the base ``from_pretrained``, ``apply_mhla`` from the config, then the MHLA weights
 strictly: a missing file, unknown, missing or mis-shaped key is an error, never a silent
@@ -28,8 +40,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .apply import apply_mhla, mhla_spec
-from .families import self_attention_modules
+from .apply import apply_mhla, materialize_mhla, mhla_spec, pending_mhla_layers
+from .families import FAMILIES, family_of, self_attention_modules
 
 __all__ = [
     "MHLA_CONFIG_NAME",
@@ -116,19 +128,119 @@ def _mhla_parameters(transformer: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+# The settings of mhla_config.json that give the weights their meaning, repeated in the header
+# metadata of mhla.safetensors (key "mhla_config") and so covered by weights_sha256. Not "backend":
+# a run-time choice, every backend gives the same numbers. Absent "output_norm" means False.
+_CHECKED_KEYS = ("family", "model_class", "num_layers", "layers", "block_grid", "num_blocks", "normalize", "eps", "output_norm")
+_METADATA_KEY = "mhla_config"
+
+
+def _checked_settings(config: dict) -> dict:
+    settings = {key: config.get(key, False if key == "output_norm" else None) for key in _CHECKED_KEYS}
+    grid = settings["block_grid"]
+    if isinstance(grid, list) and len(grid) < 3:  # (H, W) = (1, H, W), as apply_mhla reads it
+        settings["block_grid"] = [1] * (3 - len(grid)) + grid
+    return settings
+
+
+def _prepare_for_saving(transformer: nn.Module) -> None:
+    """Create the mixing matrices of layers set up by the bare one-liner and not run yet.
+
+    Raises:
+        MHLACheckpointError: when they cannot be created here.
+    """
+    try:
+        materialize_mhla(transformer)
+    except (ValueError, TypeError, RuntimeError) as err:
+        raise MHLACheckpointError(
+            f"{type(transformer).__name__} runs MHLAProcessor on layers whose mixing matrices do not exist yet and "
+            f"cannot be created here ({err}). Run one forward pass of the model first, or install MHLA with "
+            "mhla_diffusers.apply_mhla(transformer), then save; nothing was written"
+        ) from err
+
+
 def _write_mhla_files(transformer: nn.Module, folder: Path) -> None:
     from safetensors.torch import save_file
 
     import mhla_diffusers
 
+    _prepare_for_saving(transformer)
     spec = mhla_spec(transformer)
     if spec is None:
         return
-    config = {"format_version": FORMAT_VERSION, "mhla_diffusers_version": mhla_diffusers.__version__, **spec}
     tensors = {key: t.detach().to("cpu", torch.float32).contiguous() for key, t in _mhla_parameters(transformer).items()}
-    save_file(tensors, str(folder / MHLA_WEIGHTS_NAME), metadata={"format": "pt", "mhla_format_version": str(FORMAT_VERSION)})
+    names = [name for name, _ in self_attention_modules(transformer)]
+    without = [names[i] for i in spec["layers"] if not any(k.startswith(f"{names[i]}.mhla_mixing.") for k in tensors)]
+    if without or pending_mhla_layers(transformer):  # never write a checkpoint that loads as another model
+        raise MHLACheckpointError(
+            f"the MHLA layers {without or pending_mhla_layers(transformer)} have no mixing matrix to save; run one forward "
+            "pass of the model first, or install MHLA with mhla_diffusers.apply_mhla(transformer)"
+        )
+    config = {"format_version": FORMAT_VERSION, "mhla_diffusers_version": mhla_diffusers.__version__, **spec}
+    metadata = {
+        "format": "pt",
+        "mhla_format_version": str(FORMAT_VERSION),
+        _METADATA_KEY: json.dumps(_checked_settings(config), sort_keys=True),
+    }
+    save_file(tensors, str(folder / MHLA_WEIGHTS_NAME), metadata=metadata)
     config["weights_sha256"] = _sha256(folder / MHLA_WEIGHTS_NAME)
     (folder / MHLA_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _pipeline_id2label(pipe) -> dict[str, str] | None:
+    """The ``id2label`` of a pipeline (DiT's class names) as ``model_index.json`` stores it, or ``None``.
+
+    diffusers' ``save_pretrained`` writes only what is registered in the pipeline's config, and
+    ``DiTPipeline`` keeps the names it was built or loaded with in ``pipe.labels`` only. In order:
+    ``pipe.config["id2label"]`` (registered, as :func:`~mhla_diffusers.training.export_pipeline`
+    does); the ``model_index.json`` the pipeline was loaded from, when its names give exactly
+    ``pipe.labels``; else the names rebuilt from ``pipe.labels`` (``name -> id``; the names of one id
+    joined with ", ", which ``DiTPipeline`` splits back into the same ``labels``).
+    """
+    config = getattr(pipe, "config", None) or {}
+    raw = config.get("id2label") if hasattr(config, "get") else None
+    if raw:
+        return {str(k): str(v) for k, v in sorted(dict(raw).items(), key=lambda kv: int(kv[0]))}
+    labels = getattr(pipe, "labels", None)
+    if not isinstance(labels, dict) or not labels:
+        return None
+    source = _source_id2label(config.get("_name_or_path") if hasattr(config, "get") else None)
+    if source is not None and _labels_of(source) == {str(k): int(v) for k, v in labels.items()}:
+        return source
+    by_id: dict[int, list[str]] = {}
+    for name, idx in labels.items():
+        by_id.setdefault(int(idx), []).append(str(name))
+    return {str(i): ", ".join(names) for i, names in sorted(by_id.items())}
+
+
+def _source_id2label(name_or_path) -> dict[str, str] | None:
+    """``id2label`` of the local ``model_index.json`` a pipeline was loaded from (``None`` if unknown)."""
+    if not name_or_path:
+        return None
+    index = Path(str(name_or_path)) / "model_index.json"
+    try:
+        raw = json.loads(index.read_text()).get("id2label") if index.is_file() else None
+        return {str(k): str(v) for k, v in sorted(dict(raw).items(), key=lambda kv: int(kv[0]))} if raw else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def _labels_of(id2label: dict[str, str]) -> dict[str, int]:
+    """``DiTPipeline.labels`` built from ``id2label`` (names split at commas)."""
+    return {name.strip(): int(key) for key, value in id2label.items() for name in value.split(",")}
+
+
+def _write_id2label(pipe, folder: Path) -> None:
+    """Put the pipeline's ``id2label`` into the written ``model_index.json`` when diffusers left it out."""
+    id2label = _pipeline_id2label(pipe)
+    index = folder / "model_index.json"
+    if id2label is None or not index.is_file():
+        return
+    data = json.loads(index.read_text())
+    if data.get("id2label"):
+        return
+    data["id2label"] = id2label
+    index.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def _sha256(path: Path) -> str:
@@ -143,7 +255,16 @@ def _sha256(path: Path) -> str:
 
 def save_mhla_transformer(transformer: nn.Module, out_dir: str | os.PathLike, *, overwrite: bool = False, **save_kwargs) -> Path:
     """Write ``transformer`` as a converted checkpoint folder (atomic). A model without MHLA is
-    written as a plain diffusers folder. Extra keyword arguments go to ``save_pretrained``."""
+    written as a plain diffusers folder. Extra keyword arguments go to ``save_pretrained``.
+
+    Layers that run :class:`~mhla_diffusers.MHLAProcessor` without a mixing matrix yet (the bare
+    one-liner before any forward) get it now, as their first forward would.
+
+    Raises:
+        MHLACheckpointError: such matrices cannot be created (nothing is written).
+        ValueError: the MHLA layers disagree on settings (one config holds one setting).
+    """
+    _prepare_for_saving(transformer)
     with atomic_directory(out_dir, overwrite) as tmp:
         with _without_mixing(transformer):
             transformer.save_pretrained(tmp, **save_kwargs)
@@ -153,10 +274,14 @@ def save_mhla_transformer(transformer: nn.Module, out_dir: str | os.PathLike, *,
 
 def save_mhla_pipeline(pipe, out_dir: str | os.PathLike, *, overwrite: bool = False, **save_kwargs) -> Path:
     """Write a diffusers pipeline whose ``transformer`` may have MHLA (atomic); the MHLA files go
-    into ``<out_dir>/transformer/``."""
+    into ``<out_dir>/transformer/``. The pipeline's ``id2label`` (DiT class names), which
+    diffusers' ``save_pretrained`` leaves out unless registered in ``pipe.config``, is written
+    into ``model_index.json`` (see :func:`_pipeline_id2label`). Raises as :func:`save_mhla_transformer`."""
+    _prepare_for_saving(pipe.transformer)
     with atomic_directory(out_dir, overwrite) as tmp:
         with _without_mixing(pipe.transformer):
             pipe.save_pretrained(tmp, **save_kwargs)
+        _write_id2label(pipe, tmp)
         _write_mhla_files(pipe.transformer, tmp / "transformer")
     return Path(out_dir)
 
@@ -207,7 +332,94 @@ def read_mhla_config(path: str | os.PathLike) -> dict | None:
     for key in ("family", "model_class", "num_layers", "layers", "block_grid", "normalize", "eps"):
         if key not in config:
             raise MHLACheckpointError(f"{config_file} lacks the key {key!r}")
+    _validate_config(config, config_file)
     return config
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _validate_config(config: dict, config_file: Path) -> None:
+    """The types and the internal consistency of the settings (not yet against the model or the weights).
+
+    Raises:
+        MHLACheckpointError: naming the key and what it should hold.
+    """
+
+    def bad(key: str, expected: str):
+        return MHLACheckpointError(f"{config_file}: {key!r} must be {expected}; got {config.get(key)!r}")
+
+    if config["family"] not in FAMILIES:
+        raise bad("family", f"one of {sorted(FAMILIES)}")
+    if not isinstance(config["model_class"], str):
+        raise bad("model_class", "a diffusers class name")
+    if not _is_int(config["num_layers"]) or config["num_layers"] < 1:
+        raise bad("num_layers", "a positive integer")
+    layers = config["layers"]
+    if not isinstance(layers, list) or not layers or not all(_is_int(i) for i in layers):
+        raise bad("layers", "a non-empty list of self-attention layer indices (integers)")
+    grid = config["block_grid"]
+    if not isinstance(grid, list) or not 1 <= len(grid) <= 3 or not all(_is_int(b) and b >= 1 for b in grid):
+        raise bad("block_grid", "a list of 1 to 3 positive integers [bt, bh, bw]")
+    if "num_blocks" in config:
+        product = 1
+        for b in grid:
+            product *= b
+        if not _is_int(config["num_blocks"]) or config["num_blocks"] != product:
+            raise MHLACheckpointError(
+                f"{config_file}: num_blocks {config['num_blocks']!r} is not the number of blocks of the block grid "
+                f"{grid} ({product}); the config was edited"
+            )
+    if not isinstance(config["normalize"], bool):
+        raise bad("normalize", "true or false")
+    eps = config["eps"]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise bad("eps", "a number >= 0")
+    if "output_norm" in config and not isinstance(config["output_norm"], bool):
+        raise bad("output_norm", "true or false")
+    if "backend" in config and not isinstance(config["backend"], str):
+        raise bad("backend", "a backend name")
+    sha = config.get("weights_sha256")
+    if sha is not None and not isinstance(sha, str):
+        raise bad("weights_sha256", "a hex digest")
+
+
+def _check_config_against_weights(config: dict, folder: Path) -> None:
+    """Compare the settings of ``mhla_config.json`` with those recorded in the header of ``mhla.safetensors``.
+
+    Files written before the header carried them (no ``mhla_config`` metadata) are accepted unchecked.
+
+    Raises:
+        MHLACheckpointError: the weights file is missing or unreadable, or a setting differs.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = folder / MHLA_WEIGHTS_NAME
+    if not path.is_file():
+        raise MHLACheckpointError(f"{path} is missing: the MHLA mixing matrices of this checkpoint are lost")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise MHLACheckpointError(f"{path} is corrupted or not a safetensors file: {err}") from err
+    if _METADATA_KEY not in metadata:
+        return  # written before the settings were recorded beside the weights
+    try:
+        recorded = json.loads(metadata[_METADATA_KEY])
+        if not isinstance(recorded, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as err:
+        raise MHLACheckpointError(f"{path} is corrupted: its {_METADATA_KEY!r} metadata is unreadable ({err})") from err
+    given = _checked_settings(config)
+    differ = [key for key in _CHECKED_KEYS if key in recorded and given[key] != recorded[key]]
+    if differ:
+        details = "; ".join(f"{key}: {given[key]!r} in {MHLA_CONFIG_NAME}, {recorded[key]!r} in the weights" for key in differ)
+        raise MHLACheckpointError(
+            f"{folder / MHLA_CONFIG_NAME} does not match the settings {MHLA_WEIGHTS_NAME} was written with ({details}): "
+            "the config was edited or belongs to other weights. Restore the original config; to change the MHLA "
+            "settings, convert again from the base model"
+        )
 
 
 def _mhla_keys_in_base(folder: Path) -> list[str]:
@@ -266,9 +478,19 @@ def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike, expecte
 
 
 def _install_from_config(transformer: nn.Module, config: dict, folder: Path) -> None:
+    _check_config_against_weights(config, folder)
     if type(transformer).__name__ != config["model_class"]:
         raise MHLACheckpointError(
             f"{folder / MHLA_CONFIG_NAME} was written for {config['model_class']}, but the base model is {type(transformer).__name__}"
+        )
+    try:
+        family = family_of(transformer).name
+    except ValueError as err:
+        raise MHLACheckpointError(f"{folder / MHLA_CONFIG_NAME}: {err}") from err
+    if family != config["family"]:
+        raise MHLACheckpointError(
+            f"{folder / MHLA_CONFIG_NAME} names the family {config['family']!r}, but the base model "
+            f"{type(transformer).__name__} is of the family {family!r}"
         )
     num_layers = len(self_attention_modules(transformer))
     if num_layers != config["num_layers"]:
@@ -365,6 +587,20 @@ def load_mhla_transformer(
     return model.eval()
 
 
+def _register_id2label(pipe, path: Path) -> None:
+    """Keep the ``id2label`` of ``model_index.json`` in ``pipe.config`` (diffusers passes it to the
+    pipeline's ``__init__`` only), so that ``pipe.config["id2label"]`` holds the class names and a
+    later ``save_pretrained`` writes them again."""
+    import inspect
+
+    config = getattr(pipe, "config", None)
+    if config is None or config.get("id2label") or "id2label" not in inspect.signature(type(pipe).__init__).parameters:
+        return
+    raw = _source_id2label(path)
+    if raw:
+        pipe.register_to_config(id2label=raw)
+
+
 def load_mhla_pipeline(
     path: str | os.PathLike, *, torch_dtype: torch.dtype | None = None, lora: bool | str | os.PathLike = True, **kwargs
 ):
@@ -372,7 +608,8 @@ def load_mhla_pipeline(
 
     Returns a ready pipeline (its ``transformer`` in eval mode, MHLA installed if recorded, and
     the LoRA adapter of ``<path>/transformer_lora`` applied when present and ``lora=True``;
-    ``lora=False`` skips it, a path loads that adapter folder).
+    ``lora=False`` skips it, a path loads that adapter folder). A class-conditional pipeline keeps
+    the ``id2label`` of ``model_index.json`` in ``pipe.config`` as well as in ``pipe.labels``.
 
     Raises:
         FileNotFoundError: ``path`` holds no ``model_index.json`` (or no adapter at an explicit ``lora`` path).
@@ -385,6 +622,7 @@ def load_mhla_pipeline(
         raise FileNotFoundError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
     config = read_mhla_config(path)
     pipe = DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(torch_dtype), **kwargs)
+    _register_id2label(pipe, path)
     if config is not None:
         _install_from_config(pipe.transformer, config, path / "transformer")
     _load_saved_lora(pipe.transformer, path / "transformer_lora", lora)

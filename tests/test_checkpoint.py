@@ -344,18 +344,22 @@ def _converted(tmp_path, name, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "kwargs, match, legacy_match",
     [
-        (dict(layers="all", num_blocks=4), "unexpected keys"),  # weights of another layer selection
-        (dict(layers=[1, 2], num_blocks=4), "missing keys"),
-        (dict(layers="hybrid", num_blocks=2), "shape"),  # another M
+        (dict(layers="all", num_blocks=4), r"layers: \[1, 2, 4, 5\] in mhla_config\.json", "unexpected keys"),
+        (dict(layers=[1, 2], num_blocks=4), "layers", "missing keys"),
+        (dict(layers="hybrid", num_blocks=2), "block_grid.*num_blocks", "shape"),  # another M
     ],
 )
-def test_mismatched_weights(saved, tmp_path, kwargs, match):
+def test_mismatched_weights(saved, tmp_path, kwargs, match, legacy_match):
+    """Weights of another conversion: the settings recorded in their header differ from the config;
+    without recorded settings (files written before they existed) the keys or shapes differ."""
     folder = _copy(saved["transformer_dir"], tmp_path)
     other = _converted(tmp_path, "other", **kwargs)
     shutil.copy(other / "mhla.safetensors", folder / "mhla.safetensors")
     _expect_error(folder, match)
+    save_file(load_file(other / "mhla.safetensors"), folder / "mhla.safetensors", metadata={"format": "pt"})
+    _expect_error(folder, legacy_match)
 
 
 @pytest.mark.parametrize(
