@@ -304,7 +304,11 @@ _BY_TYPE: dict[type, Family | None] = {}
 
 def find_family(model: nn.Module) -> Family | None:
     """The :class:`Family` of ``model`` (by class name, walking the MRO; cached per type), or ``None``."""
-    model_type = type(model)
+    return _family_of_type(type(model))
+
+
+@torch.compiler.assume_constant_result  # traced by torch.compile (the process-wide pre-hook): run, not traced
+def _family_of_type(model_type: type) -> Family | None:
     try:
         return _BY_TYPE[model_type]
     except KeyError:
@@ -317,7 +321,12 @@ def find_family(model: nn.Module) -> Family | None:
 def attention_family(attn: nn.Module) -> Family | None:
     """The family whose models alone use the attention module class of ``attn`` (Wan's ``WanAttention``),
     or ``None`` (the legacy diffusers ``Attention`` serves several families)."""
-    return next((_BY_ATTENTION_CLASS[c.__name__] for c in type(attn).__mro__ if c.__name__ in _BY_ATTENTION_CLASS), None)
+    return _attention_family_of_type(type(attn))
+
+
+@torch.compiler.assume_constant_result
+def _attention_family_of_type(attn_type: type) -> Family | None:
+    return next((_BY_ATTENTION_CLASS[c.__name__] for c in attn_type.__mro__ if c.__name__ in _BY_ATTENTION_CLASS), None)
 
 
 def block_grid_preset_names() -> set[str]:

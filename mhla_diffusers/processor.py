@@ -312,10 +312,13 @@ class MHLAProcessor:
         clamped mixing matrix (restricted to the blocks holding tokens where the family allows empty blocks)."""
         block_grid = mixing.block_grid
         if family is not None and family.empty_blocks and any(b > n for b, n in zip(block_grid, grid)):
-            layout, index = occupied_layout(grid, block_grid)
+            # traced by torch.compile: the function itself, not its lru cache
+            layout, index = (occupied_layout.__wrapped__ if torch.compiler.is_compiling() else occupied_layout)(grid, block_grid)
             weight = mixing.clamped()
             index = index.to(weight.device)
             return layout, weight.index_select(0, index).index_select(1, index)
+        if torch.compiler.is_compiling():  # traced: a plain construction (no tensors built), not the lru cache
+            return BlockLayout(grid, block_grid), mixing.clamped()
         return get_layout(grid, block_grid), mixing.clamped()
 
     def _family(self, attn=None):

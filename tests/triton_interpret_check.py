@@ -334,7 +334,8 @@ def run_case(c, torch, ops, layout_cls):
 
 
 def extra_checks(torch, ops, layout_cls):
-    """Checks that are not comparisons: an empty batch, batch invariance (C03), inputs unchanged, determinism."""
+    """Checks that are not comparisons: an empty batch, batch invariance (C03), inputs unchanged, determinism;
+    torch.compile around the kernels (fused RoPE) and opcheck of the custom operator with the Triton backend."""
     res = {}
     layout = layout_cls((7, 9), (2, 3))
     mixing = torch.rand(6, 6)
@@ -367,6 +368,38 @@ def extra_checks(torch, ops, layout_cls):
         ops.mhla_attention(*leaves[:3], leaves[3], layout, backend=backend).sum().backward()
         grads.append([t.grad for t in leaves])
     res["expanded_grad_out_ok"] = all(bool(torch.allclose(a, b, rtol=1e-12, atol=1e-12)) for a, b in zip(*grads))
+    # torch.compile (fullgraph, aot_eager): the mhla_diffusers::attention operator around the kernels,
+    # the fused RoPE included; outputs and gradients equal eager; opcheck of the operator with tables.
+    import torch._dynamo
+
+    from mhla_diffusers.ops import InterleavedRotary, compiled
+
+    layout3 = layout_cls((3, 5, 7), (2, 2, 3))
+    n3 = layout3.num_tokens
+    angles = torch.rand(n3, 4, dtype=torch.float64) * 6.3
+    rot = InterleavedRotary(angles.cos(), angles.sin())
+    inputs = [torch.randn(2, n3, 3, 8).transpose(1, 2) for _ in range(3)] + [torch.rand(12, 12)]
+    g = torch.randn(2, 3, n3, 8)
+
+    def f(q, k, v, m):
+        return ops.mhla_attention(q, k, v, m, layout3, backend="triton", rotary=rot)
+
+    results = []
+    for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+        leaves = [t.clone().requires_grad_() for t in inputs]
+        out = fn(*leaves)
+        results.append([out, *torch.autograd.grad(out, leaves, g)])
+    res["compiled_fused_rotary_matches_eager"] = all(
+        bool(torch.allclose(a, b, rtol=1e-5, atol=1e-6)) for a, b in zip(*results))
+    torch._dynamo.reset()
+    leaves = [t.clone().double().requires_grad_() for t in inputs]
+    cos, sin = rot.tables(torch.device("cpu"), torch.float64)
+    try:
+        torch.library.opcheck(compiled._attention_op, (*leaves, list(layout3.grid), list(layout3.block_grid), True, 1e-6,
+                                                       True, "triton", cos, sin))
+        res["opcheck_triton_with_rotary_tables"] = True
+    except Exception as exc:  # reported as a failed check
+        res["opcheck_triton_with_rotary_tables"] = f"{type(exc).__name__}: {exc}"[:500]
     # The triton entry point refuses nothing here and goes through the kernels (no torch fallback).
     from mhla_diffusers.ops import triton_ops
 

@@ -198,6 +198,10 @@ def mhla_attention(
         raise ValueError(f'feature_map must be "relu" (phi = ReLU) or None (q, k are features already); got {feature_map!r}')
     name = resolve_backend(backend, q.device)
     fn = _BACKENDS[name]
+    if torch.compiler.is_compiling():  # one opaque graph node per call, not a graph break (ops/compiled.py)
+        from . import compiled
+
+        fn = functools.partial(compiled.attention, backend=name)
     if rotary is None:
         return fn(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map == "relu")
     if name == "triton" and _fused_rotary(rotary, q, v):

@@ -85,7 +85,8 @@ class InterleavedRotary:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         self.check(x.shape)
         cos, sin = self.cos.to(x.device), self.sin.to(x.device)
-        if x.dtype in (torch.float32, torch.float64) and cos.dtype in (torch.float32, torch.float64) and not self.requires_grad:
+        fast = x.dtype in (torch.float32, torch.float64) and cos.dtype in (torch.float32, torch.float64)
+        if fast and not self.requires_grad and not torch.compiler.is_compiling():  # inductor has no complex kernels
             # One complex product (x1 + i x2)(cos + i sin): the same two products and one sum or
             # difference per output as the slice form below, about 5x faster on a CPU.
             if self._complex is None or self._complex.device != x.device:

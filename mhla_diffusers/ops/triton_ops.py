@@ -74,6 +74,7 @@ from torch.autograd.function import once_differentiable
 
 from ..layout import BlockLayout
 from .rotary import InterleavedRotary
+from .torch_ops import _empty_like_layout
 
 __all__ = ["mhla_attention_triton", "interpreter_enabled", "check_supported", "torch_fallback_reason", "MAX_HEAD_DIM"]
 
@@ -460,14 +461,6 @@ def _split_tokens(length: int, programs: int, block_t: int, device: torch.device
         want = -(-_TARGET_PROGRAMS // max(programs, 1))  # splits per block wanted
         target = max(_MIN_SPLIT_TOKENS, -(-length // want))
     return max(block_t, -(-max(1, target) // block_t) * block_t)
-
-
-def _empty_like_layout(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, H, N, width]`` in ``x``'s memory layout (``[B, N, H, w]`` transposed when ``x`` is)."""
-    b, h, n, _ = x.shape
-    if not x.is_contiguous() and x.transpose(1, 2).is_contiguous():
-        return torch.empty(b, n, h, width, dtype=dtype, device=x.device).transpose(1, 2)
-    return torch.empty(b, h, n, width, dtype=dtype, device=x.device)
 
 
 def _precision(*tensors: torch.Tensor) -> str:

@@ -1,0 +1,175 @@
+"""torch.compile: MHLA layers trace into one graph (no graph break) and compute what eager mode computes.
+
+While ``torch.compile`` traces, ``mhla_attention`` calls the ``mhla_diffusers::attention`` custom
+operator (``mhla_diffusers/ops/compiled.py``) instead of the backend's autograd Function (which
+is ``torch.compiler.disable``d: one graph break per layer). Checked here:
+- ``torch.library.opcheck`` on both operators (schema, fake tensors, autograd registration, AOT dispatch);
+- the operator in a ``fullgraph=True`` compiled function (aot_eager and inductor) against eager,
+  outputs and gradients, in diffusers' ``[B, N, H, d]`` memory layout, with the RoPE variant;
+- whole DiT / SANA / Wan transformers with MHLA: ``torch._dynamo.explain`` finds 1 graph and 0
+  breaks; compiled outputs equal eager; a compiled DiT training step gives eager's gradients.
+The Triton kernels under compile (fused RoPE included) are checked in the interpreter subprocess
+(``tests/triton_interpret_check.py``'s extra checks).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+
+import mhla_diffusers
+from mhla_diffusers import BlockLayout, InterleavedRotary, MHLAProcessor, mhla_attention
+from mhla_diffusers.ops import compiled
+from helpers import dit_inputs, tiny_dit
+from helpers_wan import tiny_wan, wan_inputs
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    dynamo.reset()
+    yield
+    dynamo.reset()
+
+
+def _inputs(dtype=torch.float64, grid=(3, 5, 7), block_grid=(2, 2, 3), heads=3, d=8, batch=2, seed=0):
+    layout = BlockLayout(grid, block_grid)
+    gen = torch.Generator().manual_seed(seed)
+    # diffusers' memory layout: [B, N, H, d] viewed as [B, H, N, d]
+    q, k, v = (torch.randn(batch, layout.num_tokens, heads, d, generator=gen, dtype=dtype).transpose(1, 2) for _ in range(3))
+    mixing = torch.rand(layout.num_blocks, layout.num_blocks, generator=gen, dtype=dtype)
+    return q, k, v, mixing, layout
+
+
+def _rotary(n, d, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    angles = torch.rand(n, d // 2, generator=gen, dtype=torch.float64) * 2 * math.pi
+    return InterleavedRotary(angles.cos(), angles.sin())
+
+
+def test_opcheck_forward_and_backward_operators():
+    """Schema, fake tensors, autograd registration and AOT dispatch of both operators (torch backend;
+    the Triton backend with fused rotary tables: tests/triton_interpret_check.py's extra checks)."""
+    q, k, v, mixing, layout = _inputs()
+    for t in (q, k, v, mixing):
+        t.requires_grad_(True)
+    args = (q, k, v, mixing, list(layout.grid), list(layout.block_grid), True, 1e-6, True, "torch", None, None)
+    torch.library.opcheck(compiled._attention_op, args)
+    g = torch.randn(2, 3, layout.num_tokens, 8, dtype=torch.float64)
+    back = (g, *[t.detach() for t in (q, k, v, mixing)], *args[4:], [True, False, True, True])
+    torch.library.opcheck(compiled._attention_backward_op, back)
+    r = _rotary(layout.num_tokens, 8)
+    with pytest.raises(ValueError, match="fused by the 'triton' backend only"):
+        compiled._attention_op(*args[:10], r.cos, r.sin)
+
+
+@pytest.mark.parametrize(
+    "backend,variant",
+    [("aot_eager", v) for v in ("plain", "nonorm-nofm", "rotary-callable", "rotary-tables")] + [("inductor", "rotary-tables")],
+)
+def test_compiled_operator_matches_eager(backend, variant):
+    """fullgraph=True (a graph break would raise): outputs and gradients of q, k, v, mixing equal eager's
+    (inductor for one variant: each compile costs seconds on this CPU)."""
+    q, k, v, mixing, layout = _inputs(dtype=torch.float32)
+    kw = dict(normalize=variant != "nonorm-nofm", feature_map=None if variant == "nonorm-nofm" else "relu")
+    if variant == "nonorm-nofm":
+        q, k = q.abs(), k.abs()
+    if variant == "rotary-tables":
+        kw["rotary"] = _rotary(layout.num_tokens, 8)
+    elif variant == "rotary-callable":
+        table = _rotary(layout.num_tokens, 8)
+        kw["rotary"] = lambda x: torch.stack(
+            (x[..., 0::2] * table.cos - x[..., 1::2] * table.sin, x[..., 0::2] * table.sin + x[..., 1::2] * table.cos), -1
+        ).flatten(-2).to(x.dtype)
+
+    def f(q, k, v, mixing):
+        return mhla_attention(q, k, v, mixing, layout, **kw) * 2.0
+
+    g = torch.randn(2, 3, layout.num_tokens, 8)
+    results = []
+    for fn in (f, torch.compile(f, fullgraph=True, backend=backend)):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, mixing)]
+        out = fn(*leaves)
+        grads = torch.autograd.grad(out, leaves, g)
+        results.append((out, grads))
+    (out_e, grads_e), (out_c, grads_c) = results
+    assert out_c.shape == out_e.shape and out_c.dtype == out_e.dtype
+    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads_c, grads_e):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_operator_keeps_diffusers_layout_and_no_grad():
+    """Inference (no grad) through the operator: the output strides are the ones its fake promised."""
+    q, k, v, mixing, layout = _inputs(dtype=torch.float32)
+    f = torch.compile(lambda q, k, v, m: mhla_attention(q, k, v, m, layout).transpose(1, 2).reshape(2, -1, 24),
+                      fullgraph=True, backend="inductor")
+    with torch.no_grad():
+        out = f(q, k, v, mixing)
+    expected = mhla_attention(q, k, v, mixing, layout).transpose(1, 2).reshape(2, -1, 24)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def _explain(fn, *args, **kwargs):
+    with torch.no_grad():
+        return dynamo.explain(fn)(*args, **kwargs)
+
+
+def test_dit_with_mhla_compiles_to_one_graph():
+    model = tiny_dit(num_layers=2)
+    mhla_diffusers.apply_mhla(model, layers="all")
+    latent, t, y = dit_inputs()
+    ex = _explain(lambda a, b, c: model(a, timestep=b, class_labels=c).sample, latent, t, y)
+    assert (ex.graph_count, ex.graph_break_count) == (1, 0), [str(r.reason)[:200] for r in ex.break_reasons]
+
+
+def test_wan_one_liner_compiles_to_one_graph_and_matches_eager():
+    """Wan (positional processor call, RoPE, empty blocks dropped at this small size): 1 graph, output == eager."""
+    model = tiny_wan(num_layers=2)
+    model.set_attn_processor(MHLAProcessor())
+    inputs = wan_inputs()
+    with torch.no_grad():
+        expected = model(**inputs).sample
+    ex = _explain(lambda **kw: model(**kw).sample, **inputs)
+    assert (ex.graph_count, ex.graph_break_count) == (1, 0), [str(r.reason)[:200] for r in ex.break_reasons]
+    dynamo.reset()
+    model.compile(backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        out = model(**inputs).sample
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_sana_with_mhla_compiles_to_one_graph():
+    from helpers_sana import sana_inputs, tiny_sana
+
+    model = tiny_sana()
+    mhla_diffusers.apply_mhla(model, layers="hybrid")
+    latent, text, timestep, mask = sana_inputs()
+    ex = _explain(lambda a, b, c, d: model(a, encoder_hidden_states=b, timestep=c, encoder_attention_mask=d).sample,
+                  latent, text, timestep, mask)
+    assert (ex.graph_count, ex.graph_break_count) == (1, 0), [str(r.reason)[:200] for r in ex.break_reasons]
+
+
+def test_compiled_dit_training_step_matches_eager():
+    """module.compile() (inductor): loss and every gradient (mixing matrices included) equal eager's."""
+    model = tiny_dit(num_layers=2)
+    mhla_diffusers.apply_mhla(model, layers="hybrid")
+    other = copy.deepcopy(model)
+    other.compile()
+    latent, t, y = dit_inputs()
+    losses = []
+    for m in (model, other):
+        loss = m(latent, timestep=t, class_labels=y).sample.square().mean()
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-7)
+    named = dict(other.named_parameters())
+    mixing_seen = 0
+    for name, p in model.named_parameters():
+        q = named[name]  # module.compile() compiles in place: same names
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6)
+        mixing_seen += "mhla_mixing" in name and p.grad.abs().max() > 0
+    assert mixing_seen == 1  # the hybrid's one MHLA layer of two got a mixing gradient
