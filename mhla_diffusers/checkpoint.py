@@ -200,7 +200,7 @@ def _pipeline_id2label(pipe) -> dict[str, str] | None:
     config = getattr(pipe, "config", None) or {}
     raw = config.get("id2label") if hasattr(config, "get") else None
     if raw:
-        return {str(k): str(v) for k, v in sorted(dict(raw).items(), key=lambda kv: int(kv[0]))}
+        return _sorted_id2label(raw)
     labels = getattr(pipe, "labels", None)
     if not isinstance(labels, dict) or not labels:
         return None
@@ -213,15 +213,29 @@ def _pipeline_id2label(pipe) -> dict[str, str] | None:
     return {str(i): ", ".join(names) for i, names in sorted(by_id.items())}
 
 
+def _sorted_id2label(raw) -> dict[str, str]:
+    """``{"0": name, "1": ...}``: string keys (as JSON stores them), in the order of the class ids."""
+    items = [(str(k), str(v)) for k, v in dict(raw).items()]
+    return dict(sorted(items, key=lambda kv: (0, int(kv[0]), "") if kv[0].lstrip("-").isdigit() else (1, 0, kv[0])))
+
+
 def _source_id2label(name_or_path) -> dict[str, str] | None:
-    """``id2label`` of the local ``model_index.json`` a pipeline was loaded from (``None`` if unknown)."""
+    """``id2label`` of the ``model_index.json`` a pipeline was loaded from: a local folder, or a Hub
+    id's cached copy (never downloaded); ``None`` if unknown."""
     if not name_or_path:
         return None
     index = Path(str(name_or_path)) / "model_index.json"
     try:
-        raw = json.loads(index.read_text()).get("id2label") if index.is_file() else None
-        return {str(k): str(v) for k, v in sorted(dict(raw).items(), key=lambda kv: int(kv[0]))} if raw else None
-    except (OSError, ValueError, TypeError, AttributeError):
+        if not index.is_file():
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(str(name_or_path), "model_index.json")
+            if not isinstance(cached, str):
+                return None
+            index = Path(cached)
+        raw = json.loads(index.read_text()).get("id2label")
+        return _sorted_id2label(raw) if raw else None
+    except Exception:  # no such repository id, unreadable JSON, ...: the names are rebuilt from pipe.labels
         return None
 
 
@@ -232,12 +246,14 @@ def _labels_of(id2label: dict[str, str]) -> dict[str, int]:
 
 def _write_id2label(pipe, folder: Path) -> None:
     """Put the pipeline's ``id2label`` into the written ``model_index.json`` when diffusers left it out."""
-    id2label = _pipeline_id2label(pipe)
     index = folder / "model_index.json"
-    if id2label is None or not index.is_file():
+    if not index.is_file():
         return
     data = json.loads(index.read_text())
     if data.get("id2label"):
+        return
+    id2label = _pipeline_id2label(pipe)
+    if id2label is None:
         return
     data["id2label"] = id2label
     index.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
@@ -596,9 +612,13 @@ def _register_id2label(pipe, path: Path) -> None:
     config = getattr(pipe, "config", None)
     if config is None or config.get("id2label") or "id2label" not in inspect.signature(type(pipe).__init__).parameters:
         return
-    raw = _source_id2label(path)
-    if raw:
-        pipe.register_to_config(id2label=raw)
+    index = Path(path) / "model_index.json"
+    try:
+        raw = json.loads(index.read_text()).get("id2label")
+    except (OSError, ValueError, AttributeError):
+        return
+    if raw and isinstance(raw, dict):
+        pipe.register_to_config(id2label=_sorted_id2label(raw))
 
 
 def load_mhla_pipeline(
