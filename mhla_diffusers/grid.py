@@ -79,6 +79,47 @@ def token_grid(grid: int | Sequence[int]) -> Iterator[tuple[int, int, int]]:
 
 def _enter(model: nn.Module, args) -> None:
     _frames().append(_Frame(model))
+    func = getattr(model, "_gradient_checkpointing_func", None)
+    if func is not None and not isinstance(func, _ReplayGrid):
+        model._gradient_checkpointing_func = _ReplayGrid(func)
+
+
+class _ReplayGrid:
+    """Wraps a diffusers model's ``_gradient_checkpointing_func`` so a checkpointed block sees the
+    grid of the forward that ran it, also when it is recomputed inside the backward pass (after the
+    transformer's forward returned; several forwards of one N but different grids, e.g. aspect-ratio
+    buckets, may be pending). Installed by the transformer's pre-hook; a plain object (pickles)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, module, *args, **kwargs):
+        frames = _frames()
+        frame = _Frame(frames[-1].model, frames[-1].grid) if frames else None
+        return self.inner(_InFrame(module, frame), *args, **kwargs)
+
+
+class _InFrame:
+    """``module`` called inside ``frame`` (pushed for the call, popped after): what the checkpoint replays."""
+
+    def __init__(self, module, frame):
+        self.module, self.frame = module, frame
+
+    def __call__(self, *args, **kwargs):
+        if self.frame is None:
+            return self.module(*args, **kwargs)
+        frames = _frames()
+        frames.append(self.frame)
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            for i in range(len(frames) - 1, -1, -1):
+                if frames[i] is self.frame:
+                    del frames[i]
+                    break
+
+    def __getattr__(self, name):  # a custom checkpointing function may look at the module
+        return getattr(self.module, name)
 
 
 def _exit(model: nn.Module, args, output) -> None:

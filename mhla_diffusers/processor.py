@@ -286,24 +286,31 @@ class MHLAProcessor:
         grid = current_grid()
         seen = attn.__dict__.setdefault("_mhla_grids", {})
         if grid is None:
-            # Activation-checkpoint recomputation replays the layer inside the backward pass, after
-            # the transformer's forward returned: reuse the grid this layer saw for this N then.
-            # Anywhere else an unknown grid is an error, never a guess.
+            # diffusers' gradient checkpointing replays the grid of the forward (grid._ReplayGrid). Another
+            # activation-checkpointing scheme recomputing the layer inside the backward pass gets the grid
+            # this layer saw for this N, only if that is the only one it ever saw (never a guess).
             in_backward = torch._C._current_graph_task_id() != -1
-            grid = seen.get(num_tokens) if in_backward else None
-            if grid is None:
+            grids = seen.get(num_tokens, ()) if in_backward else ()
+            if len(grids) == 1:
+                return next(iter(grids))
+            if len(grids) > 1:
                 raise RuntimeError(
-                    f"MHLA does not know the token grid of this call ({num_tokens} tokens) and never guesses it. "
-                    "Run the layer inside a supported transformer's forward (apply_mhla / set_attn_processor "
-                    "install the hooks), or wrap the call in `with mhla_diffusers.token_grid((T, H, W)):`."
+                    f"MHLA is recomputed in the backward pass without a token grid, and this layer has seen "
+                    f"{len(grids)} grids with {num_tokens} tokens ({sorted(grids)}): it does not guess which. Use "
+                    "diffusers' enable_gradient_checkpointing() (MHLA replays the grid there), or checkpoint the "
+                    "whole transformer forward."
                 )
-            return grid
+            raise RuntimeError(
+                f"MHLA does not know the token grid of this call ({num_tokens} tokens) and never guesses it. "
+                "Run the layer inside a supported transformer's forward (apply_mhla / set_attn_processor "
+                "install the hooks), or wrap the call in `with mhla_diffusers.token_grid((T, H, W)):`."
+            )
         if grid[0] * grid[1] * grid[2] != num_tokens:
             raise RuntimeError(
                 f"the token grid {grid} of this forward has {grid[0] * grid[1] * grid[2]} tokens but the "
                 f"self-attention received {num_tokens}; MHLA only supports layers that attend over the latent grid"
             )
-        seen[num_tokens] = grid
+        seen.setdefault(num_tokens, set()).add(grid)
         return grid
 
     @staticmethod

@@ -211,7 +211,7 @@ def test_grid_comes_from_the_latent(monkeypatch):
     assert out.shape == (2, 4, 16, 16)
     assert seen == [((1, 8, 8), (1, 2, 2))] * 2
     for attn in self_attn(model):
-        assert attn._mhla_grids == {64: (1, 8, 8)}
+        assert attn._mhla_grids == {64: {(1, 8, 8)}}
     # and the layer output is MHLA on the 8 x 8 grid
     with torch.no_grad():
         attn = self_attn(model)[0]

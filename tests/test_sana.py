@@ -466,6 +466,48 @@ def test_gradient_checkpointing_same_gradients():
         assert p.grad is not None and torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
 
 
+def test_gradient_checkpointing_two_grids_of_one_token_count():
+    """Aspect-ratio buckets: 8 x 4 and 4 x 8 latents (same N) forwarded before one backward. Each
+    checkpointed block is recomputed on the grid of its own forward (the grid is replayed), so every
+    gradient equals the un-checkpointed model's (it differed by 1e-1 when the last grid was reused)."""
+    model = tiny_sana(num_layers=2)
+    apply_mhla(model, layers="all", num_blocks=4)
+    randomize_mixing_(model, low=0.0, high=1.0)
+    other = copy.deepcopy(model)
+    other.enable_gradient_checkpointing()
+    other.train(), model.train()
+    gen = torch.Generator().manual_seed(0)
+    x1, x2 = torch.randn(1, 4, 8, 4, generator=gen), torch.randn(1, 4, 4, 8, generator=gen)
+    text, timestep = torch.randn(1, 6, 32, generator=gen), torch.tensor([500.0])
+    for m in (model, other):
+        loss = sum(m(x, encoder_hidden_states=text, timestep=timestep).sample.square().mean() for x in (x1, x2))
+        loss.backward()
+    named = dict(other.named_parameters())
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(named[name].grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_recomputation_without_a_replayed_grid_refuses_an_ambiguous_token_count():
+    """A checkpointing scheme other than diffusers' (torch.utils.checkpoint around each block by hand):
+    the layer's one grid for an N is reused in the backward; two grids for that N are an error, not a guess."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = tiny_sana(num_layers=1)
+    apply_mhla(model, layers="all", num_blocks=4)
+    model.train()
+    block = model.transformer_blocks[0]
+    original = block.forward
+    block.forward = lambda *a, **k: checkpoint(original, *a, use_reentrant=False, **k)
+    text, timestep = torch.randn(1, 6, 32), torch.tensor([500.0])
+    x1, x2 = torch.randn(1, 4, 8, 4), torch.randn(1, 4, 4, 8)
+    model(x1, encoder_hidden_states=text, timestep=timestep).sample.sum().backward()  # one grid: fine
+    assert model.transformer_blocks[0].attn1.mhla_mixing.weight.grad is not None
+    loss = sum(model(x, encoder_hidden_states=text, timestep=timestep).sample.sum() for x in (x1, x2))
+    with pytest.raises(RuntimeError, match="does not guess which"):
+        loss.backward()
+
+
 # -- pipelines end to end, conversion, generation ---------------------------------------------------
 def _image(pipe, **kw):
     kwargs = dict(prompt="an astronaut riding a horse", height=64, width=32, num_inference_steps=3, output_type="np",
