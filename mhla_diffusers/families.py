@@ -92,9 +92,10 @@ class Family:
             then :func:`~mhla_diffusers.choose_block_grid` of the reference grid and this ``M``.
         block_grid_presets: ``((name, (bt, bh, bw)), ...)``: named block grids for this family.
         empty_blocks: when a forward's token grid has fewer tokens than the layer's block grid on
-            an axis (Wan at 1 frame or a small size), run with the blocks that hold tokens and the
-            matching rows / columns of the mixing matrix (exactly MHLA with the other blocks empty)
-            instead of raising.
+            an axis (Wan at 1 frame or a small size, an extreme SANA aspect ratio, a small DiT
+            latent), run with the blocks that hold tokens and the matching rows / columns of the
+            mixing matrix (exactly MHLA with the other blocks empty) instead of raising. All three
+            families set it; ``False`` (the default) raises.
         output_norm_without_normalize: an MHLA processor with ``normalize=False`` and
             ``output_norm=None`` puts a per-head RMSNorm on the attention output (the authors' Wan
             recipe: numerator only, then RMSNorm).
@@ -255,6 +256,7 @@ DIT = Family(
     grid_from_latent=_grid_2d,
     reference_grid=_reference_grid_2d,
     stock_self_processor=_attn_processor_2_0,
+    empty_blocks=True,  # a latent smaller than the block grid (e.g. 64 px with 4 x 4 blocks on 32 x 32 tokens)
 )
 
 SANA = Family(
@@ -271,6 +273,7 @@ SANA = Family(
     qk_norm_across_heads=True,
     attention_output_dtype="input",
     fp16_output_clip=65504.0,
+    empty_blocks=True,  # e.g. 64 x 1024 px without binning: 2 x 32 tokens under 4 x 4 blocks
 )
 
 WAN = Family(

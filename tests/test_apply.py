@@ -142,11 +142,30 @@ def test_apply_on_unsupported_model_raises():
         apply_mhla(pipe)
 
 
-def test_resolution_with_fewer_tokens_than_blocks_raises():
+def test_resolution_with_fewer_tokens_than_blocks_uses_the_occupied_blocks():
+    """A latent with fewer tokens than blocks on an axis (2 x 2 tokens, 4 x 4 blocks): MHLA on the blocks that
+    hold tokens, with their rows / columns of the mixing matrix: exactly the dense formula on the full
+    block grid (DESIGN.md's token -> block map; empty blocks contribute nothing)."""
+    from mhla_diffusers import BlockLayout
+    from mhla_diffusers.ops import mhla_attention_reference
+
     model = tiny_dit(num_layers=1, sample_size=8)
     apply_mhla(model, block_grid=(4, 4))  # 16 blocks on the native 4 x 4 tokens
-    with no_grid_frames(), pytest.raises(ValueError, match="more blocks than tokens"):
-        run_dit(model, dit_inputs(batch=1, size=4))  # 2 x 2 tokens
+    randomize_mixing_(model, low=0.05, high=0.95)
+    with AttnCapture(model) as cap, no_grid_frames():
+        out = run_dit(model, dit_inputs(batch=1, size=4))  # 2 x 2 tokens
+    assert out.shape == (1, 4, 4, 4) and torch.isfinite(out).all()
+    attn = self_attn(model)[0]
+    (hidden,), (got,) = cap.inputs["transformer_blocks.0.attn1"], cap.outputs["transformer_blocks.0.attn1"]
+    with torch.no_grad():
+        q, k, v = (t.view(1, 4, attn.heads, -1).transpose(1, 2).double() for t in (attn.to_q(hidden), attn.to_k(hidden), attn.to_v(hidden)))
+        # token (h, w) of the 2 x 2 grid is alone in block (2h, 2w) of the 4 x 4 block grid (h * 4 // 2 = 2h):
+        # block ids 0, 2, 8, 10; the others are empty
+        ids = torch.tensor([0, 2, 8, 10])
+        mixing = attn.mhla_mixing.weight.clamp(0, 1).double()[ids][:, ids]
+        want = mhla_attention_reference(q, k, v, mixing, BlockLayout((2, 2), (2, 2)), dtype=torch.float64)
+        want = attn.to_out[0](want.float().transpose(1, 2).reshape(1, 4, -1))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_mhla_spec_contents():
@@ -239,8 +258,8 @@ def test_bare_one_liner_first_forward_failing_leaks_no_frame():
     for attn in self_attn(model):
         attn.set_processor(MHLAProcessor(block_grid=(4, 4)))
     with no_grid_frames():
-        with pytest.raises(ValueError, match="more blocks than tokens"):
-            run_dit(model, dit_inputs(batch=1, size=4))  # 2 x 2 tokens < 4 x 4 blocks
+        with pytest.raises(RuntimeError):  # 3 latent channels for a 4-channel patch embedding
+            run_dit(model, dit_inputs(batch=1, in_channels=3))
         assert run_dit(model, dit_inputs(batch=1)).shape == (1, 4, 8, 8)
 
 

@@ -466,6 +466,21 @@ def test_gradient_checkpointing_same_gradients():
         assert p.grad is not None and torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
 
 
+def test_one_liner_on_a_latent_thinner_than_the_block_grid():
+    """2 x 32 tokens (64 x 1024 px without binning) under a one-liner with 4 x 4 blocks: the blocks holding
+    tokens run (tests/test_apply.py checks those numbers against the dense formula), forward and backward
+    finite, the layers' block grid unchanged."""
+    model = tiny_sana(num_layers=2)
+    model.set_attn_processor(MHLAProcessor(block_grid=(4, 4)))
+    text, timestep = torch.randn(1, 6, 32), torch.tensor([500.0])
+    latent = torch.randn(1, 4, 2, 32, requires_grad=True)
+    out = model(latent, encoder_hidden_states=text, timestep=timestep).sample
+    assert out.shape == (1, 4, 2, 32) and torch.isfinite(out).all()
+    out.square().mean().backward()
+    assert torch.isfinite(latent.grad).all()
+    assert all(tuple(a.mhla_mixing.block_grid) == (1, 4, 4) for a in sana_self_attn(model))
+
+
 def test_gradient_checkpointing_two_grids_of_one_token_count():
     """Aspect-ratio buckets: 8 x 4 and 4 x 8 latents (same N) forwarded before one backward. Each
     checkpointed block is recomputed on the grid of its own forward (the grid is replayed), so every
