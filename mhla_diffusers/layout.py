@@ -12,6 +12,7 @@ Source: MHLA paper (arXiv 2601.07832), Sec. 3 "token-level multi-head"; DESIGN.m
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import product
@@ -28,11 +29,14 @@ def normalize_grid(grid: int | Sequence[int], name: str = "grid") -> tuple[int, 
     1D ``(N,)`` -> ``(1, 1, N)``; 2D ``(H, W)`` -> ``(1, H, W)``; 3D stays.
 
     Raises:
-        ValueError: for an empty or longer grid, or a non-positive size.
+        ValueError: for an empty or longer grid, a non-integer or a non-positive size.
     """
     if isinstance(grid, int):
         grid = (grid,)
-    grid = tuple(int(g) for g in grid)
+    sizes = tuple(grid)
+    if any(isinstance(g, bool) or not isinstance(g, (numbers.Integral, torch.SymInt)) for g in sizes):
+        raise ValueError(f"{name} sizes must be integers; got {sizes}")
+    grid = tuple(int(g) for g in sizes)
     if not 1 <= len(grid) <= 3:
         raise ValueError(f"{name} must have 1, 2 or 3 axes (T, H, W); got {grid}")
     if any(g < 1 for g in grid):

@@ -178,6 +178,11 @@ class MHLAProcessor:
         self.normalize = bool(normalize)
         if eps is not None and not eps >= 0:
             raise ValueError(f"eps must be >= 0; got {eps}")
+        if eps is not None and eps == 0 and self.normalize:
+            raise ValueError(
+                "eps=0 with the normaliser gives 0 / 0 = NaN for every query or block whose ReLU features are all "
+                "zero (any negative q or key block); use a small positive eps (the family default: eps=None)"
+            )
         self.eps = eps
         if backend != "auto" and backend not in available_backends():
             raise ValueError(f"unknown backend {backend!r}; choose 'auto' or one of {available_backends()}")

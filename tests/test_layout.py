@@ -315,3 +315,16 @@ def test_default_num_blocks():
         m = default_num_blocks(n)
         assert m >= 1 and m * m <= n, n
         assert m == max(1, round(math.sqrt(n) / 2))
+
+
+def test_grid_sizes_must_be_integers():
+    """Fractional sizes are refused, never truncated (4.7 x 4.2 tokens is no grid)."""
+    import numpy as np
+
+    with pytest.raises(ValueError, match="integers"):
+        BlockLayout((4.7, 4.2), (2.9, 2))
+    with pytest.raises(ValueError, match="integers"):
+        BlockLayout((4, 4), (2.0, 2))
+    with pytest.raises(ValueError, match="integers"):
+        BlockLayout((True, 4), (1, 2))
+    assert BlockLayout((np.int64(4), 4), (2, np.int32(2))).grid == (1, 4, 4)

@@ -608,6 +608,22 @@ def test_error_layout_type_and_eps():
         mhla_attention(q, k, v, mixing, layout, eps=-1.0)
 
 
+def test_error_head_dim_zero():
+    q, k, v, mixing, layout = _valid()
+    with pytest.raises(ValueError, match="head dim >= 1"):
+        mhla_attention(q[..., :0], k[..., :0], v, mixing, layout)
+
+
+def test_processor_refuses_eps_zero_with_the_normaliser():
+    """eps = 0 with the normaliser: NaN for any query / block whose features all vanish; refused at install.
+    Without the normaliser there is no division: allowed."""
+    from mhla_diffusers import MHLAProcessor
+
+    with pytest.raises(ValueError, match="eps=0 with the normaliser"):
+        MHLAProcessor(eps=0.0)
+    assert MHLAProcessor(eps=0.0, normalize=False).eps == 0.0
+
+
 # ----------------------------------------------------------------------------------------------
 # gradcheck
 

@@ -164,8 +164,8 @@ def mhla_attention(
         ``[B, heads, N, d_v]`` tensor in ``q.dtype``.
 
     Raises:
-        ValueError: on shapes that do not match each other, the layout or the mixing matrix, on
-            non-floating dtypes, on tensors on different devices, on an unknown backend or
+        ValueError: on shapes that do not match each other, the layout or the mixing matrix, a
+            head dim of 0, on non-floating dtypes, on tensors on different devices, on an unknown backend or
             feature map, or when ``rotary`` changes the shape of its input.
     """
     if not isinstance(layout, BlockLayout):
@@ -184,6 +184,8 @@ def mhla_attention(
             raise ValueError(f"{name} must be float16, bfloat16, float32 or float64; got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}; move all inputs to one device")
+    if q.shape[-1] == 0:
+        raise ValueError(f"q and k need a head dim >= 1 (phi(q) . phi(k) over no channel is undefined); got {tuple(q.shape)}")
     if q.shape[2] != layout.num_tokens:
         raise ValueError(
             f"q has {q.shape[2]} tokens but the layout's grid {layout.grid} has {layout.num_tokens}; "
