@@ -15,7 +15,8 @@ What it does (each case in its own try/except: an error is printed, recorded, an
    ``max |x - ref| / max(max |ref|, quotient-rule term scale)`` (as in tests/test_ops.py), and
    against the torch backend on the same inputs. Uneven layouts, head dims 32/72/128,
    non-contiguous inputs, normalize and feature_map off, CASES C01 (fp16, N(0, 30^2), M = 1),
-   Wan's RoPE variant fused into the kernels (an ``InterleavedRotary``; random angles).
+   Wan's RoPE variant fused into the kernels (an ``InterleavedRotary``; random angles), and that
+   variant under ``torch.compile`` (inductor, fullgraph: the ``mhla_diffusers::attention`` operator).
 2. Timing (CUDA events, median of repetitions after warm-up; first call = compile reported apart):
    forward (no grad) and forward + backward of
        triton      mhla_attention(..., backend="triton")
@@ -179,6 +180,7 @@ def correctness_cases(interpret: bool, quick: bool):
                 ("d32-nonorm-nofm", 1, 2, (8, 8), (2, 2), 32, dt, dict(normalize=False, feature_map=False)),
                 ("rope-3d-d128", 1, 2, (3, 5, 7), (2, 2, 3), 128, dt, dict(rotary=True, memory="bnhd")),
             ]
+        cases.append(("rope-compiled-d32", 1, 2, (3, 5, 7), (2, 2, 3), 32, torch.float32, dict(rotary=True, compile=True)))
         cases.append(("c01-M1-scale30", 1, 2, (16, 16), (1, 1), 32, torch.float16, dict(scale=30.0, mixing="ones")))
         return cases
     for dt in low:
@@ -190,6 +192,8 @@ def correctness_cases(interpret: bool, quick: bool):
             ("wan-nonorm-nofm-d128", 1, 2, (21, 30, 52), (3, 5, 10), 128, dt, dict(normalize=False, feature_map=False)),
             ("wan-rope-M105-d128", 1, 2, (21, 30, 52), (3, 5, 7), 128, dt, dict(rotary=True, memory="bnhd")),
             ("wan-rope-nonorm-M150-d128", 1, 2, (21, 30, 52), (3, 5, 10), 128, dt, dict(rotary=True, normalize=False)),
+            ("wan-rope-compiled-M105-d128", 1, 2, (21, 30, 52), (3, 5, 7), 128, dt,
+             dict(rotary=True, memory="bnhd", compile=True)),
             ("tiny-uneven-7x9-d64", 2, 2, (7, 9), (2, 3), 64, dt, {}),
             ("one-token", 1, 2, (1, 1), (1, 1), 32, dt, dict(absolute=True)),
         ]
@@ -199,8 +203,8 @@ def correctness_cases(interpret: bool, quick: bool):
         ("fp32-dit-d72", 1, 2, (32, 32), (4, 4), 72, torch.float32, {}),
     ]
     if quick:
-        keep = ("sana-64x64-d32", "dit-32x32-d72-noncontig", "wan-21x30x52-M105-d128", "wan-rope-M105-d128", "c01-M1-scale30-fp16",
-                "fp32-dit-d72")
+        keep = ("sana-64x64-d32", "dit-32x32-d72-noncontig", "wan-21x30x52-M105-d128", "wan-rope-M105-d128",
+                "wan-rope-compiled-M105-d128", "c01-M1-scale30-fp16", "fp32-dit-d72")
         cases = [c for c in cases if c[0] in keep]
     return cases
 
@@ -236,8 +240,14 @@ def check_correctness(name, batch, heads, grid, block_grid, d, dtype, opts, devi
         grads = torch.autograd.grad(out, leaves, grad_out.to(out.dtype))
         return out.detach(), grads
 
+    def triton_call(*a):
+        return ops.mhla_attention(*a, layout, backend="triton", **kw)
+
+    if opts.get("compile"):  # the custom operator inside a compiled graph (inductor on a GPU)
+        torch._dynamo.reset()
+        triton_call = torch.compile(triton_call, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
     t0 = time.perf_counter()
-    out, grads = run(lambda *a: ops.mhla_attention(*a, layout, backend="triton", **kw))
+    out, grads = run(triton_call)
     _sync(device)
     first_call = time.perf_counter() - t0
     out_t, grads_t = run(lambda *a: ops.mhla_attention(*a, layout, backend="torch", **kw))
@@ -266,7 +276,7 @@ def check_correctness(name, batch, heads, grid, block_grid, d, dtype, opts, devi
     ok = finite and max(vs_ref.values()) <= tol and max(vs_torch.values()) <= tol
     return dict(case=name, dtype=str(dtype).replace("torch.", ""), batch=batch, heads=heads, grid=list(grid),
                 block_grid=list(layout.block_grid), num_blocks=m, d=d, normalize=normalize, feature_map=feature_map,
-                rotary=rotary is not None,
+                rotary=rotary is not None, compiled=bool(opts.get("compile")),
                 memory=opts.get("memory", "contiguous"), tol=tol, ok=ok, finite=finite, vs_reference=vs_ref, vs_torch=vs_torch,
                 first_call_s=round(first_call, 3))
 

@@ -202,6 +202,7 @@ def test_gpu_check_script_smoke(tmp_path):
     assert {m for _, m in methods} == {"triton", "torch", "sdpa", "linear", "triton-rope", "triton-rope-composed", "torch-rope"}
     assert len(methods) == 12 + 3  # the RoPE methods at the video shape only
     assert any(r.get("rotary") for r in report["correctness"])
+    assert any(r.get("compiled") and r["rotary"] for r in report["correctness"])
     wan = [s for s in report["summary"] if s["shape"] == "wan-tiny"][0]
     assert {"rope_fwd_vs_roofline", "rope_fusion_fwdbwd_speedup", "rope_fwdbwd_speedup_vs_torch"} <= set(wan)
     assert (tmp_path / "gpu_check.md").read_text().startswith("# Triton MHLA backend: GPU check")
