@@ -173,3 +173,17 @@ def test_compiled_dit_training_step_matches_eager():
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6)
         mixing_seen += "mhla_mixing" in name and p.grad.abs().max() > 0
     assert mixing_seen == 1  # the hybrid's one MHLA layer of two got a mixing gradient
+
+
+def test_backend_resolution_traces_without_a_break(monkeypatch):
+    """On a GPU, "auto" / "triton" check the Triton driver: under torch.compile that check runs while
+    tracing (it cannot be traced: Triton's driver probing is marked untraceable), never splitting the graph."""
+    from mhla_diffusers import ops
+
+    monkeypatch.setenv("MHLA_AUTO_TRITON", "1")
+
+    def f(x):
+        return x + (1.0 if ops.resolve_backend("auto", torch.device("cuda")) == "torch" else 2.0)
+
+    # no CUDA driver here: "auto" falls back to torch, decided at trace time, in one graph
+    assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(torch.zeros(2)), torch.ones(2))

@@ -36,11 +36,13 @@ def _triton_backend(q, k, v, mixing, layout, **kwargs):
 _BACKENDS = {"torch": mhla_attention_torch, "triton": _triton_backend}
 
 
+@torch.compiler.assume_constant_result
 def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
 @functools.lru_cache(maxsize=None)
+@torch.compiler.assume_constant_result  # under torch.compile: called while tracing, never traced
 def _triton_gpu_problem() -> str | None:
     """Why Triton cannot launch GPU kernels here (``None`` when it can); checked once per process."""
     if not _triton_installed():
@@ -54,10 +56,12 @@ def _triton_gpu_problem() -> str | None:
     return None
 
 
+@torch.compiler.assume_constant_result
 def _interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
+@torch.compiler.assume_constant_result
 def _auto_picks_triton() -> bool:
     """Whether ``"auto"`` may pick the Triton kernels for CUDA tensors (``MHLA_AUTO_TRITON=1``)."""
     return os.environ.get("MHLA_AUTO_TRITON", "0").lower() in ("1", "true", "yes", "on")
