@@ -276,6 +276,11 @@ class MHLAProcessor:
         mixing = getattr(attn, "mhla_mixing", None)
         if mixing is not None:
             return mixing
+        if torch.compiler.is_compiling():
+            # torch.compile traces the first forward of the bare one-liner: create every pending
+            # layer's parameters eagerly (one graph break, this call only; the next call recompiles
+            # into one graph with the new parameters).
+            return _materialize_eagerly(self, attn)
         model = current_model()
         if model is None:
             raise RuntimeError(
@@ -355,9 +360,7 @@ class MHLAProcessor:
         key = "" if family is None else family.name
         stock = self._stock.get(key)
         if stock is None:
-            stock = self._stock[key] = (
-                family.make_stock_cross_processor() if family is not None else _default_stock_processor()
-            )
+            stock = _make_stock_processor(self._stock, key, family)
         if hasattr(stock, "_attention_backend"):
             stock._attention_backend = self._attention_backend
         return stock
@@ -477,6 +480,24 @@ class MHLAProcessor:
             hidden_states = hidden_states + residual
         rescale = getattr(attn, "rescale_output_factor", 1.0)
         return hidden_states if rescale == 1.0 else hidden_states / rescale
+
+
+@torch.compiler.disable  # first call under torch.compile: built outside the graph, then read from the cache
+def _make_stock_processor(cache: dict, key: str, family):
+    stock = cache[key] = family.make_stock_cross_processor() if family is not None else _default_stock_processor()
+    return stock
+
+
+@torch.compiler.disable
+def _materialize_eagerly(processor: "MHLAProcessor", attn) -> MixingMatrix:
+    """The running model's pending MHLA layers get their matrices now (outside the traced graph)."""
+    from .apply import materialize_mhla
+
+    model = current_model()
+    if model is not None:
+        materialize_mhla(model)
+    mixing = getattr(attn, "mhla_mixing", None)
+    return mixing if mixing is not None else processor._mixing(attn)
 
 
 def _output_head_dim(attn) -> int:

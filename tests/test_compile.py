@@ -187,3 +187,33 @@ def test_backend_resolution_traces_without_a_break(monkeypatch):
 
     # no CUDA driver here: "auto" falls back to torch, decided at trace time, in one graph
     assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(torch.zeros(2)), torch.ones(2))
+
+
+@pytest.mark.parametrize("family", ["sana", "wan"])
+def test_bare_one_liner_compiled_before_any_eager_forward(family):
+    """The one-liner creates its parameters (and the stock cross-attention processors) at the first
+    forward: when that forward is compiled they are built eagerly (a break on that call only); the
+    outputs equal an eager twin's, on the first and the next call."""
+    if family == "sana":
+        from helpers_sana import sana_inputs, tiny_sana
+
+        model = tiny_sana(num_layers=2, sample_size=8)
+        latent, text, timestep, mask = sana_inputs(size=8)
+
+        def call(m):
+            return m(latent, encoder_hidden_states=text, timestep=timestep, encoder_attention_mask=mask).sample
+    else:
+        model = tiny_wan(num_layers=2)
+        inputs = wan_inputs()
+
+        def call(m):
+            return m(**inputs).sample
+    model.set_attn_processor(MHLAProcessor())
+    twin = copy.deepcopy(model)
+    model.compile(backend="aot_eager")
+    with torch.no_grad():
+        expected = call(twin)
+        first, second = call(model), call(model)
+    assert len(mhla_diffusers.mixing_parameters(model)) == 2
+    torch.testing.assert_close(first, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second, expected, rtol=1e-5, atol=1e-5)
