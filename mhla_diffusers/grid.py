@@ -94,6 +94,10 @@ class _ReplayGrid:
         self.inner = inner
 
     def __call__(self, module, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            # traced: the checkpoint becomes part of the graph, its recomputation too, with this
+            # forward's grid already in it (and state changes inside it would break the graph)
+            return self.inner(module, *args, **kwargs)
         frames = _frames()
         frame = _Frame(frames[-1].model, frames[-1].grid) if frames else None
         return self.inner(_InFrame(module, frame), *args, **kwargs)

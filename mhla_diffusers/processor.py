@@ -294,6 +294,12 @@ class MHLAProcessor:
 
     def _grid(self, attn, num_tokens: int) -> tuple[int, int, int]:
         grid = current_grid()
+        if torch.compiler.is_compiling() and grid is not None:
+            # traced: no bookkeeping (a traced dict update would make every call re-check it); the
+            # grid is a constant of the graph, recomputations included
+            if grid[0] * grid[1] * grid[2] != num_tokens:
+                raise RuntimeError(f"the token grid {grid} of this forward does not hold the {num_tokens} tokens of this call")
+            return grid
         seen = attn.__dict__.setdefault("_mhla_grids", {})
         if grid is None:
             # diffusers' gradient checkpointing replays the grid of the forward (grid._ReplayGrid). Another
