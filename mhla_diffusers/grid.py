@@ -159,13 +159,18 @@ def install_grid_hooks(model: nn.Module) -> bool:
         return False
     family = family_of(model)
     _HOOKED.add(model)
-    if any(hook is _enter for hook in model._forward_pre_hooks.values()):
+    if _hooks_present(model):
         return False  # a copy (deepcopy / unpickling) of a hooked model carries its hooks along
     patch = model.get_submodule(family.patch_embed)
     model.register_forward_pre_hook(_enter)
     model.register_forward_hook(_exit, always_call=True)
     patch.register_forward_pre_hook(_PublishGrid(model, family))
     return True
+
+
+def _hooks_present(model: nn.Module) -> bool:
+    """Whether ``model`` carries the grid hooks (its own hook dict, not the process-wide set)."""
+    return any(hook is _enter for hook in model._forward_pre_hooks.values())
 
 
 def remove_grid_hooks(model: nn.Module) -> None:
@@ -181,7 +186,10 @@ def remove_grid_hooks(model: nn.Module) -> None:
 
 
 def _global_pre_hook(module: nn.Module, args) -> None:
-    if module in _HOOKED or find_family(module) is None:
+    # find_family first: a constant per module type under torch.compile (which traces this hook for
+    # every module); never `module in _HOOKED` there: a guard on the WeakSet's size would recompile (or
+    # abort a trace) whenever another MHLA model is created or collected.
+    if find_family(module) is None or _hooks_present(module):
         return
     if install_grid_hooks(module):
         _enter(module, args)  # the model's own pre-hook was registered too late for this call

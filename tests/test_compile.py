@@ -259,3 +259,32 @@ def test_gradient_checkpointing_under_compile_is_one_graph_and_matches_eager():
     for name, p in twin.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(named[name].grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_compiled_model_ignores_other_mhla_models_coming_and_going():
+    """Another MHLA model created, run and garbage-collected next to a compiled one (a teacher, an EMA
+    copy, a reloaded pipeline) neither recompiles it nor breaks its tracing."""
+    import gc
+
+    from torch._dynamo.utils import counters
+
+    model = tiny_dit(num_layers=2)
+    mhla_diffusers.apply_mhla(model, layers="all", num_blocks=4)
+    model.compile(backend="eager")
+    latent, t, y = dit_inputs(size=8)
+
+    def run(m):
+        with torch.no_grad():
+            return m(latent, timestep=t, class_labels=y).sample
+
+    counters.clear()
+    run(model), run(model)
+    assert counters["stats"]["unique_graphs"] == 1
+    other = tiny_dit(num_layers=1)
+    mhla_diffusers.apply_mhla(other)
+    run(other)
+    run(model)
+    del other
+    gc.collect()
+    run(model)
+    assert counters["stats"]["unique_graphs"] == 1

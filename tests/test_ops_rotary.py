@@ -283,3 +283,20 @@ def test_interleaved_rotary_errors():
         mhla_attention(q, k, v, mixing, layout, rotary=InterleavedRotary(*_tables(30, 6)))
     with pytest.raises(ValueError, match="31 tokens"):
         mhla_attention(q, k, v, mixing, layout, rotary=InterleavedRotary(*_tables(31, 8)))
+
+
+def test_interleaved_rotary_mixed_table_dtypes_and_in_place_edits():
+    """cos / sin of different dtypes are promoted to one; an in-place edit of the tables after first use is
+    seen by the rotation and by the kernels' table copies (no stale cache)."""
+    from mhla_diffusers import InterleavedRotary
+
+    cos, sin = _tables(30, 8)
+    rot = InterleavedRotary(cos.float(), sin)
+    assert rot.cos.dtype == rot.sin.dtype == torch.float64
+    x = torch.randn(1, 2, 30, 8, dtype=torch.float64)
+    assert rel_err(rot(x), make_rotary(30, 8)(x)) < 1e-6
+    first = rot.tables("cpu")[0].clone()
+    with torch.no_grad():
+        rot.cos.fill_(1.0), rot.sin.zero_()  # the identity rotation now
+    assert torch.equal(rot(x), x)
+    assert torch.equal(rot.tables("cpu")[0], torch.ones(30, 4)) and not torch.equal(first, torch.ones(30, 4))

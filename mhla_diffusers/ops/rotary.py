@@ -26,8 +26,9 @@ class InterleavedRotary:
 
     Args:
         cos, sin: ``[N, d / 2]`` floating tensors, ``cos(theta)`` and ``sin(theta)`` for token ``t``
-            (in the operator's token order) and pair ``i``. Kept as given; the rotation computes in
-            the promoted dtype of the features and the tables.
+            (in the operator's token order) and pair ``i``. Kept as given (both cast to their promoted
+            dtype if they differ); the rotation computes in the promoted dtype of the features and
+            the tables. Editing them in place later is seen (cached copies follow their versions).
 
     Calling it on ``x`` of shape ``[B, heads, N, d]`` (any strides) returns the rotated features in
     ``x.dtype``. Differentiable in ``x`` (and in the tables, on the composed path only: the Triton
@@ -46,8 +47,11 @@ class InterleavedRotary:
                 f"cos and sin must be floating tensors of one shape [N, d / 2]; got {tuple(cos.shape)} {cos.dtype}, "
                 f"{tuple(sin.shape)} {sin.dtype}"
             )
+        if cos.dtype != sin.dtype:  # one dtype for both (the promoted one): the complex form needs it
+            dtype = torch.promote_types(cos.dtype, sin.dtype)
+            cos, sin = cos.to(dtype), sin.to(dtype)
         self.cos, self.sin = cos, sin
-        self._complex: torch.Tensor | None = None
+        self._complex: tuple | None = None  # (key, complex table)
         self._tables: dict = {}
 
     @property
@@ -71,11 +75,15 @@ class InterleavedRotary:
     def tables(self, device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` as contiguous ``[N, d / 2]`` tensors of ``dtype`` on ``device``, detached and
         cached per (device, dtype): what the Triton kernels read (in their accumulation dtype)."""
-        key = (torch.device(device), dtype)
+        key = (torch.device(device), dtype, self._versions())  # an in-place edit of a table invalidates the copy
         if key not in self._tables:
+            self._tables.clear()
             with torch.inference_mode(False), torch.no_grad():  # cached: must not become inference tensors
                 self._tables[key] = tuple(t.detach().to(device=key[0], dtype=dtype).contiguous() for t in (self.cos, self.sin))
         return self._tables[key]
+
+    def _versions(self) -> tuple[int, int]:
+        return (self.cos._version, self.sin._version)
 
     @property
     def requires_grad(self) -> bool:
@@ -89,14 +97,15 @@ class InterleavedRotary:
         if fast and not self.requires_grad and not torch.compiler.is_compiling():  # inductor has no complex kernels
             # One complex product (x1 + i x2)(cos + i sin): the same two products and one sum or
             # difference per output as the slice form below, about 5x faster on a CPU.
-            if self._complex is None or self._complex.device != x.device:
+            key = (x.device, self._versions())
+            if self._complex is None or self._complex[0] != key:
                 with torch.inference_mode(False):
-                    self._complex = torch.complex(cos, sin)
+                    self._complex = (key, torch.complex(cos, sin))
             try:
                 pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
             except RuntimeError:  # a view whose strides do not allow it: the copy does
                 pairs = torch.view_as_complex(x.contiguous().unflatten(-1, (-1, 2)))
-            return torch.view_as_real(pairs * self._complex).flatten(-2).to(x.dtype)
+            return torch.view_as_real(pairs * self._complex[1]).flatten(-2).to(x.dtype)
         x1, x2 = x[..., 0::2], x[..., 1::2]
         out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
         return out.to(x.dtype)
