@@ -159,23 +159,30 @@ def install_grid_hooks(model: nn.Module) -> bool:
         return False
     family = family_of(model)
     _HOOKED.add(model)
-    if _hooks_present(model):
+    if _hooks_present(model) or any(hook is _enter for hook in model._forward_pre_hooks.values()):
+        model.__dict__[_MARK] = True
         return False  # a copy (deepcopy / unpickling) of a hooked model carries its hooks along
     patch = model.get_submodule(family.patch_embed)
     model.register_forward_pre_hook(_enter)
     model.register_forward_hook(_exit, always_call=True)
     patch.register_forward_pre_hook(_PublishGrid(model, family))
+    model.__dict__[_MARK] = True
     return True
 
 
+_MARK = "_mhla_grid_hooks"  # set in a hooked model's __dict__ (copies made by deepcopy / pickle carry it with the hooks)
+
+
 def _hooks_present(model: nn.Module) -> bool:
-    """Whether ``model`` carries the grid hooks (its own hook dict, not the process-wide set)."""
-    return any(hook is _enter for hook in model._forward_pre_hooks.values())
+    """Whether ``model`` carries the grid hooks: a plain attribute, cheap to guard under torch.compile
+    (not the process-wide set, not its hook dict)."""
+    return getattr(model, _MARK, False)
 
 
 def remove_grid_hooks(model: nn.Module) -> None:
     """Remove the hooks installed by :func:`install_grid_hooks` (no-op if none)."""
     _HOOKED.discard(model)
+    model.__dict__.pop(_MARK, None)
     for hooks, ours in ((model._forward_pre_hooks, _enter), (model._forward_hooks, _exit)):
         for hook_id in [i for i, hook in hooks.items() if hook is ours]:
             del hooks[hook_id]
@@ -186,10 +193,10 @@ def remove_grid_hooks(model: nn.Module) -> None:
 
 
 def _global_pre_hook(module: nn.Module, args) -> None:
-    # find_family first: a constant per module type under torch.compile (which traces this hook for
-    # every module); never `module in _HOOKED` there: a guard on the WeakSet's size would recompile (or
-    # abort a trace) whenever another MHLA model is created or collected.
-    if find_family(module) is None or _hooks_present(module):
+    # torch.compile traces this hook for every module: a plain attribute first (a hooked model stops
+    # here), then find_family (a trace-time constant per type); never `module in _HOOKED`: a guard on
+    # the WeakSet's size would recompile (or abort a trace) whenever another MHLA model comes or goes.
+    if _hooks_present(module) or find_family(module) is None:
         return
     if install_grid_hooks(module):
         _enter(module, args)  # the model's own pre-hook was registered too late for this call

@@ -82,8 +82,10 @@ class InterleavedRotary:
                 self._tables[key] = tuple(t.detach().to(device=key[0], dtype=dtype).contiguous() for t in (self.cos, self.sin))
         return self._tables[key]
 
-    def _versions(self) -> tuple[int, int]:
-        return (self.cos._version, self.sin._version)
+    def _versions(self) -> tuple:
+        # inference tensors (tables built inside torch.inference_mode, e.g. Wan's per-forward RoPE) have no
+        # version counter: the cache then follows the tensor objects only
+        return tuple(None if t.is_inference() else t._version for t in (self.cos, self.sin))
 
     @property
     def requires_grad(self) -> bool:
