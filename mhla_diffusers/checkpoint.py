@@ -427,6 +427,12 @@ def _check_config_against_weights(config: dict, folder: Path) -> None:
             raise ValueError("not a JSON object")
     except ValueError as err:
         raise MHLACheckpointError(f"{path} is corrupted: its {_METADATA_KEY!r} metadata is unreadable ({err})") from err
+    if not isinstance(config.get("weights_sha256"), str):
+        # every writer of the current format records the digest: without it the weights could be swapped
+        raise MHLACheckpointError(
+            f"{folder / MHLA_CONFIG_NAME} has no weights_sha256, but {MHLA_WEIGHTS_NAME} was written in the current "
+            "format, which always records it: the config was edited. Restore the original config"
+        )
     given = _checked_settings(config)
     differ = [key for key in _CHECKED_KEYS if key in recorded and given[key] != recorded[key]]
     if differ:

@@ -323,3 +323,14 @@ def test_checkpoint_without_recorded_settings_still_loads(saved, tmp_path):
     # the untouched checkpoint loads exactly too
     model = realign_(load_mhla_transformer(saved["folder"]))
     assert torch.equal(run_dit(model, saved["inputs"]), saved["output"])
+
+
+def test_digest_removed_from_a_current_format_config_is_refused(saved, tmp_path):
+    """Deleting weights_sha256 must not switch the check off: the current format always records it, so its
+    absence means an edited config (else another checkpoint's weights with the same settings would load)."""
+    folder = _copy(saved["folder"], tmp_path)
+    config = json.loads((folder / "mhla_config.json").read_text())
+    del config["weights_sha256"]
+    (folder / "mhla_config.json").write_text(json.dumps(config))
+    with pytest.raises(MHLACheckpointError, match="has no weights_sha256"):
+        load_mhla_transformer(folder)
