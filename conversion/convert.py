@@ -63,7 +63,10 @@ def main(argv=None) -> int:
         help="single-file --src only: local diffusers pipeline folder (writes a pipeline), transformer folder, or Hub id",
     )
     parser.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
-    parser.add_argument("--layers", type=parse_layers, default="all", help="all | hybrid | comma-separated indices")
+    parser.add_argument(
+        "--layers", type=parse_layers, default="all",
+        help="all | hybrid | comma-separated indices (negative ones count from the end: write --layers=-1,-2, with '=')",
+    )
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
         "--num-blocks", type=int, default=None, help="target number of blocks M (default: wan 105, else round(sqrt(N)/2))"

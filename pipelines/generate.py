@@ -17,6 +17,26 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1; got {value}")
+    return value
+
+
+def _check_out_folder(out: str) -> None:
+    """Raise ``GenerationError`` when ``out``'s folder cannot exist: a file stands where a folder of its path should be."""
+    from mhla_diffusers.generation import GenerationError
+
+    parent = Path(out).resolve().parent
+    for folder in (parent, *parent.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                raise GenerationError(f"cannot write {out}: {folder} is a file, not a folder")
+            return
 
 
 def main(argv=None) -> int:
@@ -43,7 +63,7 @@ def main(argv=None) -> int:
         help="classifier-free guidance, 1 = off (default: 4.0 DiT, 4.5 SANA, 5.0 Wan)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rows", type=int, default=None, help="rows of the output grid (default: 1)")
+    parser.add_argument("--rows", type=_positive_int, default=None, help="rows of the output grid (>= 1; default: 1)")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     parser.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     parser.add_argument(
@@ -70,6 +90,7 @@ def main(argv=None) -> int:
     if args.guidance_scale is not None:
         common["guidance_scale"] = args.guidance_scale
     try:
+        _check_out_folder(args.out)  # before any compute: the file must be writable where it is asked for
         if args.prompt is not None and (args.frames is not None or is_video_checkpoint(args.checkpoint)):
             if args.no_resolution_binning or args.rows is not None:
                 raise GenerationError("--no-resolution-binning and --rows only apply to image generation")

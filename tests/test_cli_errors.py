@@ -121,3 +121,22 @@ def test_generate_cli_writes_jpeg_and_webp(base_pipeline, tmp_path, capsys):
         assert code == 0, err
         with Image.open(tmp_path / name) as image:
             assert image.format == fmt and image.size == (2 * 8, 8)
+
+
+def test_generate_cli_refuses_bad_rows_and_an_unwritable_folder_before_generating(base_pipeline, tmp_path, capsys, monkeypatch):
+    """--rows below 1 (argparse, exit 2) and an --out whose folder is a file: refused before any compute."""
+    from mhla_diffusers import generation
+
+    def no_compute(*args, **kwargs):
+        raise AssertionError("generation started before the arguments were checked")
+
+    monkeypatch.setattr(generation, "generate_class_images", no_compute)
+    for rows in ("0", "-1"):
+        with pytest.raises(SystemExit) as exit_info:
+            run_main("pipelines/generate.py", "--checkpoint", base_pipeline, "--class-labels", "1", "--rows", rows,
+                     "--out", tmp_path / "a.png", capsys=capsys)
+        assert exit_info.value.code == 2
+    (tmp_path / "file").write_text("not a folder")
+    code, err = run_main("pipelines/generate.py", "--checkpoint", base_pipeline, "--class-labels", "1",
+                         "--out", tmp_path / "file" / "sub" / "a.png", capsys=capsys)
+    assert code == 2 and "is a file, not a folder" in err, err
