@@ -14,7 +14,7 @@ from .ops import InterleavedRotary, available_backends, mhla_attention, mhla_att
 from .grid import token_grid
 from .hybrid import select_layers
 from .processor import MHLAProcessor
-from .apply import apply_mhla, attention_modules, is_mhla_model, mhla_spec, remove_mhla, set_attn_processor
+from .apply import apply_mhla, attention_modules, is_mhla_model, materialize_mhla, mhla_spec, remove_mhla, set_attn_processor
 from .checkpoint import (
     MHLACheckpointError,
     load_mhla_pipeline,
@@ -43,6 +43,7 @@ __all__ = [
     "select_layers",
     "MHLAProcessor",
     "apply_mhla",
+    "materialize_mhla",
     "remove_mhla",
     "set_attn_processor",
     "attention_modules",

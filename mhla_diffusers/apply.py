@@ -210,6 +210,10 @@ def materialize_mhla(transformer: nn.Module) -> list[str]:
         if any(isinstance(getattr(a, "processor", None), MHLAProcessor) for a in attention_modules(transformer).values()):
             family_of(transformer)  # raises, naming the supported classes
         return []
+    for attn in attention_modules(transformer).values():  # the stock processors the cross-attention layers call
+        proc = getattr(attn, "processor", None)
+        if isinstance(proc, MHLAProcessor):
+            proc._stock_processor(family)
     pending = set(pending_mhla_layers(transformer))
     if not pending:
         return []

@@ -8,6 +8,8 @@ map, numerator only), optionally a per-head RMSNorm on the output, project out.
 
 from __future__ import annotations
 
+import math
+
 from functools import lru_cache
 from typing import Sequence
 
@@ -176,8 +178,8 @@ class MHLAProcessor:
                 raise ValueError(f"num_blocks={num_blocks} contradicts block_grid={self.block_grid} ({m} blocks); give one of them")
         self.num_blocks = None if num_blocks is None else int(num_blocks)
         self.normalize = bool(normalize)
-        if eps is not None and not eps >= 0:
-            raise ValueError(f"eps must be >= 0; got {eps}")
+        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf):
+            raise ValueError(f"eps must be a finite number >= 0 (or None: the family default); got {eps!r}")
         if eps is not None and eps == 0 and self.normalize:
             raise ValueError(
                 "eps=0 with the normaliser gives 0 / 0 = NaN for every query or block whose ReLU features are all "

@@ -288,3 +288,12 @@ def test_compiled_model_ignores_other_mhla_models_coming_and_going():
     gc.collect()
     run(model)
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_bare_one_liner_materialized_before_compile_is_one_graph():
+    """The README's recipe: materialize_mhla before .compile() -> the bare one-liner traces to one graph."""
+    model = tiny_wan(num_layers=2)
+    model.set_attn_processor(MHLAProcessor())
+    assert mhla_diffusers.materialize_mhla(model)
+    ex = _explain(lambda **kw: model(**kw).sample, **wan_inputs())
+    assert (ex.graph_count, ex.graph_break_count) == (1, 0), [str(r.reason)[:200] for r in ex.break_reasons]

@@ -622,6 +622,9 @@ def test_processor_refuses_eps_zero_with_the_normaliser():
     with pytest.raises(ValueError, match="eps=0 with the normaliser"):
         MHLAProcessor(eps=0.0)
     assert MHLAProcessor(eps=0.0, normalize=False).eps == 0.0
+    for bad in (float("inf"), float("nan"), "1e-6", -1.0):
+        with pytest.raises(ValueError, match="finite number >= 0"):
+            MHLAProcessor(eps=bad)
 
 
 # ----------------------------------------------------------------------------------------------
