@@ -296,19 +296,12 @@ class MHLAProcessor:
 
     def _grid(self, attn, num_tokens: int) -> tuple[int, int, int]:
         grid = current_grid()
-        if torch.compiler.is_compiling() and grid is not None:
-            # traced: no bookkeeping (a traced dict update would make every call re-check it); the
-            # grid is a constant of the graph, recomputations included
-            if grid[0] * grid[1] * grid[2] != num_tokens:
-                raise RuntimeError(f"the token grid {grid} of this forward does not hold the {num_tokens} tokens of this call")
-            return grid
-        seen = attn.__dict__.setdefault("_mhla_grids", {})
         if grid is None:
             # diffusers' gradient checkpointing replays the grid of the forward (grid._ReplayGrid). Another
             # activation-checkpointing scheme recomputing the layer inside the backward pass gets the grid
             # this layer saw for this N, only if that is the only one it ever saw (never a guess).
             in_backward = torch._C._current_graph_task_id() != -1
-            grids = seen.get(num_tokens, ()) if in_backward else ()
+            grids = attn.__dict__.get("_mhla_grids", {}).get(num_tokens, ()) if in_backward else ()
             if len(grids) == 1:
                 return next(iter(grids))
             if len(grids) > 1:
@@ -328,7 +321,10 @@ class MHLAProcessor:
                 f"the token grid {grid} of this forward has {grid[0] * grid[1] * grid[2]} tokens but the "
                 f"self-attention received {num_tokens}; MHLA only supports layers that attend over the latent grid"
             )
-        seen.setdefault(num_tokens, set()).add(grid)
+        # The grids seen, for the recomputation fallback above. Not while torch.compile traces: a traced
+        # dict update would make every call re-check it, and there the grid is a constant of the graph.
+        if not torch.compiler.is_compiling():
+            attn.__dict__.setdefault("_mhla_grids", {}).setdefault(num_tokens, set()).add(grid)
         return grid
 
     @staticmethod
