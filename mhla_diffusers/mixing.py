@@ -57,11 +57,16 @@ class MixingMatrix(nn.Module):
     Args:
         block_grid: ``(bt, bh, bw)``.
         init: ``"locality"`` (the paper's init) or ``"uniform"`` (all ones: plain linear attention).
+        clamp: the operator uses the matrix clamped to ``[0, 1]`` (the paper's, default) or as stored
+            (``False``: the authors' Wan model, trained without the clamp, has negative entries);
+            :func:`clamp_mixing_` leaves unclamped matrices alone. A plain attribute, recorded in
+            the converted checkpoint's ``mhla_config.json`` as ``mixing_clamp``.
     """
 
-    def __init__(self, block_grid: Iterable[int], init: str = "locality"):
+    def __init__(self, block_grid: Iterable[int], init: str = "locality", clamp: bool = True):
         super().__init__()
         self.block_grid = normalize_grid(tuple(block_grid), "block_grid")
+        self.clamp = bool(clamp)
         if init == "locality":
             weight = mixing_init(self.block_grid)
         elif init == "uniform":
@@ -76,11 +81,12 @@ class MixingMatrix(nn.Module):
         return self.block_grid[0] * self.block_grid[1] * self.block_grid[2]
 
     def clamped(self) -> torch.Tensor:
-        """The matrix as the operator uses it: clamped to ``[0, 1]`` (gradient passes inside the range)."""
-        return self.weight.clamp(0.0, 1.0)
+        """The matrix as the operator uses it: clamped to ``[0, 1]`` (gradient passes inside the range),
+        or the stored weight itself for a matrix built with ``clamp=False``."""
+        return self.weight.clamp(0.0, 1.0) if self.clamp else self.weight
 
     def extra_repr(self) -> str:
-        return f"block_grid={self.block_grid}, num_blocks={self.num_blocks}"
+        return f"block_grid={self.block_grid}, num_blocks={self.num_blocks}" + ("" if self.clamp else ", clamp=False")
 
 
 def mixing_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -92,10 +98,11 @@ def mixing_parameters(model: nn.Module) -> list[nn.Parameter]:
 def clamp_mixing_(model: nn.Module, low: float = 0.0, high: float = 1.0) -> int:
     """Clamp every mixing matrix of ``model`` in place to ``[low, high]``; call after each optimizer step.
 
-    The paper clips the coefficients to ``[0, 1]`` on every update (Sec. 3.3). Returns the number
-    of matrices clamped.
+    The paper clips the coefficients to ``[0, 1]`` on every update (Sec. 3.3). Matrices built with
+    ``clamp=False`` (the authors' Wan model, trained unclamped) are left as they are. Returns the
+    number of matrices clamped.
     """
-    params = mixing_parameters(model)
+    params = [m.weight for m in model.modules() if isinstance(m, MixingMatrix) and m.clamp]
     for p in params:
         p.clamp_(low, high)
     return len(params)

@@ -123,6 +123,7 @@ def mhla_attention(
     backend: str = "auto",
     feature_map: str | None = "relu",
     rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    feature_eps: float = 0.0,
 ) -> torch.Tensor:
     """Multi-Head Linear Attention over the blocks of ``layout`` (MHLA paper, Sec. 3.2).
 
@@ -163,6 +164,10 @@ def mhla_attention(
         rotary: ``None``, an :class:`InterleavedRotary`, or any function mapping a ``[B, heads, N, d]``
             feature tensor (float32 / float64, possibly a non-contiguous view) to its rotated
             version of the same shape.
+        feature_eps: a constant added to every feature after the feature map, before ``rotary``
+            (``phi(x) = ReLU(x) + feature_eps``; the authors' Wan model uses 1e-6). ``0`` (default):
+            none. When set, the features are computed here in the accumulation dtype and every
+            backend receives them as features (``feature_map`` off).
 
     Returns:
         ``[B, heads, N, d_v]`` tensor in ``q.dtype``.
@@ -170,7 +175,7 @@ def mhla_attention(
     Raises:
         ValueError: on shapes that do not match each other, the layout or the mixing matrix, a
             head dim of 0, on non-floating dtypes, on tensors on different devices, on an unknown backend or
-            feature map, or when ``rotary`` changes the shape of its input.
+            feature map, a negative or non-finite ``feature_eps``, or when ``rotary`` changes the shape of its input.
     """
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a mhla_diffusers.BlockLayout; got {type(layout).__name__}")
@@ -202,6 +207,11 @@ def mhla_attention(
         raise ValueError(f"eps must be >= 0; got {eps}")
     if feature_map not in ("relu", None):
         raise ValueError(f'feature_map must be "relu" (phi = ReLU) or None (q, k are features already); got {feature_map!r}')
+    if feature_eps:
+        return _with_feature_eps(
+            q, k, v, mixing, layout, feature_eps,
+            normalize=normalize, eps=eps, backend=backend, feature_map=feature_map, rotary=rotary,
+        )
     name = resolve_backend(backend, q.device)
     fn = _BACKENDS[name]
     if torch.compiler.is_compiling():  # one opaque graph node per call, not a graph break (ops/compiled.py)
@@ -214,6 +224,19 @@ def mhla_attention(
         rotary.check(q.shape)
         return fn(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map == "relu", rotary=rotary)
     return _rotary_attention(fn, q, k, v, mixing, layout, rotary, normalize=normalize, eps=eps, feature_map=feature_map)
+
+
+def _with_feature_eps(q, k, v, mixing, layout, feature_eps, *, feature_map, **kwargs):
+    """MHLA with ``phi(x) = feature_map(x) + feature_eps``: the features are computed here, in the
+    accumulation dtype, and passed on as features; the output has ``q``'s dtype."""
+    if isinstance(feature_eps, bool) or not isinstance(feature_eps, (int, float)) or not 0 <= feature_eps < float("inf"):
+        raise ValueError(f"feature_eps must be a finite number >= 0; got {feature_eps!r}")
+    acc = compute_dtype(q.dtype)
+    phi_q, phi_k = q.to(acc), k.to(acc)
+    if feature_map == "relu":
+        phi_q, phi_k = torch.relu(phi_q), torch.relu(phi_k)
+    out = mhla_attention(phi_q + feature_eps, phi_k + feature_eps, v, mixing, layout, feature_map=None, **kwargs)
+    return out.to(q.dtype)
 
 
 def _fused_rotary(rotary, q: torch.Tensor, v: torch.Tensor) -> bool:

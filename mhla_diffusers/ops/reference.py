@@ -8,8 +8,9 @@ intra-block reweighting" form):
     out_i   = (A V)_i                            (normalize=False)
 
 with ``phi = ReLU`` (``feature_map="relu"``) or the identity (``feature_map=None``: q, k are
-features already). With ``rotary`` (Wan's RoPE after the feature map, DESIGN.md) the numerator uses
-rotated features and the denominator un-rotated ones:
+features already), plus ``feature_eps`` (``phi(x) = ReLU(x) + feature_eps``: the authors' Wan model
+adds 1e-6 after the ReLU; 0 by default). With ``rotary`` (Wan's RoPE after the feature map,
+DESIGN.md) the numerator uses rotated features and the denominator un-rotated ones:
 
     out_i = sum_t Mc[b(i), b(t)] (R phi(q_i)) . (R phi(k_t)) v_t / (sum_t Mc[b(i), b(t)] phi(q_i) . phi(k_t) + eps)
 
@@ -36,6 +37,7 @@ def implied_attention(
     dtype: torch.dtype | None = None,
     feature_map: str | None = "relu",
     rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    feature_eps: float = 0.0,
 ) -> torch.Tensor:
     """The unnormalised implied attention matrix ``A`` ``[B, heads, N, N]`` (see module doc).
 
@@ -48,10 +50,11 @@ def implied_attention(
         feature_map: ``"relu"`` (phi = ReLU) or ``None`` (q, k are features already).
         rotary: optional map applied to ``phi(q)``, ``phi(k)`` (``[B, heads, N, d]``, same shape
             out) before their products: the numerator matrix of the RoPE variant.
+        feature_eps: added to every feature after the feature map (before ``rotary``).
     """
     dtype = dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
     idx = layout.block_index.to(q.device)
-    phi_q, phi_k = _features(q, dtype, feature_map), _features(k, dtype, feature_map)
+    phi_q, phi_k = _features(q, dtype, feature_map) + feature_eps, _features(k, dtype, feature_map) + feature_eps
     if rotary is not None:
         phi_q, phi_k = rotary(phi_q), rotary(phi_k)
     scores = phi_q @ phi_k.transpose(-1, -2)
@@ -71,18 +74,21 @@ def mhla_attention_reference(
     dtype: torch.dtype = torch.float64,
     feature_map: str | None = "relu",
     rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    feature_eps: float = 0.0,
 ) -> torch.Tensor:
     """Dense MHLA: ``[B, heads, N, d]`` output computed in ``dtype`` (float64 by default), returned in ``dtype``.
 
-    ``feature_map`` and ``rotary`` as in :func:`~mhla_diffusers.ops.mhla_attention` (module doc:
-    rotated features in the numerator, un-rotated ones in the denominator).
+    ``feature_map``, ``feature_eps`` and ``rotary`` as in :func:`~mhla_diffusers.ops.mhla_attention` (module
+    doc: rotated features in the numerator, un-rotated ones in the denominator).
     Differentiable (autograd) in q, k, v and mixing. Raises ``ValueError`` on shape mismatch.
     """
     _check(q, k, v, mixing, layout)
-    attn = implied_attention(q, k, mixing, layout, dtype=dtype, feature_map=feature_map, rotary=rotary)
+    attn = implied_attention(q, k, mixing, layout, dtype=dtype, feature_map=feature_map, rotary=rotary, feature_eps=feature_eps)
     out = attn @ v.to(dtype)
     if normalize:
-        den_attn = attn if rotary is None else implied_attention(q, k, mixing, layout, dtype=dtype, feature_map=feature_map)
+        den_attn = attn if rotary is None else implied_attention(
+            q, k, mixing, layout, dtype=dtype, feature_map=feature_map, feature_eps=feature_eps
+        )
         out = out / (den_attn.sum(dim=-1, keepdim=True) + eps)
     return out
 
