@@ -44,6 +44,8 @@ def apply_mhla(
     backend: str = "auto",
     init: str = "locality",
     output_norm: bool | None = None,
+    feature_eps: float = 0.0,
+    mixing_clamp: bool = True,
 ) -> list[str]:
     """Replace self-attention with MHLA on the selected layers of a diffusers transformer.
 
@@ -62,9 +64,12 @@ def apply_mhla(
             paper's, = ``(3, 5, 7)`` on 21 x 30 x 52), else ``round(sqrt(N) / 2)``.
         block_grid: explicit ``(bt, bh, bw)`` or a preset name of the family (Wan: ``"paper"``,
             ``"authors"`` = ``(3, 5, 10)``); overrides ``num_blocks``.
-        normalize, eps, backend, output_norm: see :class:`MHLAProcessor` (``eps=None``: the family
-            default; ``output_norm=None``: Wan gets the per-head output RMSNorm when ``normalize=False``).
+        normalize, eps, backend, output_norm, feature_eps: see :class:`MHLAProcessor` (``eps=None``: the
+            family default; ``output_norm=None``: Wan gets the per-head output RMSNorm when ``normalize=False``;
+            ``feature_eps``: ``phi = ReLU + feature_eps``, 0 by default).
         init: ``"locality"`` (paper) or ``"uniform"`` (all ones = plain linear attention at init).
+        mixing_clamp: the mixing matrices are used clamped to ``[0, 1]`` (the paper's, default) or as
+            stored (``False``, see :class:`~mhla_diffusers.MixingMatrix`; the authors' Wan model).
 
     Returns:
         Names of the converted attention modules.
@@ -84,6 +89,7 @@ def apply_mhla(
         eps=family.default_eps if eps is None else eps,
         backend=backend,
         output_norm=output_norm,
+        feature_eps=feature_eps,
     )
     resolved = processor.resolve_block_grid(reference, family)
     processor.block_grid, processor.block_grid_preset = resolved, None
@@ -99,7 +105,8 @@ def apply_mhla(
     names = []
     for i in chosen:
         name, attn = modules[i]
-        processor.attach(attn, reference, init=init, family=family)
+        mixing = processor.attach(attn, reference, init=init, family=family)
+        mixing.clamp = bool(mixing_clamp)
         attn.set_processor(processor)
         names.append(name)
     install_grid_hooks(transformer)
@@ -232,10 +239,11 @@ def mhla_spec(transformer: nn.Module) -> dict | None:
 
     Keys: family, model_class, num_layers, layers, block_grid, num_blocks, normalize, eps, backend,
     and ``output_norm: true`` only for models whose MHLA layers have the per-head output RMSNorm
-    (absent means none, as in checkpoints written before it existed). Self-attention layers that
-    run an :class:`MHLAProcessor` whose mixing matrix is not created yet (the bare one-liner before
-    its first forward) count as MHLA layers, with the block grid and output norm their first
-    forward would give them (see :func:`materialize_mhla`).
+    (absent means none, as in checkpoints written before it existed), ``feature_eps`` only when
+    not 0 and ``mixing_clamp: false`` only for unclamped mixing matrices (absent: 0 and true).
+    Self-attention layers that run an :class:`MHLAProcessor` whose mixing matrix is not created yet
+    (the bare one-liner before its first forward) count as MHLA layers, with the block grid and
+    output norm their first forward would give them (see :func:`materialize_mhla`).
 
     Raises:
         ValueError: when the MHLA layers disagree on settings (not representable in one config).
@@ -261,13 +269,18 @@ def mhla_spec(transformer: nn.Module) -> dict | None:
             output_norm = getattr(attn, "mhla_output_norm", None) is not None
         layers.append(i)
         eps = family.default_eps if proc.eps is None else proc.eps
-        specs.add((tuple(block_grid), proc.normalize, eps, proc.backend, output_norm))
+        clamp = True if mixing is None else mixing.clamp
+        specs.add((tuple(block_grid), proc.normalize, eps, proc.backend, output_norm, proc.feature_eps, clamp))
     if not layers:
         return None
     if len(specs) > 1:
         raise ValueError(f"MHLA layers use different settings {sorted(specs)}; one checkpoint config holds one setting")
-    block_grid, normalize, eps, backend, output_norm = specs.pop()
+    block_grid, normalize, eps, backend, output_norm, feature_eps, clamp = specs.pop()
     extra = {"output_norm": True} if output_norm else {}  # absent = no output norm (format version 1)
+    if feature_eps:  # absent = 0 (phi = ReLU), as in checkpoints written before it existed
+        extra["feature_eps"] = feature_eps
+    if not clamp:  # absent = clamped to [0, 1]
+        extra["mixing_clamp"] = False
     return {
         "family": family.name,
         "model_class": type(transformer).__name__,

@@ -9,7 +9,8 @@ keys) plus, in the transformer's folder:
   ``<attention path>.mhla_mixing.weight``, and any other per-layer MHLA submodule's parameters
   (Wan's per-head output RMSNorm: ``<attention path>.mhla_output_norm.weight``). Its header
   metadata ``mhla_config`` repeats the settings that give the weights their meaning (family,
-  model class, layers, block grid, number of blocks, normalize, eps, output norm) and the config's
+  model class, layers, block grid, number of blocks, normalize, eps, output norm, feature epsilon,
+  mixing clamp) and the config's
   ``weights_sha256`` covers the whole file, header included: an edit of any of these settings in
   ``mhla_config.json`` no longer matches and is refused on load. (``backend`` is a run-time
   choice, the same numbers on every backend: it may be edited.) Checkpoints written before this
@@ -130,13 +131,18 @@ def _mhla_parameters(transformer: nn.Module) -> dict[str, torch.Tensor]:
 
 # The settings of mhla_config.json that give the weights their meaning, repeated in the header
 # metadata of mhla.safetensors (key "mhla_config") and so covered by weights_sha256. Not "backend":
-# a run-time choice, every backend gives the same numbers. Absent "output_norm" means False.
-_CHECKED_KEYS = ("family", "model_class", "num_layers", "layers", "block_grid", "num_blocks", "normalize", "eps", "output_norm")
+# a run-time choice, every backend gives the same numbers. Absent keys take the values of _ABSENT.
+_CHECKED_KEYS = (
+    "family", "model_class", "num_layers", "layers", "block_grid", "num_blocks", "normalize", "eps", "output_norm",
+    "feature_eps", "mixing_clamp",
+)
 _METADATA_KEY = "mhla_config"
+# The value a checked key has when a config leaves it out (settings added after format version 1 began).
+_ABSENT = {"output_norm": False, "feature_eps": 0.0, "mixing_clamp": True}
 
 
 def _checked_settings(config: dict) -> dict:
-    settings = {key: config.get(key, False if key == "output_norm" else None) for key in _CHECKED_KEYS}
+    settings = {key: config.get(key, _ABSENT.get(key)) for key in _CHECKED_KEYS}
     grid = settings["block_grid"]
     if isinstance(grid, list) and len(grid) < 3:  # (H, W) = (1, H, W), as apply_mhla reads it
         settings["block_grid"] = [1] * (3 - len(grid)) + grid
@@ -394,6 +400,11 @@ def _validate_config(config: dict, config_file: Path) -> None:
         raise bad("eps", "a number >= 0")
     if "output_norm" in config and not isinstance(config["output_norm"], bool):
         raise bad("output_norm", "true or false")
+    feature_eps = config.get("feature_eps", 0.0)
+    if isinstance(feature_eps, bool) or not isinstance(feature_eps, (int, float)) or not 0 <= feature_eps < float("inf"):
+        raise bad("feature_eps", "a finite number >= 0")
+    if "mixing_clamp" in config and not isinstance(config["mixing_clamp"], bool):
+        raise bad("mixing_clamp", "true or false")
     if "backend" in config and not isinstance(config["backend"], str):
         raise bad("backend", "a backend name")
     sha = config.get("weights_sha256")
@@ -528,6 +539,8 @@ def _install_from_config(transformer: nn.Module, config: dict, folder: Path) -> 
             eps=float(config["eps"]),
             backend=_usable_backend(config.get("backend", "auto")),
             output_norm=bool(config.get("output_norm", False)),
+            feature_eps=float(config.get("feature_eps", 0.0)),
+            mixing_clamp=bool(config.get("mixing_clamp", True)),
         )
     except (ValueError, TypeError) as err:  # layers, block grid or settings that do not fit this model
         raise MHLACheckpointError(f"{folder / MHLA_CONFIG_NAME} does not fit the base model: {err}") from err

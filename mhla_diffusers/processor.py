@@ -133,9 +133,12 @@ class MHLAProcessor:
         output_norm: put a per-head RMSNorm (:class:`OutputRMSNorm`, one per layer, weight ones at
             install) on the attention output. ``None``: the family's default, which for Wan is on
             exactly when ``normalize=False`` (the authors' Wan recipe) and off elsewhere.
+        feature_eps: a constant added to the features after the ReLU, ``phi(x) = ReLU(x) + feature_eps``
+            (the authors' released Wan model: 1e-6; see :func:`~mhla_diffusers.mhla_attention`).
+            Default 0: the paper's ``phi = ReLU``.
 
     Raises (at construction):
-        ValueError: bad ``num_blocks``, ``block_grid``, ``eps`` or ``backend``; an unknown preset
+        ValueError: bad ``num_blocks``, ``block_grid``, ``eps``, ``feature_eps`` or ``backend``; an unknown preset
             name; ``num_blocks`` contradicting ``block_grid``.
 
     Raises (at call time):
@@ -156,6 +159,7 @@ class MHLAProcessor:
         backend: str = "auto",
         family: str | None = None,
         output_norm: bool | None = None,
+        feature_eps: float = 0.0,
     ):
         from .families import block_grid_preset_names, get_family
 
@@ -191,6 +195,9 @@ class MHLAProcessor:
         self.backend = backend
         self.family = None if family is None else get_family(family)
         self.output_norm = None if output_norm is None else bool(output_norm)
+        if isinstance(feature_eps, bool) or not isinstance(feature_eps, (int, float)) or not 0 <= feature_eps < math.inf:
+            raise ValueError(f"feature_eps must be a finite number >= 0; got {feature_eps!r}")
+        self.feature_eps = float(feature_eps)
         self._stock: dict[str, object] = {}
         ensure_global_hook()
 
@@ -200,6 +207,7 @@ class MHLAProcessor:
             f"MHLAProcessor(num_blocks={self.num_blocks}, block_grid={grid}, "
             f"normalize={self.normalize}, eps={self.eps}, backend={self.backend!r}"
             + ("" if self.output_norm is None else f", output_norm={self.output_norm}")
+            + ("" if not self.feature_eps else f", feature_eps={self.feature_eps}")
             + ("" if self.family is None else f", family={self.family.name!r}")
             + ")"
         )
@@ -466,7 +474,8 @@ class MHLAProcessor:
         if output_norm is not None and query.dtype in (torch.float16, torch.bfloat16):
             q_op = query.float()  # the un-normalised numerator can exceed the float16 range: keep it in fp32
         hidden_states = mhla_attention(
-            q_op, key, value, weight, layout, normalize=self.normalize, eps=eps, backend=self.backend, **extra
+            q_op, key, value, weight, layout, normalize=self.normalize, eps=eps, backend=self.backend,
+            feature_eps=self.feature_eps, **extra,
         )
         if output_norm is not None:
             hidden_states = output_norm(hidden_states)
