@@ -9,6 +9,12 @@
     python conversion/convert.py --family wan --src Wan-AI/Wan2.1-T2V-1.3B-Diffusers --out wan-mhla --layers hybrid
     python conversion/convert.py --family wan --src Wan2.1-T2V-1.3B/diffusion_pytorch_model.safetensors \
         --config ./Wan2.1-T2V-1.3B-Diffusers --out wan-mhla --block-grid authors --no-normalize --dtype bf16
+    python conversion/convert.py --family wan --from authors --src MHLA/model.safetensors \
+        --config ./Wan2.1-T2V-1.3B-Diffusers --out wan-mhla-authors
+
+--from authors imports the authors' released Wan MHLA weights (DAGroup-PKU/MHLA): layers, blocks,
+normaliser, feature epsilon, output norm are theirs, read from the file (mhla_diffusers.authors);
+--layers, --num-blocks, --no-normalize, --output-norm and --eps do not apply there.
 
 Writes the base checkpoint + transformer/mhla_config.json + transformer/mhla.safetensors
 (see mhla_diffusers.checkpoint). Exit code 2 for bad input, 3 if the source is already converted.
@@ -55,6 +61,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", required=True, help="model family: dit | sana | wan")
     parser.add_argument(
+        "--from",
+        dest="source_kind",
+        choices=("diffusers", "authors"),
+        default="diffusers",
+        help="diffusers: retrofit a pretrained model (default); authors: import the MHLA authors' released Wan "
+        "weights (--family wan, --src their checkpoint file, --config a diffusers Wan2.1-T2V-1.3B folder or Hub id)",
+    )
+    parser.add_argument(
+        "--state-dict-key", default=None, help="--from authors: the entry of a nested training checkpoint to import"
+    )
+    parser.add_argument(
         "--src", required=True, help="Hub id, local pipeline folder, local transformer folder, or original single file"
     )
     parser.add_argument(
@@ -64,8 +81,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
     parser.add_argument(
-        "--layers", type=parse_layers, default="all",
-        help="all | hybrid | comma-separated indices (negative ones count from the end: write --layers=-1,-2, with '=')",
+        "--layers", type=parse_layers, default=None,
+        help="all (default) | hybrid | comma-separated indices (negative ones count from the end: write --layers=-1,-2, "
+        "with '=')",
     )
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
@@ -94,6 +112,12 @@ def main(argv=None) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     args = parser.parse_args(argv)
 
+    if args.source_kind == "authors":
+        return _import_authors(args)
+    if args.state_dict_key is not None:
+        print("convert.py: --state-dict-key only applies with --from authors", file=sys.stderr)
+        return 2
+
     import torch
 
     from mhla_diffusers.conversion import AlreadyConvertedError, convert_checkpoint
@@ -104,7 +128,7 @@ def main(argv=None) -> int:
             args.src,
             args.out,
             family=args.family,
-            layers=args.layers,
+            layers="all" if args.layers is None else args.layers,
             num_blocks=args.num_blocks,
             block_grid=args.block_grid,
             normalize=not args.no_normalize,
@@ -117,6 +141,52 @@ def main(argv=None) -> int:
     except AlreadyConvertedError as err:
         print(f"convert.py: {err}", file=sys.stderr)
         return 3
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        print(f"convert.py: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(spec, indent=2))
+    return 0
+
+
+def _import_authors(args) -> int:
+    """--from authors: the authors' Wan MHLA checkpoint into the converted format (exit 2 on bad input)."""
+    given = {
+        "--layers": args.layers is not None,
+        "--num-blocks": args.num_blocks is not None,
+        "--no-normalize": args.no_normalize,
+        "--output-norm / --no-output-norm": args.output_norm is not None,
+        "--eps": args.eps is not None,
+    }
+    fixed = [flag for flag, on in given.items() if on]
+    problem = None
+    if args.family != "wan":
+        problem = f"--from authors imports the authors' Wan2.1 MHLA model: use --family wan (got {args.family!r})"
+    elif fixed:
+        problem = (
+            f"{', '.join(fixed)} cannot be set with --from authors: the MHLA layers, normaliser (off), output norm (on) "
+            "and feature epsilon are those of the authors' model, read from the file"
+        )
+    elif args.config is None:
+        problem = "--from authors needs --config: a diffusers Wan2.1-T2V-1.3B pipeline folder, transformer folder or Hub id"
+    if problem is not None:
+        print(f"convert.py: {problem}", file=sys.stderr)
+        return 2
+
+    import torch
+
+    from mhla_diffusers.authors import AUTHORS_BLOCK_GRID, import_authors_wan
+
+    block_grid = AUTHORS_BLOCK_GRID if args.block_grid in (None, "authors") else args.block_grid
+    if isinstance(block_grid, str) or len(block_grid) != 3:
+        print(f"convert.py: --from authors takes --block-grid as bt,bh,bw (default 3,5,10); got {args.block_grid!r}",
+              file=sys.stderr)
+        return 2
+    dtype = None if DTYPES[args.dtype] is None else getattr(torch, DTYPES[args.dtype])
+    try:
+        spec = import_authors_wan(
+            args.src, args.out, config=args.config, torch_dtype=dtype, overwrite=args.overwrite,
+            state_dict_key=args.state_dict_key, block_grid=tuple(block_grid),
+        )
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"convert.py: {err}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ from .checkpoint import (
     save_mhla_pipeline,
     save_mhla_transformer,
 )
+from .authors import import_authors_wan, load_authors_wan
 
 __version__ = "0.1.0"
 
@@ -55,4 +56,6 @@ __all__ = [
     "read_mhla_config",
     "save_mhla_pipeline",
     "save_mhla_transformer",
+    "import_authors_wan",
+    "load_authors_wan",
 ]

@@ -80,9 +80,7 @@ def _load_single_file(src: Path, config: str | None, family: str | None, torch_d
     whole pipeline is written), a local transformer folder (the transformer alone is written), or a
     Hub id of a diffusers pipeline (online, or cached).
     """
-    from diffusers import DiffusionPipeline
-
-    from .checkpoint import _dtype_kwargs, _transformer_class
+    from .checkpoint import _dtype_kwargs
 
     if (src.parent / "mhla_config.json").is_file():
         raise AlreadyConvertedError(
@@ -95,24 +93,7 @@ def _load_single_file(src: Path, config: str | None, family: str | None, torch_d
             "the model's config.json, e.g. a local copy of Efficient-Large-Model/Sana_600M_1024px_diffusers; "
             "diffusers would otherwise guess a model and fetch its config from the Hub"
         )
-    folder = Path(config)
-    pipeline_folder = None
-    if folder.exists():
-        transformer_dir = transformer_folder(folder)
-        cls = _transformer_class(transformer_dir)
-        if transformer_dir != folder:
-            pipeline_folder = folder
-        load_kwargs = {"config": str(transformer_dir)}
-    elif _is_hub_id(str(config)):
-        if family is None:
-            raise ValueError(f"pass family= (--family) to convert {src} with the Hub config {config!r}")
-        import diffusers
-
-        cls = getattr(diffusers, get_family(family).model_classes[0])
-        pipeline_folder = str(config)
-        load_kwargs = {"config": str(config), "subfolder": "transformer"}
-    else:
-        raise FileNotFoundError(f"config {config} does not exist (and does not look like a Hub id 'owner/name')")
+    cls, load_kwargs, pipeline_folder = _single_file_target(src, config, family)
     if not hasattr(cls, "from_single_file"):
         raise ValueError(f"{cls.__name__} cannot be read from a single-file checkpoint (diffusers has no from_single_file for it)")
     if torch_dtype is None:
@@ -128,10 +109,58 @@ def _load_single_file(src: Path, config: str | None, family: str | None, torch_d
         ) from err
     if pipeline_folder is None:
         return None, model
+    return _pipeline_around(pipeline_folder, model, torch_dtype), None
+
+
+def _single_file_target(src, config: str, family: str | None):
+    """``(transformer class, config kwargs of from_single_file, pipeline folder or Hub id or None)`` for a
+    single-file ``src`` read with the diffusers ``config`` (a local pipeline or transformer folder, or a
+    Hub id of a pipeline: then ``family`` names the class).
+
+    Raises:
+        ValueError: a Hub id without ``family``. FileNotFoundError: ``config`` is neither.
+    """
+    from .checkpoint import _transformer_class
+
+    folder = Path(config)
+    if folder.exists():
+        transformer_dir = transformer_folder(folder)
+        cls = _transformer_class(transformer_dir)
+        return cls, {"config": str(transformer_dir)}, (folder if transformer_dir != folder else None)
+    if _is_hub_id(str(config)):
+        if family is None:
+            raise ValueError(f"pass family= (--family) to convert {src} with the Hub config {config!r}")
+        import diffusers
+
+        cls = getattr(diffusers, get_family(family).model_classes[0])
+        return cls, {"config": str(config), "subfolder": "transformer"}, str(config)
+    raise FileNotFoundError(f"config {config} does not exist (and does not look like a Hub id 'owner/name')")
+
+
+def _pipeline_around(pipeline_folder, model, torch_dtype: torch.dtype | None):
+    """The diffusers pipeline of ``pipeline_folder`` (local or Hub id) with ``model`` as its transformer; the
+    other components in their stored dtypes (local) or ``torch_dtype``.
+
+    Loaded through the pipeline's own class (named in ``model_index.json``): diffusers 0.42's
+    ``DiffusionPipeline.from_pretrained`` silently ignores a passed component that the pipeline
+    class lists as optional (``WanPipeline``'s ``transformer``) and loads the folder's own instead.
+    """
+    import diffusers
+    from diffusers import DiffusionPipeline
+
+    from .checkpoint import _dtype_kwargs
+
+    name = DiffusionPipeline.load_config(str(pipeline_folder)).get("_class_name")
+    pipeline_class = getattr(diffusers, str(name), None)
+    if pipeline_class is None:
+        raise ValueError(f"{pipeline_folder}: model_index.json names an unknown pipeline class {name!r}")
     dtypes = _pipeline_dtypes(Path(pipeline_folder)) if Path(pipeline_folder).is_dir() else {}
     if dtypes and torch_dtype is not None:
         dtypes["transformer"] = torch_dtype
-    return DiffusionPipeline.from_pretrained(pipeline_folder, transformer=model, **_dtype_kwargs(dtypes or torch_dtype)), None
+    pipe = pipeline_class.from_pretrained(pipeline_folder, transformer=model, **_dtype_kwargs(dtypes or torch_dtype))
+    if pipe.transformer is not model:  # never write the config's transformer in place of the converted one
+        raise RuntimeError(f"diffusers did not take the converted transformer into the {type(pipe).__name__} of {pipeline_folder}")
+    return pipe
 
 
 def _load_source(src: str, torch_dtype: torch.dtype | None, config: str | None = None, family: str | None = None):

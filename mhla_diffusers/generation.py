@@ -4,6 +4,7 @@ text-to-image (SanaPipeline) and text-to-video (WanPipeline, written as mp4)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Sequence
 
@@ -17,6 +18,7 @@ __all__ = [
     "generate_videos",
     "is_video_pipeline",
     "is_video_checkpoint",
+    "native_video_size",
     "image_format",
     "save_grid",
     "save_video",
@@ -207,9 +209,9 @@ def generate_videos(
     prompts: Sequence[str],
     *,
     negative_prompt: str = "",
-    height: int = 480,
-    width: int = 832,
-    frames: int = 81,
+    height: int | None = None,
+    width: int | None = None,
+    frames: int | None = None,
     steps: int = 50,
     guidance_scale: float = 5.0,
     seed: int = 0,
@@ -224,9 +226,10 @@ def generate_videos(
         prompts: one video each (one batch, one CPU ``torch.Generator`` seeded with ``seed``).
         negative_prompt: the classifier-free guidance negative prompt.
         height, width: frame size in pixels, multiples of 16 for Wan (VAE 8 x patch 2); default
-            Wan 2.1's native 480 x 832.
+            the checkpoint's native size (:func:`native_video_size`: Wan 2.1's 480 x 832, the
+            authors' imported MHLA model 480 x 800).
         frames: number of frames, ``4k + 1`` for Wan (1, 5, ..., 81: the VAE compresses time by 4);
-            default 81. diffusers' ``WanPipeline`` would silently round other counts; this raises.
+            default the native 81. diffusers' ``WanPipeline`` would silently round other counts; this raises.
         steps: denoising steps. guidance_scale: CFG scale (1 = off; Wan runs cond and uncond as two calls).
         dtype: ``"fp32" | "bf16" | "fp16"``. device: default CUDA when available, else CPU.
         pipe: an already loaded pipeline (skips loading).
@@ -249,6 +252,10 @@ def generate_videos(
         raise GenerationError(
             f"{checkpoint} holds a {type(pipe).__name__}, not a text-to-video pipeline; --frames is for WanPipeline checkpoints"
         )
+    native = native_video_size(pipe)
+    height = native["height"] if height is None else height
+    width = native["width"] if width is None else width
+    frames = native["frames"] if frames is None else frames
     image = inspect.signature(type(pipe).__call__).parameters.get("image")
     if image is not None and image.default is inspect.Parameter.empty:
         raise GenerationError(f"{type(pipe).__name__} needs an input image; generate.py covers text-to-video only")
@@ -271,6 +278,33 @@ def generate_videos(
         output_type="np",
     )
     return [video for video in result.frames]
+
+
+WAN_NATIVE_SIZE = {"height": 480, "width": 832, "frames": 81}
+
+
+def native_video_size(pipe) -> dict:
+    """``{"height", "width", "frames"}`` a video pipeline's transformer was trained at: the size recorded in
+    its config (``_mhla_native_size``, written by :func:`~mhla_diffusers.authors.import_authors_wan`: the
+    authors' MHLA model, 480 x 800 px, 81 frames), else Wan 2.1's 480 x 832 px, 81 frames.
+
+    Raises:
+        GenerationError: a recorded size that is not three positive integers.
+    """
+    from .authors import NATIVE_SIZE_KEY
+
+    config = getattr(getattr(pipe, "transformer", None), "config", None)
+    recorded = config.get(NATIVE_SIZE_KEY) if hasattr(config, "get") else None
+    if recorded is None:
+        return dict(WAN_NATIVE_SIZE)
+    if not isinstance(recorded, Mapping) or sorted(recorded) != sorted(WAN_NATIVE_SIZE) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in recorded.values()
+    ):
+        raise GenerationError(
+            f"the transformer config's {NATIVE_SIZE_KEY} must be {{'height': int, 'width': int, 'frames': int}}; "
+            f"got {recorded!r}"
+        )
+    return dict(recorded)
 
 
 def save_video(frames, path: str | os.PathLike, fps: int = 16) -> Path:

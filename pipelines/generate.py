@@ -47,8 +47,11 @@ def main(argv=None) -> int:
     kind.add_argument("--prompt", nargs="+", help="text prompts, one image each (SANA)")
     parser.add_argument("--negative-prompt", default="", help="--prompt only: negative prompt for guidance")
     parser.add_argument("--height", type=int, default=None, help="--prompt only: height in px (default: native; Wan 480)")
-    parser.add_argument("--width", type=int, default=None, help="--prompt only: width in px (default: native; Wan 832)")
-    parser.add_argument("--frames", type=int, default=None, help="video: number of frames, 4k+1 for Wan (default 81)")
+    parser.add_argument(
+        "--width", type=int, default=None,
+        help="--prompt only: width in px (default: native; Wan 832, the authors' imported MHLA model 800)",
+    )
+    parser.add_argument("--frames", type=int, default=None, help="video: number of frames, 4k+1 for Wan (default: native, 81)")
     parser.add_argument("--fps", type=int, default=16, help="video: frames per second of the mp4 (default 16, Wan's)")
     parser.add_argument(
         "--no-resolution-binning",
