@@ -24,6 +24,7 @@ mhla_diffusers.load_mhla_pipeline; with lora.export=separate, mhla_diffusers.lor
 """
 
 import argparse
+import sys
 
 from mhla_diffusers.training import load_config, train
 
@@ -41,7 +42,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def main(argv=None):
+def main(argv=None) -> int:
+    """Run the trainer; returns the exit code: 0, or 2 after a one-line message for a bad config
+    (or a run the config cannot continue: resume problems, a dataset smaller than one step, ...)."""
     args = parse_args(argv)
     overrides = list(args.overrides)
     if args.output_dir is not None:
@@ -52,11 +55,16 @@ def main(argv=None):
         overrides += [f"model.pretrained={args.pretrained}", "model.init=null"]
     if args.resume:
         overrides.append("train.resume=true")
-    summary = train(load_config(args.config, overrides))
+    try:
+        summary = train(load_config(args.config, overrides))
+    except (ValueError, FileNotFoundError) as err:
+        print(f"train.py: {err}", file=sys.stderr)
+        return 2
     if summary:
         speed = f"{summary['step_time_s']} s/step" if summary.get("step_time_s") is not None else "no step trained in this call"
         print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, {speed} -> {summary['final_dir']}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

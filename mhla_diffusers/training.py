@@ -9,6 +9,8 @@ family-agnostic pieces, each usable alone:
   and not present yet; the trainable set (full, LoRA, attention-only, mixing-only).
 - :func:`build_dataset` — photos, class folders (DiT), captioned folders (SANA), videos (Wan).
 - :func:`build_optimizer` — AdamW, the mixing matrices in their own group (own lr, no decay).
+- :func:`gradient_groups`, :func:`clip_grad_norms_` — gradient norms clipped and logged per
+  parameter group (mixing matrices, LoRA, the rest), so one group's spike cannot void a step.
 - :func:`training_loss` — the data loss of the family's objective (:class:`~mhla_diffusers.flow.Objective`:
   DDPM epsilon for DiT, flow matching for SANA and Wan) plus the distillation terms
   (:mod:`mhla_diffusers.distill`: output matching and attention transfer), weighted by the config.
@@ -64,6 +66,8 @@ __all__ = [
     "set_trainable",
     "prepare_parameter_dtypes",
     "build_optimizer",
+    "gradient_groups",
+    "clip_grad_norms_",
     "training_loss",
     "diffusion_loss",
     "evaluate_heldout",
@@ -72,6 +76,7 @@ __all__ = [
     "write_loss_csv",
     "read_loss_csv",
     "read_loss_terms",
+    "read_grad_norms",
     "plot_loss_curves",
     "export_pipeline",
     "export_model",
@@ -175,7 +180,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "adam_eps": 1e-8,
         "lr_scheduler": "constant_with_warmup",  # any name of diffusers.optimization.get_scheduler
         "warmup_steps": 0,
-        "grad_clip": 1.0,  # max global grad norm; 0 or null: off
+        "grad_clip": 1.0,  # max gradient norm of each parameter group (model, lora, mhla_mixing), clipped one by one; 0 or null: off
         "mixed_precision": "no",  # no | fp16 | bf16 (autocast; trainable parameters stay fp32)
         "gradient_accumulation_steps": 1,
         "gradient_checkpointing": False,
@@ -215,6 +220,8 @@ TRAIN_STATE = "train_state.json"
 EMA_WEIGHTS = "ema.safetensors"
 SUMMARY = "train_summary.json"
 LOSS_TERMS = ("data", "output", "attention")
+GRADIENT_GROUPS = ("model", "lora", "mhla_mixing")  # see gradient_groups
+GRAD_NORM_PREFIX = "grad_norm_"
 
 
 # -- configuration --------------------------------------------------------------------------------
@@ -292,7 +299,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] 
 
 def _choice(config: dict, section: str, key: str, choices: Sequence, allow_none: bool = False) -> None:
     v = config[section][key]
-    if (v is None and allow_none) or v in choices:
+    if isinstance(v, bool):
+        # YAML 1.1 reads no / off / yes / on as booleans (`mixed_precision: no` arrives as False):
+        # the one choice that YAML reads as this boolean is what was written.
+        spelled = [c for c in choices if isinstance(c, str) and yaml.safe_load(c) is v]
+        if len(spelled) == 1:
+            config[section][key] = v = spelled[0]
+    if (v is None and allow_none) or (not isinstance(v, bool) and v in choices):
         return
     raise ValueError(f"{section}.{key} must be one of {list(choices)}{' or null' if allow_none else ''}; got {v!r}")
 
@@ -1033,6 +1046,61 @@ def build_optimizer(
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 
+def gradient_groups(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]:
+    """The trainable parameters of ``model`` in the groups whose gradient norms are clipped and logged
+    one by one (:func:`clip_grad_norms_`), so that a spike in one group cannot scale the others' step
+    to nothing.
+
+    ``"model"``: every trainable parameter not in the next two (Wan's MHLA output norms included);
+    ``"lora"``: the LoRA adapter weights (:func:`mhla_diffusers.lora.lora_parameters`);
+    ``"mhla_mixing"``: the MHLA mixing matrices. Empty groups are left out; the order is that one.
+    """
+    from .lora import lora_parameters
+    from .mixing import mixing_parameters
+
+    mixing = [p for p in mixing_parameters(model) if p.requires_grad]
+    lora_ids = {id(p) for p in lora_parameters(model)}
+    taken = {id(p) for p in mixing} | lora_ids
+    groups = {
+        "model": [p for p in model.parameters() if p.requires_grad and id(p) not in taken],
+        "lora": [p for p in model.parameters() if p.requires_grad and id(p) in lora_ids],
+        "mhla_mixing": mixing,
+    }
+    return {name: params for name, params in groups.items() if params}
+
+
+@torch.no_grad()
+def clip_grad_norms_(groups: Mapping[str, Sequence[torch.nn.Parameter]], max_norm: float | None) -> dict[str, float]:
+    """Clip the gradients of each group of ``groups`` to a 2-norm of at most ``max_norm``, in place.
+
+    Each group is scaled on its own by ``min(1, max_norm / (norm + 1e-6))`` (what
+    ``torch.nn.utils.clip_grad_norm_`` does to all parameters at once), so one group's gradient
+    spike leaves the others' as they are. ``max_norm`` 0 or ``None``: nothing is clipped, the norms
+    are still measured. A group with a non-finite norm is not scaled (the caller skips the step).
+
+    Args:
+        groups: ``{name: parameters}`` (e.g. :func:`gradient_groups`); parameters without a
+            gradient are ignored.
+        max_norm: the largest gradient norm of a group, or 0 / ``None``.
+
+    Returns:
+        ``{name: norm before clipping}`` (Python floats; ``0.0`` for a group without gradients).
+    """
+    norms = {}
+    for name, params in groups.items():
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            norms[name] = 0.0
+            continue
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
+        norms[name] = float(norm)
+        if max_norm and math.isfinite(norms[name]):
+            scale = (float(max_norm) / (norm + 1e-6)).clamp(max=1.0)
+            for g in grads:
+                g.mul_(scale.to(g.dtype))
+    return norms
+
+
 def disable_internal_label_dropout(transformer: torch.nn.Module) -> list[tuple[torch.nn.Module, float]]:
     """Turn off diffusers' own label dropout inside DiT (each block draws its own, from the global RNG).
 
@@ -1292,29 +1360,44 @@ def _atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
 
 
 def write_loss_csv(path: str | os.PathLike, rows: Sequence[tuple]) -> None:
-    """Write ``step,loss,lr[,<term>...]`` rows (atomic). ``step`` counts optimizer steps from 1.
+    """Write ``step,loss,lr[,<term>...][,grad_norm_<group>...]`` rows (atomic). ``step`` counts optimizer steps from 1.
 
-    A row is ``(step, loss, lr)`` or ``(step, loss, lr, {term: value})``: the loss terms
-    (``data``, ``output``, ``attention``) become extra columns (empty where a row lacks one).
+    A row is ``(step, loss, lr)``, ``(step, loss, lr, {term: value})`` or
+    ``(step, loss, lr, {term: value}, {group: gradient norm})``: the loss terms (``data``,
+    ``output``, ``attention``) and the gradient norms of the parameter groups before clipping
+    (``grad_norm_model``, ``grad_norm_lora``, ``grad_norm_mhla_mixing``: see
+    :func:`gradient_groups`) become extra columns (empty where a row lacks one).
     """
-    names = sorted({k for r in rows if len(r) > 3 and r[3] for k in r[3]}, key=lambda k: (LOSS_TERMS + (k,)).index(k))
+    def extra(r, i):
+        return r[i] if len(r) > i and r[i] else {}
+
+    names = sorted({k for r in rows for k in extra(r, 3)}, key=lambda k: (LOSS_TERMS + (k,)).index(k))
+    groups = sorted({k for r in rows for k in extra(r, 4)}, key=lambda k: (GRADIENT_GROUPS + (k,)).index(k))
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["step", "loss", "lr", *names])
+    w.writerow(["step", "loss", "lr", *names, *(GRAD_NORM_PREFIX + g for g in groups)])
     for r in rows:
-        terms = r[3] if len(r) > 3 and r[3] else {}
-        w.writerow([int(r[0]), f"{float(r[1]):.6g}", f"{float(r[2]):.6g}", *(f"{float(terms[k]):.6g}" if k in terms else "" for k in names)])
+        terms, norms = extra(r, 3), extra(r, 4)
+        w.writerow([int(r[0]), f"{float(r[1]):.6g}", f"{float(r[2]):.6g}", *(f"{float(terms[k]):.6g}" if k in terms else "" for k in names),
+                    *(f"{float(norms[g]):.6g}" if g in norms else "" for g in groups)])
     _atomic_write_bytes(path, buf.getvalue().encode())
 
 
-def _read_rows(path: str | os.PathLike) -> list[tuple[int, float, float, dict[str, float]]]:
+def _read_rows(path: str | os.PathLike) -> list[tuple[int, float, float, dict[str, float], dict[str, float]]]:
+    """``(step, loss, lr, {term: value}, {group: gradient norm})`` rows of a loss CSV."""
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         if reader.fieldnames is None or not {"step", "loss", "lr"} <= set(reader.fieldnames):
             raise ValueError(f"{path} is not a loss CSV (expected columns step, loss, lr)")
         extra = [c for c in reader.fieldnames if c not in ("step", "loss", "lr")]
+        terms = [c for c in extra if not c.startswith(GRAD_NORM_PREFIX)]
+        norms = [c for c in extra if c.startswith(GRAD_NORM_PREFIX)]
+
+        def values(r, columns, strip=0):
+            return {k[strip:]: float(r[k]) for k in columns if r.get(k) not in (None, "")}
+
         return [
-            (int(r["step"]), float(r["loss"]), float(r["lr"]), {k: float(r[k]) for k in extra if r.get(k) not in (None, "")})
+            (int(r["step"]), float(r["loss"]), float(r["lr"]), values(r, terms), values(r, norms, len(GRAD_NORM_PREFIX)))
             for r in reader
         ]
 
@@ -1328,10 +1411,23 @@ def read_loss_csv(path: str | os.PathLike) -> list[tuple[int, float, float]]:
     return [r[:3] for r in _read_rows(path)]
 
 
+def read_grad_norms(path: str | os.PathLike) -> dict[str, tuple[list[int], list[float]]]:
+    """The gradient norms of a loss CSV, per parameter group before clipping: ``{group: (steps, norms)}``
+    (``model``, ``lora``, ``mhla_mixing``; see :func:`gradient_groups`). A non-finite norm marks a
+    skipped step."""
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for step, _, _, _, norms in _read_rows(path):
+        for k, v in norms.items():
+            out.setdefault(k, ([], []))
+            out[k][0].append(step)
+            out[k][1].append(v)
+    return out
+
+
 def read_loss_terms(path: str | os.PathLike) -> dict[str, tuple[list[int], list[float]]]:
     """The loss terms of a loss CSV: ``{term: (steps, values)}`` (``data``, ``output``, ``attention``)."""
     out: dict[str, tuple[list[int], list[float]]] = {}
-    for step, _, _, terms in _read_rows(path):
+    for step, _, _, terms, _ in _read_rows(path):
         for k, v in terms.items():
             out.setdefault(k, ([], []))
             out[k][0].append(step)
@@ -1580,6 +1676,139 @@ def _load_ema(ema, folder: Path) -> None:
         ema.optimization_step = int(f.metadata()["optimization_step"])
 
 
+# Settings that shape the trained parameters, hence a checkpoint's tensors and optimizer groups:
+# a resume that changes one is refused by name (keys and every key below them).
+_SHAPE_KEYS = ("model.family", "model.init", "train.trainable", "train.train_mixing")
+_SHAPE_KEYS_MHLA = ("mhla.layers", "mhla.num_blocks", "mhla.block_grid", "mhla.output_norm")
+_SHAPE_KEYS_LORA = ("lora.rank", "lora.target_modules")  # when the run trains LoRA
+_UNSET = "<unset>"
+
+
+def _dotted(config: Mapping, prefix: str = "") -> dict[str, Any]:
+    """``{"section.key": value}`` of a nested config (a null or empty section is one key)."""
+    out = {}
+    for k, v in config.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and v:
+            out.update(_dotted(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _config_changes(recorded: Mapping, config: Mapping) -> dict[str, tuple[Any, Any]]:
+    """``{dotted key: (recorded value, new value)}`` for every key that differs (``train.resume`` aside);
+    a key one side lacks reads ``"<unset>"``. Sequences compare by their items (JSON turns tuples into lists)."""
+    old, new = _dotted(recorded), _dotted(config)
+    changes = {}
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, _UNSET), new.get(key, _UNSET)
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            a, b = list(a), list(b)
+        if a != b and key != "train.resume":
+            changes[key] = (old.get(key, _UNSET), new.get(key, _UNSET))
+    return changes
+
+
+def _recorded_config(out: Path, folder: Path) -> tuple[dict | None, Path | None]:
+    """The config a checkpoint was trained with: the one its ``train_state.json`` records, else the
+    run's ``config.yaml`` (checkpoints written before configs were recorded in them); ``(None, None)``
+    when neither is there."""
+    try:
+        recorded = json.loads((folder / TRAIN_STATE).read_text()).get("config")
+        if isinstance(recorded, Mapping):
+            return dict(recorded), folder / TRAIN_STATE
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        recorded = yaml.safe_load((out / "config.yaml").read_text())
+        if isinstance(recorded, Mapping):
+            return dict(recorded), out / "config.yaml"
+    except (OSError, yaml.YAMLError):
+        pass
+    return None, None
+
+
+def _shape_changes(changes: Mapping[str, tuple[Any, Any]], config: Mapping, recorded: Mapping) -> list[str]:
+    """The keys of ``changes`` that shape the trained parameters (see ``_SHAPE_KEYS``)."""
+    lora = "lora" in (config["train"]["trainable"], (recorded.get("train") or {}).get("trainable"))
+    shaping = _SHAPE_KEYS_MHLA + (_SHAPE_KEYS_LORA if lora else ())
+    # "mhla" itself changes when MHLA is turned on or off (a null section against a mapping)
+    return [key for key in changes
+            if key in shaping or key == "mhla" or any(key == k or key.startswith(k + ".") for k in _SHAPE_KEYS)]
+
+
+def _check_resume_config(out: Path, folder: Path, config: Mapping) -> dict[str, tuple[Any, Any]]:
+    """Compare ``config`` with the config recorded for the checkpoint ``folder`` (before anything is
+    built or written). Returns the changed settings (``{}`` when nothing is recorded).
+
+    Raises:
+        ValueError: a changed setting that shapes the trained parameters (``mhla`` on / off,
+            ``mhla.layers``, ``num_blocks``, ``block_grid``, ``output_norm``, ``train.trainable``,
+            ``train.train_mixing``, ``model.family``, ``model.init``, ``lora.rank`` /
+            ``target_modules`` of a LoRA run): the message names each, old and new value.
+    """
+    recorded, source = _recorded_config(out, folder)
+    if recorded is None:
+        return {}
+    changes = _config_changes(recorded, config)
+    shaping = _shape_changes(changes, config, recorded)
+    if "mhla" in changes:  # MHLA turned on or off: name the section once, with both values
+        changes["mhla"] = (recorded.get("mhla"), config["mhla"])
+        shaping = ["mhla"] + [k for k in shaping if not k.startswith("mhla")]
+    if shaping:
+        listed = "; ".join(f"{k} changed since the checkpoint ({changes[k][0]!r} -> {changes[k][1]!r})" for k in shaping)
+        raise ValueError(
+            f"cannot resume from {folder}: {listed}. {'This setting shapes' if len(shaping) == 1 else 'These settings shape'} "
+            f"the trained parameters, so the checkpoint's weights and optimizer state do not fit (the run's settings are "
+            f"recorded in {source}). Set {'it' if len(shaping) == 1 else 'them'} back to resume, or train into a new "
+            "output_dir. Nothing was written."
+        )
+    return changes
+
+
+def _apply_optimizer_settings(optimizer, lr_scheduler, fresh: Sequence[Mapping[str, Any]]) -> list[str]:
+    """After ``load_state``: put this config's optimizer settings into the loaded optimizer and lr schedule.
+
+    ``load_state`` brings back the checkpoint's param-group settings (learning rate, weight decay,
+    betas, eps) with the moment estimates; the run's config may have changed them. ``fresh`` is each
+    param group's settings as this config built them (before loading). Every setting that differs is
+    set to the config's; a changed learning rate becomes the schedule's base rate (``initial_lr``) and
+    the current rate is recomputed from the schedule at the resumed step (so a changed warm-up or
+    schedule applies too). Nothing changes when the config is the run's own.
+
+    Returns:
+        What was changed, e.g. ``["model: lr 0.001 -> 0.0005"]``.
+
+    Raises:
+        ValueError: a changed learning rate under a schedule that is not a ``LambdaLR`` (its base
+            rate cannot be replaced).
+    """
+    sched = getattr(lr_scheduler, "scheduler", lr_scheduler)
+    lambdas = getattr(sched, "lr_lambdas", None) if isinstance(sched, torch.optim.lr_scheduler.LambdaLR) else None
+    notes = []
+    for i, (group, want) in enumerate(zip(optimizer.param_groups, fresh)):
+        name = want.get("name", f"group {i}")
+        for key, value in want.items():
+            have = group.get(key)
+            same = list(have) == list(value) if isinstance(value, (list, tuple)) and isinstance(have, (list, tuple)) else have == value
+            if key not in ("lr", "initial_lr") and not same:
+                notes.append(f"{name}: {key} {have!r} -> {value!r}")
+                group[key] = value
+        base = want["initial_lr"]
+        if sched.base_lrs[i] != base:
+            if lambdas is None:
+                raise ValueError(f"the learning rate of {name} changed since the checkpoint ({sched.base_lrs[i]:g} -> {base:g}), "
+                                 f"but the {type(sched).__name__} schedule cannot take a new base rate: set it back to resume")
+            notes.append(f"{name}: lr {sched.base_lrs[i]:g} -> {base:g}")
+            sched.base_lrs[i] = group["initial_lr"] = base
+        if lambdas is not None:
+            lr = base * lambdas[i](sched.last_epoch)
+            if group["lr"] != lr:
+                group["lr"] = lr
+    return notes
+
+
 def _flat_config(config: Mapping, prefix: str = "") -> dict[str, Any]:
     """Scalars of a nested config as ``{"a/b": value}`` (lists and None as strings) for trackers."""
     out = {}
@@ -1606,6 +1835,22 @@ def _cached_dataset(parts: TrainingParts, dataset, cache_dir: Path, accelerator,
     return CachedDataset(folder)
 
 
+def _clip_gradients(accelerator, model, groups: Mapping[str, Sequence[torch.nn.Parameter]], max_norm: float | None,
+                    per_group: bool) -> dict[str, float]:
+    """Unscale (fp16) and clip the gradients of one optimizer step; returns the norms before clipping.
+
+    ``per_group``: each of ``groups`` on its own (:func:`clip_grad_norms_`). Otherwise (FSDP, DeepSpeed,
+    XLA: accelerate clips sharded / engine-managed gradients itself) the global norm, as ``"all"``.
+    """
+    if per_group:
+        accelerator.unscale_gradients()
+        return clip_grad_norms_(groups, max_norm)
+    if not max_norm:
+        return {}
+    total = accelerator.clip_grad_norm_(model.parameters(), max_norm)
+    return {} if total is None else {"all": float(total)}
+
+
 def train(config: dict) -> dict[str, Any]:
     """Train / fine-tune as ``config`` says (see :data:`DEFAULT_CONFIG`); run it under accelerate.
 
@@ -1618,6 +1863,14 @@ def train(config: dict) -> dict[str, Any]:
     same hardware, bitwise on the CPU); a checkpoint at ``max_steps`` (a run killed while exporting)
     is only evaluated and exported; a run that already finished at ``max_steps`` (its
     ``train_summary.json`` and final model are there) is left as it is and its summary returned.
+    A resume compares the config with the one the checkpoint records: settings that shape the
+    trained parameters must not change (``ValueError`` naming them); every other change applies
+    from the resumed step (the optimizer takes the config's lr, mixing_lr, weight decay and Adam
+    settings, not the checkpoint's) and is printed.
+
+    Gradients are clipped per parameter group (:func:`gradient_groups`, :func:`clip_grad_norms_`)
+    and the norms logged (``loss.csv``, tracker); a step with a non-finite gradient norm is skipped
+    (not applied) and said.
 
     The random draws of each step (noise, timesteps, condition dropout) are made for the global
     batch and sliced per process, so ``N`` processes with per-process batch ``B`` follow the run of
@@ -1628,7 +1881,8 @@ def train(config: dict) -> dict[str, Any]:
         main one): ``final_dir``, ``steps``, ``final_loss`` (mean of the last ``log_every`` steps),
         ``wall_time_s``, ``step_time_s``, ``step_cpu_time_s``, ``num_parameters``,
         ``num_trainable_parameters``, ``family``, ``objective``, ``trainable``, ``mhla``,
-        ``mhla_layers``, ``mixing_range``, ``batch_size`` (global), ``eval_loss_start`` /
+        ``mhla_layers``, ``mixing_range``, ``batch_size`` (global), ``skipped_steps`` (steps not
+        applied: a non-finite gradient norm), ``eval_loss_start`` /
         ``eval_loss`` (held-out data loss before / after, see :func:`evaluate_heldout`; ``None``
         unless ``eval.samples > 0``), ``eval_distill_start`` / ``eval_distill`` (held-out MSE to the
         teacher's output; ``None`` without teacher).
@@ -1637,7 +1891,9 @@ def train(config: dict) -> dict[str, Any]:
         ValueError: invalid config (see :func:`load_config`), a dataset smaller than one batch,
             ``resume`` without a complete checkpoint (or checkpoints without ``resume``), ``resume``
             with the latest checkpoint or the finished run (``train_summary.json``) past
-            ``max_steps`` (these are raised before anything is written), a non-finite loss.
+            ``max_steps``, ``resume`` with a changed setting that shapes the trained parameters
+            (these are raised before anything is written), a checkpoint that does not load into the
+            model this config builds, a non-finite loss.
     """
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, set_seed
@@ -1694,9 +1950,10 @@ def train(config: dict) -> dict[str, Any]:
         )
         accelerator.end_training()
         return finished if accelerator.is_main_process else {}
+    # A resume with settings that shape the trained parameters changed is refused here, by name.
+    changes = _check_resume_config(out, complete[-1][1], config) if t_cfg["resume"] else {}
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        _atomic_write_bytes(out / "config.yaml", yaml.safe_dump(config, sort_keys=False).encode())
     set_seed(int(t_cfg["seed"]))  # model init (from scratch) and anything else seeded globally
 
     # Models, dtypes, data.
@@ -1751,6 +2008,7 @@ def train(config: dict) -> dict[str, Any]:
         eps=float(t_cfg["adam_eps"]),
     )
     trainable_params = [p for p in transformer.parameters() if p.requires_grad]
+    clip_groups = gradient_groups(transformer)  # clipped and logged one by one (clip_grad_norms_)
     # accelerate steps a prepared lr scheduler once per process per optimizer step.
     lr_scheduler = get_scheduler(
         t_cfg["lr_scheduler"], optimizer=optimizer,
@@ -1781,7 +2039,19 @@ def train(config: dict) -> dict[str, Any]:
     accelerator.wait_for_everyone()
     if t_cfg["resume"]:
         step, folder = complete[-1]
-        accelerator.load_state(str(folder))
+        fresh = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        try:
+            accelerator.load_state(str(folder))
+        except (RuntimeError, ValueError, KeyError) as err:
+            changed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
+            raise ValueError(
+                f"checkpoint {folder} does not fit the model built from this config ({type(err).__name__}: "
+                f"{' '.join(str(err).split())[:300]}). The settings that shape the trained parameters (model, mhla, "
+                f"train.trainable, train.train_mixing, lora) must be the run's own; "
+                + (f"changed since the checkpoint: {changed}" if changed else "the checkpoint records no config to compare with")
+                + ". Set them back to resume, or train into a new output_dir."
+            ) from err
+        applied = _apply_optimizer_settings(optimizer, lr_scheduler, fresh)
         if ema is not None:
             _load_ema(ema, folder)
         accelerator.project_configuration.iteration = int(folder.name.split("_")[-1]) + 1
@@ -1791,6 +2061,13 @@ def train(config: dict) -> dict[str, Any]:
             accelerator.print(f"resumed from {folder} at step {step} = train.max_steps: nothing left to train, exporting")
         else:
             accelerator.print(f"resumed from {folder} at step {step}")
+        if changes:
+            accelerator.print("settings changed since the checkpoint, in effect from here: "
+                              + "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items()))
+        if applied:
+            accelerator.print("the optimizer takes this config's settings, not the checkpoint's: " + "; ".join(applied))
+    if accelerator.is_main_process:  # the settings this run trains with (after a resume: the applied ones)
+        _atomic_write_bytes(out / "config.yaml", yaml.safe_dump(config, sort_keys=False).encode())
     if t_cfg["report_to"]:
         accelerator.init_trackers("mhla_finetune", config=_flat_config(config))
 
@@ -1828,6 +2105,11 @@ def train(config: dict) -> dict[str, Any]:
     progress = tqdm(total=max_steps, initial=step, desc="train", disable=not accelerator.is_local_main_process, dynamic_ncols=True)
     log_every = int(t_cfg["log_every"])
     grad_clip = t_cfg["grad_clip"]
+    # Gradient norms are clipped per group (clip_grad_norms_), except where accelerate clips sharded or
+    # engine-managed gradients itself: there the global norm is clipped (and logged as "all").
+    per_group_clip = accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.XLA)
+    if not per_group_clip:
+        accelerator.print(f"{accelerator.distributed_type}: train.grad_clip clips the global gradient norm, not each parameter group's")
     dropout = recipe.dropout(config)
     seed = int(t_cfg["seed"])
     t_start, cpu_start = time.perf_counter(), time.process_time()
@@ -1854,9 +2136,13 @@ def train(config: dict) -> dict[str, Any]:
                 if not torch.isfinite(loss):
                     raise ValueError(f"non-finite loss {loss.item()} at step {step + 1}; lower train.lr or use mixed_precision=no")
                 accelerator.backward(loss)
-                if accelerator.sync_gradients and grad_clip:
-                    accelerator.clip_grad_norm_(model.parameters(), grad_clip)
-                optimizer.step()
+                norms, skip = {}, False
+                if accelerator.sync_gradients:
+                    norms = _clip_gradients(accelerator, model, clip_groups, grad_clip, per_group_clip)
+                    # A non-finite gradient is not applied (with fp16, the GradScaler skips the update itself).
+                    skip = accelerator.scaler is None and not all(math.isfinite(v) for v in norms.values())
+                if not skip:
+                    optimizer.step()
                 lr_scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             step_losses.append(loss.detach().float())
@@ -1864,20 +2150,26 @@ def train(config: dict) -> dict[str, Any]:
             micro += 1
             if not accelerator.sync_gradients:
                 continue
-            # One optimizer step done.
+            # One optimizer step done (or skipped: the weights keep their values, the EMA does not move).
+            skipped = skip or accelerator.optimizer_step_was_skipped
             mixing_module.clamp_mixing_(transformer)  # MHLA paper Sec. 3.3: mixing coefficients kept in [0, 1]
-            if ema is not None:
+            if ema is not None and not skipped:
                 ema.step(trainable_params)
             step += 1
             steps_this_run += 1
+            if skipped and accelerator.is_main_process:
+                bad = ", ".join(k for k, v in norms.items() if not math.isfinite(v)) or "a parameter group"
+                tqdm.write(f"step {step} skipped: non-finite gradient norm in {bad}"
+                           + (" (the fp16 GradScaler lowers its scale)" if accelerator.scaler is not None else " (the weights keep their values)"))
             names = sorted(step_terms[0])
             local = torch.stack([torch.stack(step_losses).mean()] + [torch.stack([t[k] for t in step_terms]).mean() for k in names])
             reduced = accelerator.reduce(local, reduction="mean").tolist()
             mean_loss, term_values = reduced[0], dict(zip(names, reduced[1:]))
             lr_now = lr_scheduler.get_last_lr()[0]
-            rows.append((step, mean_loss, lr_now, term_values))
+            rows.append((step, mean_loss, lr_now, term_values, norms))
             if t_cfg["report_to"]:
-                accelerator.log({"loss": mean_loss, "lr": lr_now, **{f"loss_{k}": v for k, v in term_values.items()}}, step=step)
+                accelerator.log({"loss": mean_loss, "lr": lr_now, **{f"loss_{k}": v for k, v in term_values.items()},
+                                 **{f"grad_norm/{k}": v for k, v in norms.items()}}, step=step)
             micro, step_losses, step_terms = 0, [], []
             progress.update(1)
             if step % log_every == 0 or step == max_steps:
@@ -1895,7 +2187,8 @@ def train(config: dict) -> dict[str, Any]:
                     if ema is not None:
                         _save_ema(ema, folder)
                     # Written last: marks the checkpoint complete (resume ignores folders without it).
-                    _atomic_write_json(folder / TRAIN_STATE, {"step": step, "epoch": epoch})
+                    # with the config it was trained with: a resume compares its own against it
+                    _atomic_write_json(folder / TRAIN_STATE, {"step": step, "epoch": epoch, "config": config})
                 accelerator.wait_for_everyone()
             if step >= max_steps:
                 break
@@ -1958,6 +2251,8 @@ def train(config: dict) -> dict[str, Any]:
             "mhla_layers": len(mixing),
             "mixing_range": [min(float(p.detach().min()) for p in mixing), max(float(p.detach().max()) for p in mixing)] if mixing else None,
             "batch_size": batch_size * accelerator.num_processes * accum,
+            # steps whose update was not applied (a non-finite gradient norm; see loss.csv's grad_norm_* columns)
+            "skipped_steps": [r[0] for r in rows if len(r) > 4 and any(not math.isfinite(v) for v in r[4].values())],
             "eval_loss_start": eval_start.get("loss"),  # None when eval.samples = 0 or when resumed
             "eval_loss": eval_end.get("loss"),
             "eval_distill_start": eval_start.get("distill_output"),
