@@ -12,6 +12,7 @@ import torch
 
 __all__ = [
     "GenerationError",
+    "check_device",
     "resolve_class_labels",
     "generate_class_images",
     "generate_text_images",
@@ -39,10 +40,36 @@ def _prepare(checkpoint, pipe, steps: int, dtype: str, device: str | None):
         raise GenerationError(f"steps must be >= 1; got {steps}")
     if dtype not in _DTYPES:
         raise GenerationError(f"dtype must be one of {sorted(_DTYPES)}; got {dtype!r}")
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = check_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if pipe is None:
         pipe = load_mhla_pipeline(checkpoint, torch_dtype=_DTYPES[dtype])
     return pipe, device
+
+
+def check_device(device: str) -> str:
+    """Return ``device`` (e.g. ``"cpu"``, ``"cuda"``, ``"cuda:1"``) if this torch can run on it.
+
+    Raises:
+        GenerationError: an unknown device string, CUDA asked of a torch without CUDA (a CPU-only
+            build, or no GPU found), a CUDA index past the GPUs there are, another device that
+            cannot hold a tensor here. Checked before anything is loaded.
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as err:
+        raise GenerationError(f"unknown device {device!r} ({err}); use cpu or cuda") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU-only build" if torch.version.cuda is None else "no CUDA GPU was found"
+            raise GenerationError(f"device {device!r}: CUDA is not available ({why}); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise GenerationError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA device(s), 0 to {torch.cuda.device_count() - 1}")
+        return device
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError) as err:
+        raise GenerationError(f"device {device!r} is not available here ({err}); use --device cpu") from None
+    return device
 
 
 def resolve_class_labels(pipe, labels: Sequence[int | str]) -> list[int]:

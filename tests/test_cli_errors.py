@@ -5,6 +5,7 @@ written, nothing computed): conversion/convert.py --layers selecting no layer, p
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers import load_script, run_main, tiny_dit_pipeline
 
@@ -140,3 +141,28 @@ def test_generate_cli_refuses_bad_rows_and_an_unwritable_folder_before_generatin
     code, err = run_main("pipelines/generate.py", "--checkpoint", base_pipeline, "--class-labels", "1",
                          "--out", tmp_path / "file" / "sub" / "a.png", capsys=capsys)
     assert code == 2 and "is a file, not a folder" in err, err
+
+
+# generation: the device
+
+
+_DEVICES = [("gpu", "unknown device 'gpu'"), ("cuda:99", "device 'cuda:99'")]
+if not torch.cuda.is_available():  # the issue's case: --device cuda on a CPU-only torch
+    _DEVICES.append(("cuda", "device 'cuda': CUDA is not available"))
+
+
+@pytest.mark.parametrize("device, message", _DEVICES)
+def test_generate_cli_refuses_an_unusable_device_before_loading(base_pipeline, tmp_path, capsys, monkeypatch, device, message):
+    """--device cuda on a CPU-only torch ended in an uncaught AssertionError ("Torch not compiled with
+    CUDA enabled") at pipe.to(device): now exit 2 with a message, before the pipeline is loaded."""
+    from mhla_diffusers import checkpoint
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the pipeline was loaded before --device was checked")
+
+    monkeypatch.setattr(checkpoint, "load_mhla_pipeline", no_load)
+    for kind in (["--class-labels", "1"], ["--prompt", "a cat"]):
+        code, err = run_main("pipelines/generate.py", "--checkpoint", base_pipeline, *kind, "--steps", "1",
+                             "--device", device, "--out", tmp_path / "a.png", capsys=capsys)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not list(tmp_path.iterdir())
