@@ -189,6 +189,49 @@ def test_kernels_compile_for_sm90():
     assert {r["kernel"] for r in rows if r["rotary"]} == kernels
 
 
+def _recorded_launches(batch, layout, heads, d, dtype):
+    """The CUDA launches (kernel, grid, args by name, meta) of a forward + backward, recorded, not run."""
+    from mhla_diffusers.ops import triton_ops
+
+    q, k, v = (torch.zeros(batch, layout.num_tokens, heads, d, dtype=dtype).transpose(1, 2).requires_grad_() for _ in range(3))
+    mixing = torch.rand(layout.num_blocks, layout.num_blocks).requires_grad_()
+    triton_ops._RECORD = []
+    try:
+        out = triton_ops._MHLATriton.apply(q, k, v, mixing, layout, True, 1e-6, True, None, True)
+        out.backward(torch.zeros_like(out))
+        return [(kernel.__name__, grid, dict(zip(kernel.arg_names, args)), meta) for kernel, grid, args, meta in triton_ops._RECORD]
+    finally:
+        triton_ops._RECORD = None
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_launches_do_not_depend_on_the_batch(dtype):
+    """C03 on a GPU, checked without one: every choice that sets an order of summation (tile sizes,
+    warps, token splits of a block, the mixing GEMM's tiles and per-sample strips) is the same for a
+    sample alone and in batches of 2 and 40; only the grid's batch axis and the batch-wide counts
+    (``BH`` = batch x heads, ``NCOL`` = batch x columns per sample) grow with the batch. Long blocks,
+    few heads: the case where the kernels split blocks (4 splits of 256 tokens per 1024-token block)."""
+    from mhla_diffusers import BlockLayout
+
+    layout = BlockLayout((64, 64), (2, 2))
+    alone = _recorded_launches(1, layout, 2, 64, dtype)
+    assert any(args.get("P", 1) > 1 for _, _, args, _ in alone), "the case no longer splits blocks"
+    for batch in (2, 40):
+        launches = _recorded_launches(batch, layout, 2, 64, dtype)
+        assert [x[0] for x in launches] == [x[0] for x in alone]
+        for (name, grid, args, meta), (_, grid1, args1, meta1) in zip(launches, alone):
+            assert meta == meta1, name
+            grid, grid1 = (*grid, 1)[:2], (*grid1, 1)[:2]
+            assert (grid[0], grid[1]) == (grid1[0], grid1[1] * batch), (name, grid, grid1)
+            scalars = {key: value for key, value in args.items() if not isinstance(value, torch.Tensor)}
+            expected = {key: value for key, value in args1.items() if not isinstance(value, torch.Tensor)}
+            for key in ("BH", "NCOL"):
+                if key in expected:
+                    expected[key] *= batch
+            assert scalars == expected, name
+
+
 @needs_triton
 def test_gpu_check_script_smoke(tmp_path):
     """benchmarks/gpu_check.py --device cpu --interpret: all code paths, JSON + markdown written, no diffusers imported."""

@@ -333,6 +333,32 @@ def run_case(c, torch, ops, layout_cls):
     return result
 
 
+def _batch_invariance(torch, ops, layout_cls):
+    """C03 for the kernels (see tests/batch_check.py); the differences found, as text ('' when none)."""
+    from batch_check import differences, mhla_runner
+
+    from mhla_diffusers.ops import triton_ops
+
+    found = []
+    # one head, two blocks: few programs (each costs ~1 ms per op in the interpreter)
+    for grid, block_grid, heads, d, dv, memory, split in (((5, 6), (1, 2), 1, 16, 16, "contiguous", None),
+                                                         ((7, 6), (1, 2), 1, 8, 5, "bnhd", 16)):
+        layout = layout_cls(grid, block_grid)
+        n = layout.num_tokens
+        sample = [torch.randn(1, heads, n, w) for w in (d, d, dv, dv)]
+        saved = triton_ops._INTERPRET_SPLIT_TOKENS, triton_ops._INTERPRET_BLOCK_T, triton_ops._INTERPRET_MIX_BLOCKS
+        if split:  # 2 splits and tiles per block of 21 tokens, mixing strips of 16 columns (3 per sample, the last partial)
+            triton_ops._INTERPRET_SPLIT_TOKENS = triton_ops._INTERPRET_BLOCK_T = split
+            triton_ops._INTERPRET_MIX_BLOCKS = (16, 16, 16)
+        try:
+            run = mhla_runner(ops.mhla_attention, torch.rand(layout.num_blocks, layout.num_blocks), layout, memory=memory,
+                              backend="triton")
+            found += [f"{grid}/{block_grid}: {line}" for line in differences(run, sample)]
+        finally:
+            triton_ops._INTERPRET_SPLIT_TOKENS, triton_ops._INTERPRET_BLOCK_T, triton_ops._INTERPRET_MIX_BLOCKS = saved
+    return "; ".join(found)
+
+
 def extra_checks(torch, ops, layout_cls):
     """Checks that are not comparisons: an empty batch, batch invariance (C03), inputs unchanged, determinism;
     torch.compile around the kernels (fused RoPE) and opcheck of the custom operator with the Triton backend."""
@@ -342,17 +368,10 @@ def extra_checks(torch, ops, layout_cls):
     out = ops.mhla_attention(*(torch.randn(0, 2, 63, 8) for _ in range(3)), mixing, layout, backend="triton")
     res["empty_batch_shape_ok"] = tuple(out.shape) == (0, 2, 63, 8)
     sample = [torch.randn(1, 3, 63, 16) for _ in range(3)]
-    alone = ops.mhla_attention(*sample, mixing, layout, backend="triton")
-    same = True
-    for pos in range(3):
-        batch = []
-        for x in sample:
-            others = torch.randn(3, *x.shape[1:])
-            others[pos] = x[0]
-            batch.append(others)
-        out = ops.mhla_attention(*batch, mixing, layout, backend="triton")
-        same &= bool(torch.equal(out[pos : pos + 1], alone))
-    res["batch_invariant_bitwise"] = same
+    # C03: a sample alone and at every position of batches of 1, 2, 3, 5: output, dq, dk, dv bitwise
+    # (tests/batch_check.py); once with the interpreter's large tiles, once with split blocks,
+    # several tiles per block and several mixing strips per sample, uneven d_v and diffusers' layout.
+    res["batch_invariant_bitwise"] = _batch_invariance(torch, ops, layout_cls) or True  # else: the differences
     copies = [t.clone() for t in sample]
     leaves = [t.clone().requires_grad_() for t in sample] + [mixing.clone().requires_grad_()]
     out1 = ops.mhla_attention(*leaves[:3], leaves[3], layout, backend="triton")

@@ -16,12 +16,14 @@ Kernels (a program never reads a token of another block; no atomics, so results 
 deterministic and do not depend on the launch order):
 
     _fwd_summaries   grid (M * P, B * H): a program walks the tokens of one split of one block
-                     (``P`` splits per block, usually 1), gathering rows of k and v through the
+                     (``P`` splits per block, usually 1; ``P`` depends on one sample's shape only),
+                     gathering rows of k and v through the
                      layout's block-major token order (tokens of a block are not contiguous in
                      token order), applying phi at load, accumulating S and z in fp32 (fp64 for
                      fp64 inputs). Writes ``[P, M, B*H, d, d_v]`` partial summaries.
-    _mix_gemm        ``S~ = Mc S``, ``z~ = Mc z`` as one ``[M, P*M] x [P*M, B*H*d*d_v]`` GEMM over all
-                     heads (``Mc`` repeated over the splits, so it also sums them); fp32 (fp64).
+    _mix_gemm        grid (strips, B): ``S~ = Mc S``, ``z~ = Mc z`` as a ``[M, P*M] x [P*M, H*d*d_v]``
+                     GEMM per sample over all its heads (``Mc`` repeated over the splits, so it also
+                     sums them), in column strips counted from the sample's first column; fp32 (fp64).
     _fwd_output      grid (M * tiles, B * H): a tile of a block's queries; phi at load; numerator
                      ``phi(q) S~`` and denominator ``phi(q) . z~ + eps`` in fp32; the output is
                      written once, in the input dtype, in place in token order.
@@ -59,6 +61,16 @@ Layouts: any :class:`~mhla_diffusers.BlockLayout` (uneven blocks, partial tiles,
 Inputs: any strides (diffusers' ``[B, N, H, d]`` viewed as ``[B, H, N, d]`` is read in place; the
 output and the input gradients take that memory layout too), dtypes may differ between q, k, v.
 Configs are fixed per head dim (no autotuning).
+
+Batch invariance by construction (CASES C03: CFG runs cond + uncond in one batch): every choice
+that sets an order of summation -- tile sizes, the token splits ``P`` of a block, the mixing
+GEMM's tiles and strips -- is made from one sample's shape (block lengths, heads x blocks, head
+dims, dtype, device), never from the batch size, and every program works on one sample only, on
+tiles whose shape and content do not depend on where the sample sits in the batch. A sample's
+output, dq, dk and dv are therefore the same bits alone and at any position of any batch (only
+``dMc``, a sum over the batch, depends on the other samples). Under the interpreter this matters
+too: ``tl.dot`` runs numpy's BLAS, whose result for a column can depend on the column's place in
+the matrix (OpenBLAS Haswell/Zen kernels), so a sample's tiles must sit at the same places.
 """
 
 from __future__ import annotations
@@ -80,9 +92,15 @@ __all__ = ["mhla_attention_triton", "interpreter_enabled", "check_supported", "t
 
 MAX_HEAD_DIM = 128
 
-# Programs the summary kernels aim for on a GPU before they split blocks (P > 1): ~2 waves on an
-# H100/H200 (132 SMs). Under the interpreter every program costs ~1 ms per op, so no splitting
-# unless a test asks for it through _INTERPRET_SPLIT_TOKENS.
+# Programs per sample (heads x blocks x splits) the summary kernels aim for on a GPU before they
+# split blocks (P > 1): ~2 waves on an H100/H200 (132 SMs) for ONE sample, so batch-1 inference
+# fills the GPU; larger batches only have more programs. Counted per sample, never per batch: the
+# splits set the order in which a block's tokens are summed, so they must not depend on the batch
+# (module docstring). A split holds >= _MIN_SPLIT_TOKENS tokens, which bounds the extra traffic of
+# the partial summaries (written and read back once: 2 * 4 d d_v bytes per split) to
+# <= 256 / split of the summary pass's reads at d = d_v = 128 in bf16 (<= 1x at 256 tokens).
+# Under the interpreter every program costs ~1 ms per op, so no splitting unless a test asks for
+# it through _INTERPRET_SPLIT_TOKENS.
 _TARGET_PROGRAMS = 264
 _MIN_SPLIT_TOKENS = 256
 _INTERPRET_SPLIT_TOKENS: int | None = None  # tests: force splits of this many tokens under the interpreter
@@ -371,19 +389,25 @@ def _bwd_key(
 
 @triton.jit
 def _mix_gemm(
-    a_ptr, b_ptr, c_ptr, R, K, NCOL, sar, sak,
+    a_ptr, b_ptr, c_ptr, R, K, NCOL, COLS, sar, sak,
     ACC: tl.constexpr, PREC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """C[R, NCOL] = A[R, K] @ B[K, NCOL] (A strided, B and C contiguous): the block mixing S~ = Mc S over all heads.
 
-    One program per column strip of C, looping over its row tiles: the strip of B it reads again
-    for the next row tile is still in cache, and the grid has no axis that could exceed 65535.
+    The ``NCOL`` columns are ``B`` samples of ``COLS`` each. One program per column strip of one
+    sample (grid axis 0: strips, axis 1: sample), strips counted from the sample's first column
+    and masked at its last: a sample's tiles are the same whatever its place in the batch (batch
+    invariance, module docstring). A program loops over the row tiles: the strip of B it reads
+    again for the next row tile is still in cache. Grid axis 1 (the batch, at most 65535 on CUDA)
+    is never longer than the other kernels' (batch x heads).
     """
     pid_n = tl.program_id(0)
-    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    sample = tl.program_id(1)
+    col = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = sample.to(tl.int64) * COLS + col
     offs_k = tl.arange(0, BLOCK_K)
-    mask_n = offs_n < NCOL
+    mask_n = col < COLS
     for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = offs_r < R
@@ -454,7 +478,12 @@ def _config(d: int, dv: int, length: int, device: torch.device, prec: str) -> di
 
 
 def _split_tokens(length: int, programs: int, block_t: int, device: torch.device) -> int:
-    """Tokens per split of a block (a multiple of ``block_t``) for the kernels that reduce over a block."""
+    """Tokens per split of a block (a multiple of ``block_t``) for the kernels that reduce over a block.
+
+    ``programs``: programs of ONE sample without splits (heads x blocks), never of the batch: the
+    split sets the summation order of a block, so a sample alone and in a batch must get the same
+    (see ``_TARGET_PROGRAMS``).
+    """
     if not _on_gpu(device):
         target = _INTERPRET_SPLIT_TOKENS or length
     else:
@@ -469,13 +498,16 @@ def _precision(*tensors: torch.Tensor) -> str:
     return "tf32" if any(t.dtype in _LOW_PRECISION for t in tensors) else "ieee"
 
 
-def _mix(mix: torch.Tensor, parts: torch.Tensor, prec: str) -> torch.Tensor:
-    """``Mc @ sum_p parts[p]`` over the block axis, all heads at once: ``[P, M, ...] -> [M, ...]``.
+def _mix(mix: torch.Tensor, parts: torch.Tensor, prec: str, batch: int) -> torch.Tensor:
+    """``Mc @ sum_p parts[p]`` over the block axis, all heads at once: ``[P, M, B*H, ...] -> [M, B*H, ...]``.
 
-    One GEMM ``[M, P*M] x [P*M, B*H*d*d_v]`` with ``Mc`` repeated ``P`` times along its columns, so
-    the partial summaries of split blocks are summed by the same product. By the ``_mix_gemm``
-    kernel: TF32 tensor cores for fp16/bf16 inputs (``prec``; torch's fp32 matmul would run
-    full-fp32 SIMT, the slowest step of the forward at the Wan shape), full fp32 / fp64 otherwise.
+    Per sample, one GEMM ``[M, P*M] x [P*M, H*d*d_v]`` with ``Mc`` repeated ``P`` times along its
+    columns, so the partial summaries of split blocks are summed by the same product; the
+    ``batch`` samples are the second grid axis of one launch, and tiles are counted per sample
+    (batch invariance: module docstring). By the ``_mix_gemm`` kernel: TF32 tensor cores for
+    fp16/bf16 inputs (``prec``; torch's fp32 matmul would run full-fp32 SIMT, the slowest step of
+    the forward at the Wan shape), full fp32 / fp64 otherwise. Tile sizes depend on ``M``, ``P``
+    and the device only.
     """
     p, m = parts.shape[0], parts.shape[1]
     a = mix if p == 1 else mix.repeat(1, p)
@@ -484,20 +516,31 @@ def _mix(mix: torch.Tensor, parts: torch.Tensor, prec: str) -> torch.Tensor:
     out = torch.empty(parts.shape[1:], dtype=parts.dtype, device=parts.device)
     if ncol == 0:
         return out
+    cols = ncol // batch  # columns of one sample: H * d * d_v (or H * d)
     if _on_gpu(parts.device):
         block_r, block_k, block_n, warps = 64, 32, 128, 4
     elif _INTERPRET_MIX_BLOCKS is not None:  # tests: several row tiles, K steps and column strips
         (block_r, block_k, block_n), warps = _INTERPRET_MIX_BLOCKS, 4
-    else:  # interpreter: few, large programs
-        block_r, block_k, block_n, warps = _next_pow2(min(m, 256)), _next_pow2(min(p * m, 256)), 4096, 4
-    grid = (triton.cdiv(ncol, block_n),)
+    else:  # interpreter: few, large programs (one strip per sample up to 4096 columns)
+        block_r, block_k, block_n, warps = _next_pow2(min(m, 256)), _next_pow2(min(p * m, 256)), _next_pow2(min(cols, 4096)), 4
     _launch(
-        _mix_gemm, grid,
-        a, b, out, m, p * m, ncol, a.stride(0), a.stride(1),
+        _mix_gemm, (triton.cdiv(cols, block_n), batch),
+        a, b, out, m, p * m, ncol, cols, a.stride(0), a.stride(1),
         ACC=_TL_DTYPE[parts.dtype], PREC=prec, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n,
         num_warps=warps, num_stages=3,
     )
     return out
+
+
+def _sum_parts(parts: torch.Tensor) -> torch.Tensor:
+    """``sum_p parts[p]`` of ``[P, ...]`` partial sums, added in the order ``p = 0, 1, ...`` element by
+    element (a reduction kernel over ``P`` may pick its order by the total size, which grows with the batch)."""
+    total = parts[0]
+    if parts.shape[0] > 1:
+        total = total.clone()
+        for part in parts[1:]:
+            total += part
+    return total
 
 
 def _device_of(x: torch.Tensor):
@@ -536,7 +579,7 @@ class _MHLATriton(torch.autograd.Function):
         out = _empty_like_layout(q, dv, q.dtype)
         cos, sin = rotary.tables(device, acc) if rotary is not None else (order, order)  # placeholders when unused
 
-        split = _split_tokens(length, bh * m, cfg["BLOCK_T"], device)
+        split = _split_tokens(length, heads * m, cfg["BLOCK_T"], device)
         parts = -(-length // split)
         s_parts = torch.empty(parts, m, bh, d, dv, dtype=acc, device=device)
         z_parts = torch.empty(parts, m, bh, d, dtype=acc, device=device) if normalize else s_parts
@@ -548,8 +591,8 @@ class _MHLATriton(torch.autograd.Function):
             FEATURE_MAP=feature_map, NORMALIZE=normalize, ROTARY=rotary is not None, ACC=_TL_DTYPE[acc], DOT=_TL_DTYPE[dot], PREC=prec,
             BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
-        s_mix = _mix(mix, s_parts, prec)
-        z_mix = _mix(mix, z_parts, prec) if normalize else s_mix
+        s_mix = _mix(mix, s_parts, prec, batch)
+        z_mix = _mix(mix, z_parts, prec, batch) if normalize else s_mix
 
         tiles = -(-length // cfg["BLOCK_T"])
         _launch(
@@ -561,8 +604,8 @@ class _MHLATriton(torch.autograd.Function):
             BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         if need_grad:  # the un-mixed summaries (for dMc and the recomputed S~)
-            s = s_parts[0] if parts == 1 else s_parts.sum(0)
-            z = (z_parts[0] if parts == 1 else z_parts.sum(0)) if normalize else None
+            s = _sum_parts(s_parts)
+            z = _sum_parts(z_parts) if normalize else None
             ctx.save_for_backward(q, k, v, mixing, s, z)
             ctx.layout, ctx.normalize, ctx.eps, ctx.feature_map, ctx.rotary = layout, normalize, eps, feature_map, rotary
         return out
@@ -582,12 +625,12 @@ class _MHLATriton(torch.autograd.Function):
         cfg = _config(d, dv, length, device, prec)
         mix = mixing.to(device=device, dtype=acc)
         eps_t = torch.full((1,), eps, dtype=acc, device=device)
-        s_mix = _mix(mix, s[None], prec)
-        z_mix = _mix(mix, z[None], prec) if normalize else s_mix
+        s_mix = _mix(mix, s[None], prec, batch)
+        z_mix = _mix(mix, z[None], prec, batch) if normalize else s_mix
         cos, sin = rotary.tables(device, acc) if rotary is not None else (order, order)
 
         dq = _empty_like_layout(q, d, q.dtype) if need_q else s_mix  # placeholder pointer when unused
-        split = _split_tokens(length, bh * m, cfg["BLOCK_T_BWD"], device)
+        split = _split_tokens(length, heads * m, cfg["BLOCK_T_BWD"], device)
         parts = -(-length // split)
         ds_parts = torch.empty(parts, m, bh, d, dv, dtype=acc, device=device)
         dz_parts = torch.empty(parts, m, bh, d, dtype=acc, device=device) if normalize else ds_parts
@@ -602,8 +645,8 @@ class _MHLATriton(torch.autograd.Function):
         )
         dmix = None
         if need_mix:  # dMc[i, j] = sum over batch and heads of <dS~_i, S_j> (+ <dz~_i, z_j>): torch GEMMs
-            ds_mix = ds_parts[0] if parts == 1 else ds_parts.sum(0)
-            dz_mix = (dz_parts[0] if parts == 1 else dz_parts.sum(0)) if normalize else None
+            ds_mix = _sum_parts(ds_parts)
+            dz_mix = _sum_parts(dz_parts) if normalize else None
             dmix = torch.mm(ds_mix.reshape(m, -1), s.reshape(m, -1).t())
             if normalize:
                 dmix += torch.mm(dz_mix.reshape(m, -1), z.reshape(m, -1).t())
@@ -612,8 +655,8 @@ class _MHLATriton(torch.autograd.Function):
         dk = dvv = None
         if need_k or need_v:
             mix_t = mix.t()
-            ds = _mix(mix_t, ds_parts, prec)
-            dz = _mix(mix_t, dz_parts, prec) if normalize else ds
+            ds = _mix(mix_t, ds_parts, prec, batch)
+            dz = _mix(mix_t, dz_parts, prec, batch) if normalize else ds
             dk = _empty_like_layout(k, d, k.dtype) if need_k else ds
             dvv = _empty_like_layout(v, dv, v.dtype) if need_v else ds
             tiles = -(-length // cfg["BLOCK_T"])
