@@ -26,6 +26,16 @@ the input gradients) take the memory layout of ``q`` (diffusers' ``[B, N, H, d]`
 ``[B, H, N, d]`` stays that way, so the caller's ``transpose(1, 2).reshape(B, N, H * d)`` costs
 nothing). On CUDA a chunk is a whole batch element (all heads, all blocks).
 
+Batch invariance by construction (CASES C03: CFG runs cond + uncond in one batch): the batch is a
+Python loop, never a GEMM dimension (cuBLAS and MKL may pick another kernel, or split-K, for
+another batch count or row count), and every operation of a sample has the same shapes and
+strides, and its GEMM operands and results the same address alignment, whatever the batch size
+and the sample's position: chunks depend on the layout, heads, head dims and dtype only; GEMM
+operands are workspace copies (never views of the caller's tensor at the sample's offset); the
+per-sample tensors kept for the backward (``_per_sample``) start at multiples of 512 bytes.
+A sample's output, dq, dk and dv are thus the same bits alone and at any place in any batch;
+only ``dMc``, a sum over the batch, depends on the other samples.
+
 The backward recomputes the gathered operands chunk by chunk from ``q, k, v`` (the forward saves
 only the inputs, the output, the per-token denominator and the un-mixed summaries), with, for a
 query in block i (``a = phi(q)``, ``g`` the output gradient, ``den = a . z~_i + eps``):
@@ -202,7 +212,9 @@ def _load(x, b, c: _Chunk, plan: _Plan, ws: _Workspace, name: str, *, relu=False
     """Step 1 for one chunk: ``x[b, h0:h1]`` ``[G, N, w]`` -> block-major ``[G, m1 - m0, L, w]`` in the workspace.
 
     ``relu`` applies phi in place (on the copy, never on ``x``); ``mask_pad`` zeroes padded slots.
-    ``copy=False`` may return a view of ``x`` itself (identity layouts, same dtype, read-only use).
+    ``copy=False`` may return a view of ``x`` itself (identity layouts, same dtype, read-only use)
+    and is for elementwise use only: a GEMM operand is always a workspace copy, so that its
+    address does not depend on the sample's place in the batch (module docstring).
     """
     g, w = c.h1 - c.h0, x.shape[-1]
     shape = (g, c.m1 - c.m0, plan.length, w)
@@ -253,6 +265,21 @@ def _empty_like_layout(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch
     return torch.empty(b, h, n, width, dtype=dtype, device=x.device)
 
 
+# Per-sample tensors kept for the backward start at multiples of this many bytes (the CUDA
+# caching allocator's alignment; CPU allocations are 64-byte aligned): a sample's GEMMs then see
+# the same address alignment alone and at any place in a batch.
+_SAMPLE_ALIGN_BYTES = 512
+
+
+def _per_sample(batch: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An empty ``[batch, *shape]`` tensor, each sample contiguous and starting ``_SAMPLE_ALIGN_BYTES``-aligned
+    relative to the first (the batch stride is rounded up; at most 511 bytes per sample unused)."""
+    numel = math.prod(shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    step = -(-numel * itemsize // _SAMPLE_ALIGN_BYTES) * _SAMPLE_ALIGN_BYTES // itemsize
+    return torch.empty(batch, max(step, 1), dtype=dtype, device=device)[:, :numel].view(batch, *shape)
+
+
 def _mix(mixing: torch.Tensor, summaries: torch.Tensor, ws: _Workspace, name: str) -> torch.Tensor:
     """Step 3 for a group of heads: ``Mc @ summaries[g]`` for each head ``g`` (one batched GEMM), in the workspace.
 
@@ -290,7 +317,7 @@ class _MHLA(torch.autograd.Function):
         acc, plan, groups, ws, mix = _setup(q, v, mixing, layout)
         batch, heads, n, d = q.shape
         dv, m, length = v.shape[-1], plan.num_blocks, plan.length
-        new = lambda *shape: torch.empty(shape, dtype=acc, device=q.device)  # noqa: E731
+        new = lambda *shape: _per_sample(shape[0], shape[1:], acc, q.device)  # noqa: E731
         s_all = new(batch, heads, m, d, dv) if need_grad else None
         z_all = new(batch, heads, m, d) if need_grad and normalize else None
         den_all = new(batch, heads, m, length) if need_grad and normalize else None
@@ -303,7 +330,7 @@ class _MHLA(torch.autograd.Function):
                 # Steps 1-2: per-block summaries S, z.
                 for c in group:
                     phi_k = _load(k, b, c, plan, ws, "k", relu=feature_map, mask_pad=True)
-                    v_b = _load(v, b, c, plan, ws, "v", copy=False)
+                    v_b = _load(v, b, c, plan, ws, "v")
                     torch.matmul(phi_k.transpose(-1, -2), v_b, out=s[:, c.blocks])
                     if normalize:
                         torch.sum(phi_k, dim=-2, out=z[:, c.blocks])
@@ -380,7 +407,7 @@ class _MHLA(torch.autograd.Function):
                         dv_b = torch.matmul(phi_k, ds[:, c.blocks], out=ws.get("num", (*phi_k.shape[:3], dv)))
                         _store(dv_b, dvv, b, c, ws)
                     if need_k:
-                        v_b = _load(v, b, c, plan, ws, "v", copy=False)
+                        v_b = _load(v, b, c, plan, ws, "v")
                         dphi = torch.matmul(v_b, ds[:, c.blocks].transpose(-1, -2), out=ws.get("da", phi_k.shape))
                         if normalize:
                             dphi += dz[:, c.blocks, None, :]
