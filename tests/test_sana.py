@@ -158,6 +158,22 @@ def test_one_block_equals_stock_fp32(qk_norm):
             assert _rel(got, _stock_linear()(attn, hidden)) < 1e-5, name
 
 
+def _same_clipping(got, want, exact) -> bool:
+    """``got`` and ``want`` (fp16, two computations of one output) clip the same entries to exactly
+    +-65504, except entries whose float64 value ``exact`` lies within 8 fp16 ulps (256) of a value
+    where fp16 rounding changes (65488: 65472 vs 65504; 65520: 65504 vs inf, clipped): there two
+    computations that sum in different orders may round differently, so those need only be near."""
+    a = exact.abs()
+    near = ((a - 65488.0).abs() < 256) | ((a - 65520.0).abs() < 256)
+    sat_got, sat_want = got.abs() == FP16_MAX, want.abs() == FP16_MAX
+    clear = ~near
+    return bool(
+        torch.equal(sat_got[clear], sat_want[clear])
+        and torch.equal(got[sat_got & clear], want[sat_want & clear])
+        and ((got.double() - want.double())[near].abs() <= 512).all()
+    )
+
+
 def _check_fp16_layer(attn, hidden, got, name) -> int:
     """``got`` (MHLA, M = 1) against the stock processor on the same fp16 input: identical clipping to
     +-65504, elsewhere within the stock's own fp16 error (measured against an fp64 run). Returns the
@@ -165,11 +181,12 @@ def _check_fp16_layer(attn, hidden, got, name) -> int:
     want = _stock_linear()(attn, hidden)
     exact = copy.deepcopy(attn).double()
     exact.set_processor(_stock_linear())
-    want64 = exact(hidden.double()).clamp(-FP16_MAX, FP16_MAX)
+    raw64 = exact(hidden.double())
+    want64 = raw64.clamp(-FP16_MAX, FP16_MAX)
     assert hidden.dtype == got.dtype == want.dtype == torch.float16 and torch.isfinite(got).all(), name
     sat_got, sat_want = got.abs() == FP16_MAX, want.abs() == FP16_MAX
-    assert torch.equal(sat_got, sat_want) and torch.equal(got[sat_got], want[sat_want]), name
-    inside = ~sat_want
+    assert _same_clipping(got, want, raw64), name
+    inside = ~(sat_want | sat_got)
     err = (got.double() - want.double())[inside].abs().max()
     stock_err = (want.double() - want64)[inside].abs().max()
     assert err <= 1.5 * stock_err + 1e-3, (name, err.item(), stock_err.item())
@@ -180,7 +197,7 @@ def test_one_block_equals_stock_fp16_clip_included():
     """fp16 model, N(0, 30^2) latents: the one-liner at M = 1 gives the stock model's output, every attn1
     output within the stock processor's own fp16 error. Then layer 0's to_out is scaled so that its
     output overflows fp16: MHLA clips exactly the entries the stock processor clips, to exactly +-65504
-    (the rest of that model then overflows in the residual stream, stock and MHLA alike: not compared)."""
+    (but for entries within 8 fp16 ulps of a rounding boundary: ``_same_clipping``) (the rest of that model then overflows in the residual stream, stock and MHLA alike: not compared)."""
     model = tiny_sana(num_layers=2).half()
     stock = stock_copy(model)
     model.set_attn_processor(MHLAProcessor(num_blocks=1))
@@ -700,12 +717,13 @@ def test_real_size_layer_one_block_matches_stock():
         attn16.to_out[0].weight.mul_(3e4)
         want = attn16(x.half())
         exact = copy.deepcopy(attn16).double()
-        want64 = exact(x.half().double()).clamp(-FP16_MAX, FP16_MAX)
+        raw64 = exact(x.half().double())
+        want64 = raw64.clamp(-FP16_MAX, FP16_MAX)
     got = _mhla_call(attn16, x.half(), (32, 8))
     assert got.dtype == torch.float16 and torch.isfinite(got).all()
     sat_got, sat_want = got.abs() == FP16_MAX, want.abs() == FP16_MAX
-    assert sat_want.sum() > 0 and torch.equal(sat_got, sat_want) and torch.equal(got[sat_got], want[sat_want])
-    inside = ~sat_want
+    assert sat_want.sum() > 0 and _same_clipping(got, want, raw64)
+    inside = ~(sat_want | sat_got)
     err = (got.double() - want.double())[inside].abs().max()
     stock_err = (want.double() - want64)[inside].abs().max()
     assert err <= 1.5 * stock_err, (err.item(), stock_err.item())
