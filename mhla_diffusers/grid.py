@@ -8,19 +8,24 @@ the transformer: the family's patch-embedding submodule (DiT ``pos_embed``) rece
 * on the transformer: a forward pre-hook opens a frame, a forward hook (``always_call``) closes it;
 * on its patch embedding: a forward pre-hook writes the grid into the open frame.
 
-:func:`install_grid_hooks` puts these on one model (``apply_mhla`` and ``set_attn_processor`` do);
-the first :class:`~mhla_diffusers.MHLAProcessor` created also registers one process-wide
-module pre-hook that installs them on any supported transformer the first time it runs, so the
-bare one-liner ``pipe.transformer.set_attn_processor(MHLAProcessor())`` needs no extra code.
+:func:`install_grid_hooks` puts these on one model (``apply_mhla``, ``set_attn_processor`` and
+``materialize_mhla`` do) and marks it (:func:`has_grid_hooks`: the one record of which models are
+hooked); :func:`remove_grid_hooks` (``remove_mhla``) takes all of it off again. The first
+:class:`~mhla_diffusers.MHLAProcessor` created also registers one process-wide module pre-hook
+that hooks a supported transformer the first time it runs with an ``MHLAProcessor`` on one of its
+attention layers, so the bare one-liner ``pipe.transformer.set_attn_processor(MHLAProcessor())``
+needs no extra code. A model without an ``MHLAProcessor`` is never touched (no hooks, no wrapper):
+it runs, and compiles, exactly as stock.
 Frames are thread-local and nest, so concurrent or nested models do not see each other's grid.
-:func:`token_grid` publishes a grid by hand (for attention modules called outside a transformer).
+Every thread starts with an empty frame list (never created on first use: under torch.compile that
+would recompile the second call). :func:`token_grid` publishes a grid by hand (for attention
+modules called outside a transformer).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-import weakref
 from typing import Iterator, Sequence
 
 import torch
@@ -29,10 +34,15 @@ from torch import nn
 from .families import find_family
 from .layout import normalize_grid
 
-__all__ = ["install_grid_hooks", "remove_grid_hooks", "current_grid", "token_grid", "ensure_global_hook"]
+__all__ = [
+    "install_grid_hooks",
+    "remove_grid_hooks",
+    "has_grid_hooks",
+    "current_grid",
+    "token_grid",
+    "ensure_global_hook",
+]
 
-_local = threading.local()
-_HOOKED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _global_handle = None
 
 
@@ -44,11 +54,20 @@ class _Frame:
         self.grid = grid
 
 
+class _ThreadFrames(threading.local):
+    """Per-thread stack of open frames. ``__init__`` runs once in every thread that touches it, so
+    ``frames`` always exists: torch.compile guards on the attribute, and one created by the first
+    traced call would make the second call recompile."""
+
+    def __init__(self):
+        self.frames: list[_Frame] = []
+
+
+_local = _ThreadFrames()
+
+
 def _frames() -> list[_Frame]:
-    frames = getattr(_local, "frames", None)
-    if frames is None:
-        frames = _local.frames = []
-    return frames
+    return _local.frames
 
 
 def current_grid() -> tuple[int, int, int] | None:
@@ -79,6 +98,13 @@ def token_grid(grid: int | Sequence[int]) -> Iterator[tuple[int, int, int]]:
 
 def _enter(model: nn.Module, args) -> None:
     _frames().append(_Frame(model))
+    if not torch.compiler.is_compiling():  # traced, checkpointing needs no replay (see _ReplayGrid)
+        _wrap_checkpointing(model)
+
+
+def _wrap_checkpointing(model: nn.Module) -> None:
+    """Wrap the model's ``_gradient_checkpointing_func`` (set by ``enable_gradient_checkpointing``, at
+    any time) in :class:`_ReplayGrid`, once; :func:`remove_grid_hooks` unwraps it."""
     func = getattr(model, "_gradient_checkpointing_func", None)
     if func is not None and not isinstance(func, _ReplayGrid):
         model._gradient_checkpointing_func = _ReplayGrid(func)
@@ -147,6 +173,17 @@ class _PublishGrid:
         frames[-1].grid = self.family.grid_from_latent(args[0], self.model.config)
 
 
+_MARK = "_mhla_grid_hooks"  # in a hooked model's __dict__; deepcopy / pickle copy it along with the hooks
+
+
+def has_grid_hooks(model: nn.Module) -> bool:
+    """Whether ``model`` carries the grid hooks (the one record of it: a mark in the model's
+    ``__dict__`` set by :func:`install_grid_hooks` and dropped by :func:`remove_grid_hooks`; copies
+    made by ``copy.deepcopy`` / pickling carry mark and hooks together). A plain attribute, so
+    torch.compile guards on it cheaply."""
+    return bool(getattr(model, _MARK, False))
+
+
 def install_grid_hooks(model: nn.Module) -> bool:
     """Install the grid hooks on a supported transformer (idempotent). Returns ``True`` if newly installed.
 
@@ -155,33 +192,22 @@ def install_grid_hooks(model: nn.Module) -> bool:
     """
     from .families import family_of
 
-    if model in _HOOKED:
-        return False
     family = family_of(model)
-    _HOOKED.add(model)
-    if _hooks_present(model) or any(hook is _enter for hook in model._forward_pre_hooks.values()):
-        model.__dict__[_MARK] = True
-        return False  # a copy (deepcopy / unpickling) of a hooked model carries its hooks along
+    if has_grid_hooks(model):
+        return False
     patch = model.get_submodule(family.patch_embed)
     model.register_forward_pre_hook(_enter)
     model.register_forward_hook(_exit, always_call=True)
     patch.register_forward_pre_hook(_PublishGrid(model, family))
+    _wrap_checkpointing(model)
     model.__dict__[_MARK] = True
     return True
 
 
-_MARK = "_mhla_grid_hooks"  # set in a hooked model's __dict__ (copies made by deepcopy / pickle carry it with the hooks)
-
-
-def _hooks_present(model: nn.Module) -> bool:
-    """Whether ``model`` carries the grid hooks: a plain attribute, cheap to guard under torch.compile
-    (not the process-wide set, not its hook dict)."""
-    return getattr(model, _MARK, False)
-
-
 def remove_grid_hooks(model: nn.Module) -> None:
-    """Remove the hooks installed by :func:`install_grid_hooks` (no-op if none)."""
-    _HOOKED.discard(model)
+    """Take off everything :func:`install_grid_hooks` and the transformer's pre-hook put on ``model``:
+    its two hooks, the patch embedding's hook, the mark, and the wrapper around
+    ``_gradient_checkpointing_func`` (the original function object is put back). No-op if none."""
     model.__dict__.pop(_MARK, None)
     for hooks, ours in ((model._forward_pre_hooks, _enter), (model._forward_hooks, _exit)):
         for hook_id in [i for i, hook in hooks.items() if hook is ours]:
@@ -190,16 +216,44 @@ def remove_grid_hooks(model: nn.Module) -> None:
     for module in model.modules():
         for hook_id in [i for i, hook in module._forward_pre_hooks.items() if isinstance(hook, _PublishGrid)]:
             del module._forward_pre_hooks[hook_id]
+    func = model.__dict__.get("_gradient_checkpointing_func")
+    if isinstance(func, _ReplayGrid):
+        model._gradient_checkpointing_func = func.inner
+
+
+@torch.compiler.assume_constant_result  # traced: run once at trace time (guard: this model object)
+def _runs_mhla(model: nn.Module) -> bool:
+    """Whether an attention layer of ``model`` holds an :class:`~mhla_diffusers.MHLAProcessor`.
+
+    Under torch.compile the answer is a constant of the graph: a later processor change is caught by
+    the guards of the forward itself, which calls every processor."""
+    from .processor import MHLAProcessor
+
+    return any(isinstance(getattr(module, "processor", None), MHLAProcessor) for module in model.modules())
+
+
+# Under torch.compile: one graph break, on the one-liner's first call only; under fullgraph=True an error
+# whose reason names the fix.
+@torch.compiler.disable(
+    reason="the bare one-liner (diffusers' own set_attn_processor(MHLAProcessor())) hooks the model and creates its "
+    "MHLA mixing matrices at the first forward, outside the graph: call mhla_diffusers.materialize_mhla(transformer) "
+    "after set_attn_processor and before torch.compile(fullgraph=True) or torch.export"
+)
+def _hook_first_forward(model: nn.Module, args) -> None:
+    if install_grid_hooks(model):
+        _enter(model, args)  # the model's own pre-hook was registered too late for this call
 
 
 def _global_pre_hook(module: nn.Module, args) -> None:
-    # torch.compile traces this hook for every module: a plain attribute first (a hooked model stops
-    # here), then find_family (a trace-time constant per type); never `module in _HOOKED`: a guard on
-    # the WeakSet's size would recompile (or abort a trace) whenever another MHLA model comes or goes.
-    if _hooks_present(module) or find_family(module) is None:
+    # torch.compile traces this hook for every module call: the model's mark first (a plain attribute:
+    # a hooked model stops here, before find_family's constant could stand for the Family its own hooks
+    # read), then find_family (a trace-time constant per type: every other module stops here), then the
+    # scan for an MHLAProcessor (a trace-time constant). A model without one is left untouched, so a
+    # stock model compiles exactly as stock.
+    if has_grid_hooks(module) or find_family(module) is None:
         return
-    if install_grid_hooks(module):
-        _enter(module, args)  # the model's own pre-hook was registered too late for this call
+    if _runs_mhla(module):
+        _hook_first_forward(module, args)
 
 
 def ensure_global_hook() -> None:

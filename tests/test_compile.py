@@ -7,7 +7,10 @@ is ``torch.compiler.disable``d: one graph break per layer). Checked here:
 - the operator in a ``fullgraph=True`` compiled function (aot_eager and inductor) against eager,
   outputs and gradients, in diffusers' ``[B, N, H, d]`` memory layout, with the RoPE variant;
 - whole DiT / SANA / Wan transformers with MHLA: ``torch._dynamo.explain`` finds 1 graph and 0
-  breaks; compiled outputs equal eager; a compiled DiT training step gives eager's gradients.
+  breaks; compiled outputs equal eager; a compiled DiT training step gives eager's gradients;
+- a second call of the same shape never recompiles (in a fresh interpreter: compile_recompile_check.py);
+- a model without MHLA (stock, or after ``remove_mhla``) carries nothing of ours and compiles with
+  ``fullgraph=True``, also in a process where MHLA's process-wide pre-hook is registered.
 The Triton kernels under compile (fused RoPE included) are checked in the interpreter subprocess
 (``tests/triton_interpret_check.py``'s extra checks).
 """
@@ -16,6 +19,9 @@ from __future__ import annotations
 
 import copy
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -297,3 +303,65 @@ def test_bare_one_liner_materialized_before_compile_is_one_graph():
     assert mhla_diffusers.materialize_mhla(model)
     ex = _explain(lambda **kw: model(**kw).sample, **wan_inputs())
     assert (ex.graph_count, ex.graph_break_count) == (1, 0), [str(r.reason)[:200] for r in ex.break_reasons]
+
+
+# every family and every mode (a case costs ~3 s of tracing): all, hybrid, the one-liner + materialize_mhla,
+# all + gradient checkpointing enabled afterwards (training)
+RECOMPILE_CASES = ["dit:hybrid", "dit:materialized", "sana:all", "sana:checkpointed", "wan:all", "wan:hybrid", "wan:materialized"]
+
+
+def test_second_call_of_the_same_shape_never_recompiles_in_a_fresh_process():
+    """diffusers' test_torch_compile_recompilation_and_graph_break: compile (fullgraph), call twice with
+    the same input under error_on_recompile. In a fresh interpreter (each case in a fresh thread), where
+    no state MHLA creates on first use exists yet; with gradient checkpointing enabled after MHLA too."""
+    cases = RECOMPILE_CASES
+    script = Path(__file__).with_name("compile_recompile_check.py")
+    proc = subprocess.run([sys.executable, str(script), *cases], capture_output=True, text=True, timeout=600)
+    report = {line.split(" ")[0]: line for line in proc.stdout.splitlines() if line.split(" ")[0] in cases}
+    bad = [report.get(case, f"{case}: no result") for case in cases if report.get(case) != f"{case} ok"]
+    assert proc.returncode == 0 and not bad, "\n".join(bad) + "\n" + proc.stderr[-3000:]
+
+
+def _assert_untouched(model, checkpointing_func) -> None:
+    """Nothing of MHLA's on ``model``: no hook on any module (tiny stock models have none of their own),
+    no MHLA attribute or submodule, the checkpointing function the very object diffusers set."""
+    from mhla_diffusers.grid import has_grid_hooks
+
+    assert not has_grid_hooks(model)
+    for name, module in model.named_modules():
+        hooks = (module._forward_pre_hooks, module._forward_hooks, module._forward_hooks_always_called)
+        assert not any(hooks), f"{name or 'model'} has hooks {hooks}"
+        assert not [key for key in vars(module) if "mhla" in key], name
+        assert not [key for key in module._modules if key.startswith("mhla_")], name
+    assert model._gradient_checkpointing_func is checkpointing_func
+
+
+@pytest.mark.parametrize("history", ["stock", "one-liner-removed"])
+def test_model_without_mhla_is_untouched_and_compiles_fullgraph(history):
+    """MHLA's process-wide pre-hook (registered by any MHLAProcessor) never touches a model with no
+    MHLAProcessor: a stock Wan, or one that ran the bare one-liner (hooked by that pre-hook, checkpointing
+    wrapped) and then remove_mhla. Eager forwards with gradient checkpointing leave nothing behind, and
+    torch.compile(fullgraph=True) traces it as stock, without a recompile on the second call."""
+    MHLAProcessor()  # registers the process-wide pre-hook
+    model = tiny_wan(num_layers=2).train()
+    model.enable_gradient_checkpointing()
+    func = model._gradient_checkpointing_func
+    inputs = wan_inputs()
+    if history == "one-liner-removed":
+        model.set_attn_processor(MHLAProcessor())
+        model(**inputs).sample.square().mean().backward()  # hooked at the first forward, checkpointing wrapped
+        from mhla_diffusers.grid import has_grid_hooks
+
+        assert has_grid_hooks(model) and model._gradient_checkpointing_func is not func
+        assert mhla_diffusers.remove_mhla(model)  # self- and cross-attention processors put back
+    model(**inputs).sample.square().mean().backward()
+    _assert_untouched(model, func)
+    model.eval()
+    with torch.no_grad():
+        expected = model(**inputs).sample
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad(), dynamo.config.patch(error_on_recompile=True):
+        first, second = compiled(**inputs).sample, compiled(**inputs).sample
+    torch.testing.assert_close(first, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(second, expected, rtol=1e-6, atol=1e-6)
+    _assert_untouched(model, func)
