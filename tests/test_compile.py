@@ -323,14 +323,17 @@ def test_second_call_of_the_same_shape_never_recompiles_in_a_fresh_process():
 
 
 def _assert_untouched(model, checkpointing_func) -> None:
-    """Nothing of MHLA's on ``model``: no hook on any module (tiny stock models have none of their own),
-    no MHLA attribute or submodule, the checkpointing function the very object diffusers set."""
+    """Nothing of MHLA's on ``model``: no hook of any kind on any module (tiny stock models have none of
+    their own), no MHLA attribute or submodule, the checkpointing function the very object diffusers set."""
     from mhla_diffusers.grid import has_grid_hooks
 
     assert not has_grid_hooks(model)
+    kinds = ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called", "_backward_hooks",
+             "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+             "_load_state_dict_post_hooks")
     for name, module in model.named_modules():
-        hooks = (module._forward_pre_hooks, module._forward_hooks, module._forward_hooks_always_called)
-        assert not any(hooks), f"{name or 'model'} has hooks {hooks}"
+        hooks = {kind: getattr(module, kind) for kind in kinds if getattr(module, kind)}
+        assert not hooks, f"{name or 'model'} has hooks {hooks}"
         assert not [key for key in vars(module) if "mhla" in key], name
         assert not [key for key in module._modules if key.startswith("mhla_")], name
     assert model._gradient_checkpointing_func is checkpointing_func
