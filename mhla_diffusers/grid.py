@@ -31,7 +31,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-from .families import find_family
+from .families import _family_of_type
 from .layout import normalize_grid
 
 __all__ = [
@@ -221,6 +221,12 @@ def remove_grid_hooks(model: nn.Module) -> None:
         model._gradient_checkpointing_func = func.inner
 
 
+@torch.compiler.assume_constant_result  # traced: a constant. A bool, never the Family object: a constant
+def _is_transformer_type(module_type: type) -> bool:  # standing for it would break the tracing of its hooks
+    """Whether ``module_type`` is a supported transformer class (one dict lookup after the first call)."""
+    return _family_of_type(module_type) is not None
+
+
 @torch.compiler.assume_constant_result  # traced: run once at trace time (guard: this model object)
 def _runs_mhla(model: nn.Module) -> bool:
     """Whether an attention layer of ``model`` holds an :class:`~mhla_diffusers.MHLAProcessor`.
@@ -245,12 +251,11 @@ def _hook_first_forward(model: nn.Module, args) -> None:
 
 
 def _global_pre_hook(module: nn.Module, args) -> None:
-    # torch.compile traces this hook for every module call: the model's mark first (a plain attribute:
-    # a hooked model stops here, before find_family's constant could stand for the Family its own hooks
-    # read), then find_family (a trace-time constant per type: every other module stops here), then the
-    # scan for an MHLAProcessor (a trace-time constant). A model without one is left untouched, so a
-    # stock model compiles exactly as stock.
-    if has_grid_hooks(module) or find_family(module) is None:
+    # Runs before every module call in the process, so the common case is one dict lookup: the type
+    # check (a bool, a trace-time constant under torch.compile: every other module stops here), then the
+    # model's mark (a plain attribute: a hooked model stops here), then the scan for an MHLAProcessor (a
+    # trace-time constant). A model without one is left untouched: a stock model compiles as stock.
+    if not _is_transformer_type(type(module)) or has_grid_hooks(module):
         return
     if _runs_mhla(module):
         _hook_first_forward(module, args)
