@@ -9,7 +9,7 @@ from torch import nn
 from .families import family_of, find_family, self_attention_modules, stock_processor
 from .grid import install_grid_hooks, remove_grid_hooks
 from .hybrid import select_layers
-from .processor import MHLAProcessor
+from .processor import _CHECKED_BY, _SOURCE_CHECKED, _WARNED, MHLAProcessor, _layer_requires_grad, remove_load_hook
 
 __all__ = [
     "apply_mhla",
@@ -102,6 +102,7 @@ def apply_mhla(
     already = [modules[i][0] for i in chosen if getattr(modules[i][1], "mhla_mixing", None) is not None]
     if already:
         raise ValueError(f"MHLA is already installed on {already}; call mhla_diffusers.remove_mhla(transformer) first")
+    _warn_if_stock_loaded(transformer)
     names = []
     for i in chosen:
         name, attn = modules[i]
@@ -111,6 +112,14 @@ def apply_mhla(
         names.append(name)
     install_grid_hooks(transformer)
     return names
+
+
+def _warn_if_stock_loaded(model: nn.Module) -> None:
+    """MHLA is about to get fresh matrices on a model that diffusers' own ``from_pretrained`` loaded
+    from a converted checkpoint: say so (see :func:`mhla_diffusers.checkpoint.warn_if_stock_loaded`)."""
+    from .checkpoint import warn_if_stock_loaded
+
+    warn_if_stock_loaded(model, "MHLA installed now gets fresh locality-init mixing matrices, not the checkpoint's trained ones")
 
 
 def remove_mhla(transformer: nn.Module) -> list[str]:
@@ -128,8 +137,12 @@ def remove_mhla(transformer: nn.Module) -> list[str]:
             attn.set_processor(stock_processor(family, key[: -len(".processor")]))
             had = True
         attn.__dict__.pop("_mhla_grids", None)
+        attn.__dict__.pop(_CHECKED_BY, None)
+        remove_load_hook(attn)
         if had:
             removed.append(key[: -len(".processor")])
+    for key in (_WARNED, _SOURCE_CHECKED):  # the one-liner's once-per-model warnings may come again
+        transformer.__dict__.pop(key, None)
     remove_grid_hooks(transformer)
     return removed
 
@@ -161,6 +174,7 @@ def set_attn_processor(model: nn.Module, processor) -> None:
     if uses_mhla:
         family = family_of(model)
         reference = family.reference_grid(model.config)
+        _warn_if_stock_loaded(model)
         for name, attn in self_attention_modules(model, family):
             proc = mapping.get(f"{name}.processor")
             if isinstance(proc, MHLAProcessor):
@@ -203,7 +217,13 @@ def pending_mhla_layers(model: nn.Module) -> list[str]:
 def materialize_mhla(transformer: nn.Module) -> list[str]:
     """Create now the mixing matrices (and output norms) that the first forward would create for
     the layers of :func:`pending_mhla_layers`: same block grid (the processor's, resolved on the
-    family's reference grid), locality init, fp32 on the layer's device.
+    family's reference grid), locality init, fp32 on the layer's device, ``requires_grad`` as the
+    layer's own projection weights (a frozen model stays frozen; unfreeze them with
+    ``p.requires_grad_(True)`` for ``p`` in ``mhla_diffusers.mixing_parameters(model)`` to train them).
+
+    Call it right after diffusers' own ``set_attn_processor(MHLAProcessor())`` (the bare one-liner),
+    before building an optimizer or EMA, loading a state dict, ``torch.compile`` or
+    ``torch.export``: otherwise the matrices appear only at the first forward (with a warning).
 
     Returns:
         Names of the layers that got their matrices (``[]`` when none was pending).
@@ -225,10 +245,11 @@ def materialize_mhla(transformer: nn.Module) -> list[str]:
     if not pending:
         return []
     reference = family.reference_grid(transformer.config)
+    _warn_if_stock_loaded(transformer)
     done = []
     for name, attn in self_attention_modules(transformer, family):
         if name in pending:
-            attn.processor.attach(attn, reference, family=family)
+            attn.processor.attach(attn, reference, family=family, requires_grad=_layer_requires_grad(attn))
             done.append(name)
     install_grid_hooks(transformer)
     return done
@@ -246,7 +267,9 @@ def mhla_spec(transformer: nn.Module) -> dict | None:
     output norm their first forward would give them (see :func:`materialize_mhla`).
 
     Raises:
-        ValueError: when the MHLA layers disagree on settings (not representable in one config).
+        ValueError: when the MHLA layers disagree on settings (not representable in one config), or a
+            layer's processor has an explicit block spec its mixing matrix contradicts
+            (:meth:`MHLAProcessor.check_layer`).
     """
     family = family_of(transformer)
     modules = self_attention_modules(transformer, family)
@@ -265,6 +288,8 @@ def mhla_spec(transformer: nn.Module) -> dict | None:
         else:
             if not isinstance(proc, MHLAProcessor):
                 raise ValueError(f"{name} has a mixing matrix but its processor is {type(proc).__name__}, not MHLAProcessor")
+            reference = reference or family.reference_grid(transformer.config)
+            proc.check_layer(attn, reference, family)  # a processor whose explicit spec the matrix contradicts
             block_grid = mixing.block_grid
             output_norm = getattr(attn, "mhla_output_norm", None) is not None
         layers.append(i)

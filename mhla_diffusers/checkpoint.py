@@ -1,7 +1,7 @@
 """The converted-checkpoint format: save and load MHLA transformers and pipelines.
 
 A converted checkpoint is the base diffusers checkpoint (``save_pretrained``, without any MHLA
-keys) plus, in the transformer's folder:
+keys; its ``config.json`` carries one extra key, see below) plus, in the transformer's folder:
 
 * ``mhla_config.json`` — ``format_version``, family, model class, layers, block grid, normalize,
   eps, backend (see :func:`~mhla_diffusers.mhla_spec`);
@@ -26,15 +26,29 @@ Loading: the base ``from_pretrained``, ``apply_mhla`` from the config, then the 
 strictly: a missing file, unknown, missing or mis-shaped key is an error, never a silent
 re-initialisation (CASES C14). Only safetensors is read; nothing is unpickled. Writes go to a
 temporary folder beside the target that is renamed into place when complete.
+
+A stock load is never silent: diffusers' own ``from_pretrained`` of a converted folder gives the
+base model WITHOUT MHLA (the stock attention). The transformer's ``config.json`` therefore holds
+the key ``mhla_checkpoint`` (:data:`CONFIG_MARKER_KEY`), unknown to diffusers, which logs it as a
+warning ("The config attributes {'mhla_checkpoint': 'converted MHLA checkpoint ...: load it with
+mhla_diffusers.load_mhla_transformer or load_mhla_pipeline ...'} were passed to ... but are not
+expected and will be ignored"); our loaders drop that line and the key (the loaded model's config
+is the base config). Checkpoints written before the key existed load as before (the key is not
+covered by ``weights_sha256``). Where our code later sees a model loaded from a converted folder
+that has no MHLA layers (``apply_mhla``, ``set_attn_processor``, ``materialize_mhla``, the bare
+one-liner's first forward, the generation helpers), it warns (:func:`warn_if_stock_loaded`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
+import logging
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -56,6 +70,9 @@ __all__ = [
     "load_mhla_pipeline",
     "load_mhla_weights",
     "transformer_folder",
+    "CONFIG_MARKER_KEY",
+    "converted_source",
+    "warn_if_stock_loaded",
 ]
 
 MHLA_CONFIG_NAME = "mhla_config.json"
@@ -172,6 +189,7 @@ def _write_mhla_files(transformer: nn.Module, folder: Path) -> None:
 
     _prepare_for_saving(transformer)
     spec = mhla_spec(transformer)
+    _mark_config(folder, converted=spec is not None)
     if spec is None:
         return
     tensors = {key: t.detach().to("cpu", torch.float32).contiguous() for key, t in _mhla_parameters(transformer).items()}
@@ -191,6 +209,138 @@ def _write_mhla_files(transformer: nn.Module, folder: Path) -> None:
     save_file(tensors, str(folder / MHLA_WEIGHTS_NAME), metadata=metadata)
     config["weights_sha256"] = _sha256(folder / MHLA_WEIGHTS_NAME)
     (folder / MHLA_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+
+
+# -- what a stock load of a converted folder says ---------------------------------------------------
+CONFIG_MARKER_KEY = "mhla_checkpoint"
+_CONFIG_MARKER = (
+    "converted MHLA checkpoint (mhla_config.json and mhla.safetensors beside this config.json): load it with "
+    "mhla_diffusers.load_mhla_transformer or mhla_diffusers.load_mhla_pipeline. diffusers' from_pretrained alone "
+    "runs the base model WITHOUT MHLA, on the stock attention"
+)
+
+
+def _mark_config(folder: Path, converted: bool) -> None:
+    """Add :data:`CONFIG_MARKER_KEY` to ``folder/config.json`` (a converted transformer folder), or take
+    it out (a model without MHLA that was loaded from a converted folder carries it in its config)."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return
+    data = json.loads(path.read_text())
+    if converted:
+        data[CONFIG_MARKER_KEY] = _CONFIG_MARKER
+    elif data.pop(CONFIG_MARKER_KEY, None) is None:
+        return
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")  # diffusers' own layout
+
+
+class _DropMarkerLog(logging.Filter):
+    """Takes the marker out of diffusers' "config attributes ... not expected" warning (the whole line
+    when it is the only such attribute): our loaders know the key."""
+
+    _ENTRY = f"{CONFIG_MARKER_KEY!r}: {_CONFIG_MARKER!r}"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if self._ENTRY not in message:
+            return True
+        message = message.replace(f", {self._ENTRY}", "").replace(f"{self._ENTRY}, ", "").replace(self._ENTRY, "")
+        if "attributes {}" in message:
+            return False
+        record.msg, record.args = message, ()
+        return True
+
+
+@contextlib.contextmanager
+def _loading_converted() -> Iterator[None]:
+    """Inside our loaders: diffusers does not log the marker, and :func:`warn_if_stock_loaded` stays quiet."""
+    logger = logging.getLogger("diffusers.configuration_utils")
+    drop = _DropMarkerLog()
+    logger.addFilter(drop)
+    token = _LOADING.set(True)
+    try:
+        yield
+    finally:
+        _LOADING.reset(token)
+        logger.removeFilter(drop)
+
+
+_LOADING = contextvars.ContextVar("mhla_loading_converted", default=False)
+
+
+def _forget_marker(model: nn.Module) -> None:
+    """Drop the marker from a loaded model's config (diffusers keeps unknown keys there), so that its
+    config is the base config and a later save writes the marker only where it belongs."""
+    config = getattr(model, "_internal_dict", None)
+    if config is not None and CONFIG_MARKER_KEY in config:
+        from diffusers.configuration_utils import FrozenDict
+
+        model._internal_dict = FrozenDict({k: v for k, v in config.items() if k != CONFIG_MARKER_KEY})
+
+
+def converted_source(model) -> Path | None:
+    """The converted MHLA checkpoint folder (the one holding ``mhla_config.json``) that a diffusers model
+    or pipeline was loaded from, or ``None``.
+
+    Read from ``model.config["_name_or_path"]``, which diffusers' ``from_pretrained`` records: a local
+    folder (pipeline or transformer), or a Hub id whose files are already in the local cache (nothing
+    is downloaded).
+    """
+    config = getattr(model, "config", None)
+    name = config.get("_name_or_path") if hasattr(config, "get") else None
+    if not name:
+        return None
+    for sub in ("", "transformer"):
+        local = Path(str(name)) / sub / MHLA_CONFIG_NAME
+        try:
+            if local.is_file():
+                return local.parent
+        except OSError:
+            return None
+    if not _is_hub_id(str(name)):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        for filename in (MHLA_CONFIG_NAME, f"transformer/{MHLA_CONFIG_NAME}"):
+            cached = try_to_load_from_cache(str(name), filename)
+            if isinstance(cached, str):
+                return Path(cached).parent
+    except Exception:  # not a repository id after all, an unreadable cache: nothing to say
+        return None
+    return None
+
+
+def _is_hub_id(text: str) -> bool:
+    return not text.startswith((".", "/", "~")) and text.count("/") == 1
+
+
+def warn_if_stock_loaded(model, consequence: str) -> bool:
+    """Warn when ``model`` (a transformer, or a pipeline's ``transformer``) was loaded from a converted
+    MHLA checkpoint but has no MHLA layer: diffusers' own ``from_pretrained`` (or ``remove_mhla``)
+    left the trained mixing matrices out. ``consequence`` says what the caller is about to do with
+    it. Quiet inside our own loaders. Returns whether it warned."""
+    from .apply import attention_modules
+
+    if _LOADING.get():
+        return False
+    transformer = getattr(model, "transformer", model)
+    if not isinstance(transformer, nn.Module):
+        return False
+    if any(getattr(attn, "mhla_mixing", None) is not None for attn in attention_modules(transformer).values()):
+        return False
+    folder = converted_source(transformer) or converted_source(model)
+    if folder is None:
+        return False
+    warnings.warn(
+        f"{type(transformer).__name__} was loaded from {folder}, a converted MHLA checkpoint ({MHLA_CONFIG_NAME}), "
+        f"but has no MHLA layer: diffusers' own from_pretrained (or remove_mhla) leaves the trained mixing matrices "
+        f"out, so {consequence}. Load the checkpoint with mhla_diffusers.load_mhla_transformer or "
+        "mhla_diffusers.load_mhla_pipeline to run it as converted",
+        UserWarning,
+        stacklevel=3,
+    )
+    return True
 
 
 def _pipeline_id2label(pipe) -> dict[str, str] | None:
@@ -615,9 +765,11 @@ def load_mhla_transformer(
     """
     folder = transformer_folder(path)
     config = read_mhla_config(folder)
-    model = _transformer_class(folder).from_pretrained(folder, **_dtype_kwargs(torch_dtype), **kwargs)
-    if config is not None:
-        _install_from_config(model, config, folder)
+    with _loading_converted():
+        model = _transformer_class(folder).from_pretrained(folder, **_dtype_kwargs(torch_dtype), **kwargs)
+        _forget_marker(model)
+        if config is not None:
+            _install_from_config(model, config, folder)
     _load_saved_lora(model, folder.parent / "transformer_lora", lora)
     return model.eval()
 
@@ -660,10 +812,12 @@ def load_mhla_pipeline(
     if not (path / "model_index.json").is_file():
         raise FileNotFoundError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
     config = read_mhla_config(path)
-    pipe = DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(torch_dtype), **kwargs)
-    _register_id2label(pipe, path)
-    if config is not None:
-        _install_from_config(pipe.transformer, config, path / "transformer")
+    with _loading_converted():
+        pipe = DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(torch_dtype), **kwargs)
+        _forget_marker(pipe.transformer)
+        _register_id2label(pipe, path)
+        if config is not None:
+            _install_from_config(pipe.transformer, config, path / "transformer")
     _load_saved_lora(pipe.transformer, path / "transformer_lora", lora)
     pipe.transformer.eval()
     return pipe

@@ -43,6 +43,10 @@ def _prepare(checkpoint, pipe, steps: int, dtype: str, device: str | None):
     device = check_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if pipe is None:
         pipe = load_mhla_pipeline(checkpoint, torch_dtype=_DTYPES[dtype])
+    else:  # a pipeline the caller loaded: diffusers' own from_pretrained of a converted folder has no MHLA
+        from .checkpoint import warn_if_stock_loaded
+
+        warn_if_stock_loaded(pipe, "this pipeline generates with the stock attention")
     return pipe, device
 
 

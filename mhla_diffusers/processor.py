@@ -9,6 +9,7 @@ map, numerator only), optionally a per-head RMSNorm on the output, project out.
 from __future__ import annotations
 
 import math
+import warnings
 
 from functools import lru_cache
 from typing import Sequence
@@ -84,7 +85,7 @@ class OutputRMSNorm(nn.Module):
         return f"heads={self.weight.shape[0]}, head_dim={self.weight.shape[1]}, eps={self.eps}"
 
 
-class MHLAProcessor:
+class MHLAProcessor(nn.Module):
     """Attention processor that runs MHLA on self-attention layers (MHLA paper, Sec. 3.2).
 
     Install with ``mhla_diffusers.apply_mhla(transformer, ...)`` (self-attention layers only,
@@ -94,6 +95,38 @@ class MHLAProcessor:
     One processor object may serve many layers: each layer keeps its own mixing matrix, as the
     submodule ``<attention module>.mhla_mixing`` (in ``state_dict()``, following ``.to()``), and its
     own output norm ``<attention module>.mhla_output_norm`` when it has one.
+
+    The processor itself is an ``nn.Module`` without parameters or buffers (as diffusers' own
+    IP-Adapter processors are): ``set_processor`` registers it as ``<attention module>.processor``
+    (nothing in ``state_dict()``), so torch tells MHLA whenever it is put on a layer, through
+    diffusers' own ``set_attn_processor`` too. It is called through its own ``__call__`` (module
+    hooks on it do not run).
+
+    A layer that already has a mixing matrix: a processor without an explicit block spec
+    (``num_blocks`` and ``block_grid`` both ``None``) uses the layer's matrix and block grid as they
+    are (that is how a loaded checkpoint runs). A processor whose ``block_grid``, preset or
+    ``num_blocks`` gives another block grid than the layer's matrix (on the model's native token
+    grid, as a fresh install would), or whose explicit ``output_norm`` contradicts the layer, is
+    refused with a ``ValueError`` naming the fix, ``mhla_diffusers.remove_mhla(model)`` first: at
+    install (``apply_mhla``, ``mhla_diffusers.set_attn_processor``), at the first forward after
+    diffusers' own ``set_attn_processor`` / ``set_processor``, and by ``mhla_spec`` (so saving).
+    The old matrix is never kept silently, nor silently replaced (trained values would be lost).
+
+    Matrices created at the first forward: diffusers' own ``set_attn_processor(MHLAProcessor())``
+    (the bare one-liner) cannot create a layer's matrix when it installs the processor, because the
+    block grid comes from the transformer's native token grid, which an attention module does not
+    know. The layer's first forward creates it (the block grid and locality init a fresh install
+    gives, fp32 on the layer's device) with the ``requires_grad`` of the layer's own projection
+    weights (a frozen model stays frozen), and warns once per model, unless that forward is pure
+    inference (grad disabled and eval mode), naming the fix
+    ``mhla_diffusers.materialize_mhla(transformer)``: an optimizer, an EMA (diffusers' ``EMAModel``)
+    or a state dict taken before that forward does not hold the matrices. ``load_state_dict`` of a
+    state dict with ``...mhla_mixing.weight`` keys into such a layer creates the matrix first when
+    the block grid is known without the model (``block_grid=``, or a preset of the layer's family),
+    else fails naming ``materialize_mhla`` (also with ``strict=False``: trained matrices are never
+    dropped silently). ``torch.compile(fullgraph=True)`` and ``torch.export`` before the matrices
+    exist fail naming ``materialize_mhla``; a plain ``torch.compile`` creates them eagerly at its
+    first call (with graph breaks, and a warning).
 
     What it computes follows the model family's stock self-attention processor everywhere but the
     attention itself (see :class:`~mhla_diffusers.families.Family`): the layer's own projections
@@ -163,6 +196,7 @@ class MHLAProcessor:
     ):
         from .families import block_grid_preset_names, get_family
 
+        super().__init__()
         if num_blocks is not None and (isinstance(num_blocks, bool) or int(num_blocks) != num_blocks or num_blocks < 1):
             raise ValueError(f"num_blocks must be a positive integer or None; got {num_blocks!r}")
         self.block_grid_preset = None
@@ -199,7 +233,9 @@ class MHLAProcessor:
             raise ValueError(f"feature_eps must be a finite number >= 0; got {feature_eps!r}")
         self.feature_eps = float(feature_eps)
         self._stock: dict[str, object] = {}
+        self._told_block_grids: set = set()  # (reference grid, block grid) already warned about
         ensure_global_hook()
+        _ensure_registration_hook()
 
     def __repr__(self) -> str:
         grid = repr(self.block_grid_preset) if self.block_grid_preset is not None else self.block_grid
@@ -232,7 +268,34 @@ class MHLAProcessor:
         num_blocks = self.num_blocks
         if num_blocks is None and family is not None:
             num_blocks = family.default_num_blocks
-        return choose_block_grid(reference_grid, num_blocks)
+        grid = choose_block_grid(reference_grid, num_blocks)
+        if self.num_blocks is not None:
+            self._tell_chosen_grid(reference_grid, grid)
+        return grid
+
+    def _tell_chosen_grid(self, reference_grid: Sequence[int], grid: tuple[int, int, int]) -> None:
+        """Warn (once per processor and grid) when the block grid chosen for the user's ``num_blocks``
+        does not have that many blocks: never a silently different ``M``."""
+        reference = normalize_grid(tuple(reference_grid))
+        blocks = grid[0] * grid[1] * grid[2]
+        if blocks == self.num_blocks or (reference, grid) in self._told_block_grids or torch.compiler.is_compiling():
+            return
+        self._told_block_grids.add((reference, grid))
+        tokens = reference[0] * reference[1] * reference[2]
+        shape = " x ".join(str(n) for n in reference if n > 1) or "1"
+        if self.num_blocks > math.isqrt(tokens):
+            why = (
+                f"MHLA keeps M^2 <= N (the mixing then costs no more than the block summaries), so the native token grid "
+                f"{shape} (N = {tokens}) allows at most M = {max(1, math.isqrt(tokens))}"
+            )
+        else:
+            why = f"the native token grid {shape} (N = {tokens}) has no near-square split into exactly {self.num_blocks} blocks"
+        warnings.warn(
+            f"num_blocks={self.num_blocks}: {why}; using block grid {grid} (M = {blocks}). Give a num_blocks "
+            "this grid allows, or an explicit block_grid, to silence this warning",
+            UserWarning,
+            stacklevel=3,
+        )
 
     def resolve_output_norm(self, family=None) -> bool:
         """Whether layers installed by this processor get a per-head output RMSNorm (see ``output_norm``)."""
@@ -241,55 +304,117 @@ class MHLAProcessor:
         family = family or self.family
         return bool(family is not None and family.output_norm_without_normalize and not self.normalize)
 
-    def attach(self, attn: torch.nn.Module, reference_grid: Sequence[int], init: str = "locality", family=None) -> MixingMatrix:
+    def attach(
+        self,
+        attn: torch.nn.Module,
+        reference_grid: Sequence[int],
+        init: str = "locality",
+        family=None,
+        requires_grad: bool = True,
+    ) -> MixingMatrix:
         """Create the layer's mixing matrix (fp32, on the layer's device) if it has none, and its output
         norm if this processor asks for one; return the mixing matrix.
 
+        Args:
+            attn: the self-attention module. reference_grid: the model's native token grid ``(T, H, W)``.
+            init: ``"locality"`` or ``"uniform"`` (see :class:`~mhla_diffusers.MixingMatrix`).
+            family: the model's :class:`~mhla_diffusers.families.Family` (default: the processor's).
+            requires_grad: of the new parameters (``apply_mhla`` / ``set_attn_processor``: ``True``;
+                created for the bare one-liner: that of the layer's own projection weights).
+
         Raises:
-            ValueError: the layer already has a mixing matrix whose block grid contradicts this
-                processor's explicit ``block_grid`` / ``num_blocks``, or an output norm where this
-                processor asks for none (or the reverse).
+            ValueError: the layer already has a mixing matrix whose block grid is not the one this
+                processor's explicit ``block_grid`` / preset / ``num_blocks`` gives on
+                ``reference_grid``, or an output norm where this processor asks for none (or the
+                reverse): call ``remove_mhla`` first (see the class docstring).
         """
         family = family or self.family
         mixing = getattr(attn, "mhla_mixing", None)
-        device = next(attn.parameters()).device
         if mixing is None:
-            # The bare one-liner creates parameters at the first forward, often inside a pipeline's
-            # torch.inference_mode() / no_grad(): build them as ordinary trainable tensors anyway.
-            with torch.inference_mode(False), torch.enable_grad():
-                mixing = MixingMatrix(self.resolve_block_grid(reference_grid, family), init=init).to(device)
-                attn.add_module("mhla_mixing", mixing)
-                if self.resolve_output_norm(family) and getattr(attn, "mhla_output_norm", None) is None:
-                    attn.add_module("mhla_output_norm", OutputRMSNorm(attn.heads, _output_head_dim(attn)).to(device))
-            return mixing
-        explicit = self.block_grid
-        if explicit is None and self.block_grid_preset is not None and family is not None:
-            explicit = family.preset(self.block_grid_preset)
-        if (explicit is not None and mixing.block_grid != explicit) or (
-            explicit is None and self.block_grid_preset is None and self.num_blocks is not None
-            and mixing.num_blocks != self.num_blocks
-        ):
-            asked = explicit or f"num_blocks={self.num_blocks}"
-            raise ValueError(
-                f"this layer already has a mixing matrix for block grid {mixing.block_grid}, but the processor asks "
-                f"for {asked}; call mhla_diffusers.remove_mhla(model) first to change the number of blocks"
-            )
+            return self._create(attn, self.resolve_block_grid(reference_grid, family), family, init, requires_grad)
+        self.check_layer(attn, reference_grid, family)
+        return mixing
+
+    def _create(self, attn, block_grid, family, init: str, requires_grad: bool) -> MixingMatrix:
+        """Add ``mhla_mixing`` (and ``mhla_output_norm`` if this processor asks for one) to ``attn``."""
+        device = next(attn.parameters()).device
+        # The bare one-liner creates parameters at the first forward, often inside a pipeline's
+        # torch.inference_mode() / no_grad(): build them as ordinary tensors anyway.
+        with torch.inference_mode(False), torch.enable_grad():
+            mixing = MixingMatrix(block_grid, init=init).to(device).requires_grad_(requires_grad)
+            attn.add_module("mhla_mixing", mixing)
+            if self.resolve_output_norm(family) and getattr(attn, "mhla_output_norm", None) is None:
+                norm = OutputRMSNorm(attn.heads, _output_head_dim(attn)).to(device).requires_grad_(requires_grad)
+                attn.add_module("mhla_output_norm", norm)
+        attn.__dict__[_CHECKED_BY] = self  # the layer's MHLA state is this processor's own
+        return mixing
+
+    def _explicit_block_grid(self, reference_grid: Sequence[int] | None, family) -> tuple[int, int, int] | None:
+        """The block grid this processor's explicit spec gives on ``reference_grid`` (``None``: no spec,
+        or a ``num_blocks`` / preset that cannot be resolved without the model)."""
+        if self.block_grid is not None:
+            return self.block_grid
+        if self.block_grid_preset is not None:
+            return None if family is None else family.preset(self.block_grid_preset)
+        if self.num_blocks is not None and reference_grid is not None:
+            return self.resolve_block_grid(reference_grid, family)
+        return None
+
+    def check_layer(self, attn: torch.nn.Module, reference_grid: Sequence[int] | None = None, family=None) -> None:
+        """Refuse a layer whose MHLA state contradicts this processor's explicit settings.
+
+        A processor without ``num_blocks`` / ``block_grid`` / ``output_norm`` accepts any layer. With
+        one, the layer's mixing matrix must have the block grid a fresh install would give it on the
+        model's native token grid ``reference_grid`` (``None``: unknown; then a ``num_blocks`` must
+        equal the matrix's number of blocks), and its output norm must be there exactly when asked.
+
+        Raises:
+            ValueError: naming both settings and the fix, ``mhla_diffusers.remove_mhla(model)`` first.
+        """
+        family = family or self.family
+        mixing = getattr(attn, "mhla_mixing", None)
+        if mixing is not None:
+            wanted = self._explicit_block_grid(reference_grid, family)
+            if wanted is None and self.num_blocks is not None and reference_grid is None:
+                mismatch = mixing.num_blocks != self.num_blocks
+            else:
+                mismatch = wanted is not None and tuple(mixing.block_grid) != tuple(wanted)
+            if mismatch:
+                spec = (
+                    f"block_grid={self.block_grid}" if self.block_grid is not None
+                    else f"block_grid={self.block_grid_preset!r}" if self.block_grid_preset is not None
+                    else f"num_blocks={self.num_blocks}"
+                )
+                gives = "" if wanted is None or self.block_grid is not None else f" (block grid {wanted})"
+                raise ValueError(
+                    f"this layer already has a mixing matrix for block grid {mixing.block_grid}, but the processor asks "
+                    f"for {spec}{gives}. MHLA neither keeps the old matrix under a new spec nor replaces it silently: "
+                    "call mhla_diffusers.remove_mhla(model) first to install the new block grid (fresh locality-init "
+                    "matrices), or use an MHLAProcessor without num_blocks / block_grid to keep the layer's matrix"
+                )
         has_norm = getattr(attn, "mhla_output_norm", None) is not None
-        if self.output_norm is not None and has_norm != self.output_norm:
+        if mixing is not None and self.output_norm is not None and has_norm != self.output_norm:
             raise ValueError(
                 f"this layer {'has' if has_norm else 'has no'} MHLA output norm but the processor asks for "
                 f"output_norm={self.output_norm}; call mhla_diffusers.remove_mhla(model) first to change it"
             )
-        return mixing
 
-    def _mixing(self, attn) -> MixingMatrix:
+    def _mixing(self, attn, family=None) -> MixingMatrix:
         mixing = getattr(attn, "mhla_mixing", None)
         if mixing is not None:
+            if getattr(attn, _CHECKED_BY, None) is not self:
+                self._check_running_layer(attn, family)
             return mixing
+        if torch.compiler.is_exporting():
+            # torch.export (non-strict) runs no always_call forward hook when the forward raises: close
+            # the running model's grid frame here, or it would outlive the export
+            _close_frame(current_model())
+            raise RuntimeError(_NOT_MATERIALIZED.format(what="torch.export"))
         if torch.compiler.is_compiling():
             # torch.compile traces the first forward of the bare one-liner: create every pending
-            # layer's parameters eagerly (one graph break, this call only; the next call recompiles
-            # into one graph with the new parameters).
+            # layer's parameters eagerly (graph breaks, this call only; the next call recompiles
+            # into one graph with the new parameters). Under fullgraph=True this is an error that
+            # names materialize_mhla (the reason given to torch.compiler.disable).
             return _materialize_eagerly(self, attn)
         model = current_model()
         if model is None:
@@ -300,7 +425,27 @@ class MHLAProcessor:
         from .families import family_of
 
         running = family_of(model)
-        return self.attach(attn, running.reference_grid(model.config), family=running)
+        if not model.__dict__.get(_SOURCE_CHECKED):  # once per model, before its first matrix exists
+            from .apply import _warn_if_stock_loaded
+
+            model.__dict__[_SOURCE_CHECKED] = True
+            _warn_if_stock_loaded(model)
+        mixing = self.attach(
+            attn, running.reference_grid(model.config), family=running, requires_grad=_layer_requires_grad(attn)
+        )
+        _warn_created_at_forward(model, compiled=False)
+        return mixing
+
+    def _check_running_layer(self, attn, family) -> None:
+        """:meth:`check_layer` at a forward, on the running model's native grid; remembered per layer."""
+        from .families import find_family
+
+        model = current_model()
+        running = None if model is None else find_family(model)
+        reference = None if running is None else running.reference_grid(model.config)
+        self.check_layer(attn, reference, running or family)
+        if not torch.compiler.is_compiling():
+            attn.__dict__[_CHECKED_BY] = self
 
     def _grid(self, attn, num_tokens: int) -> tuple[int, int, int]:
         grid = current_grid()
@@ -466,7 +611,7 @@ class MHLAProcessor:
             extra["rotary"] = family.rotary(rotary_emb)
 
         # MHLA over the blocks of this call's token grid (phi = ReLU, fp32 accumulation)
-        mixing = self._mixing(attn)
+        mixing = self._mixing(attn, family)
         layout, weight = self._blocks(mixing, self._grid(attn, num_tokens), family)
         eps = self.eps if self.eps is not None else (1e-6 if family is None else family.default_eps)
         output_norm = getattr(attn, "mhla_output_norm", None)
@@ -501,7 +646,15 @@ def _make_stock_processor(cache: dict, key: str, family):
     return stock
 
 
-@torch.compiler.disable
+_NOT_MATERIALIZED = (
+    "{what} of a model whose MHLA mixing matrices do not exist yet (diffusers' own "
+    "set_attn_processor(MHLAProcessor()), the bare one-liner, creates them at the first forward, outside any "
+    "graph): call mhla_diffusers.materialize_mhla(transformer) after set_attn_processor and before {what} "
+    "(or install MHLA with mhla_diffusers.apply_mhla / mhla_diffusers.set_attn_processor)"
+)
+
+
+@torch.compiler.disable(reason=_NOT_MATERIALIZED.format(what="torch.compile(fullgraph=True)"))
 def _materialize_eagerly(processor: "MHLAProcessor", attn) -> MixingMatrix:
     """The running model's pending MHLA layers get their matrices now (outside the traced graph)."""
     from .apply import materialize_mhla
@@ -509,8 +662,122 @@ def _materialize_eagerly(processor: "MHLAProcessor", attn) -> MixingMatrix:
     model = current_model()
     if model is not None:
         materialize_mhla(model)
+        _warn_created_at_forward(model, compiled=True)
     mixing = getattr(attn, "mhla_mixing", None)
     return mixing if mixing is not None else processor._mixing(attn)
+
+
+def _close_frame(model: nn.Module | None) -> None:
+    """Remove ``model``'s innermost grid frame (what its always_call forward hook does)."""
+    from .grid import _exit
+
+    if model is not None:
+        _exit(model, None, None)
+
+
+# attn.__dict__ key: the MHLAProcessor that created or checked the layer's MHLA state (a forward then
+# skips MHLAProcessor.check_layer); a processor put on the layer later is checked at its first forward.
+_CHECKED_BY = "_mhla_checked_by"
+_WARNED = "_mhla_created_at_forward_warned"  # model.__dict__ key: the warning below was given
+_SOURCE_CHECKED = "_mhla_source_checked"  # model.__dict__ key: checked for a stock load of a converted folder
+
+
+def _layer_requires_grad(attn) -> bool:
+    """Whether the attention module's own projection weights are trainable (``to_q`` / ``to_k`` /
+    ``to_v`` / fused ``to_qkv``; any of its parameters if it has none of these)."""
+    weights = [getattr(getattr(attn, name, None), "weight", None) for name in ("to_q", "to_k", "to_v", "to_qkv")]
+    weights = [w for w in weights if isinstance(w, torch.Tensor)] or list(attn.parameters())
+    return any(w.requires_grad for w in weights)
+
+
+def _warn_created_at_forward(model: nn.Module, compiled: bool) -> None:
+    """The bare one-liner's matrices were just created by a forward: say so, once per model (not for
+    pure inference, grad disabled and eval mode, as in a pipeline's call)."""
+    if model.__dict__.get(_WARNED) or not (compiled or torch.is_grad_enabled() or model.training):
+        return
+    model.__dict__[_WARNED] = True
+    if compiled:
+        what = (
+            "torch.compile traced it before they existed, so they were created eagerly and this compiled code has "
+            "graph breaks"
+        )
+    else:
+        what = (
+            "an optimizer, EMA (diffusers' EMAModel) or state dict taken before this forward does not hold them, "
+            "and they have the requires_grad of each layer's projection weights"
+        )
+    warnings.warn(
+        f"MHLA created the mixing matrices of this {type(model).__name__} at its first forward (diffusers' own "
+        f"set_attn_processor(MHLAProcessor()), the bare one-liner, cannot create them earlier): {what}. Call "
+        "mhla_diffusers.materialize_mhla(transformer) right after set_attn_processor (or install MHLA with "
+        "mhla_diffusers.apply_mhla), before building an optimizer or EMA, loading a state dict or compiling",
+        UserWarning,
+        stacklevel=2,
+    )
+
+
+class _PendingMixingLoader:
+    """``load_state_dict`` pre-hook of an attention module that has been given an :class:`MHLAProcessor`:
+    a state dict holding ``<prefix>mhla_mixing.weight`` for a layer whose matrix does not exist yet
+    (the bare one-liner before its first forward) creates the matrix first when the processor's block
+    grid is known without the model (explicit ``block_grid``, a preset of the layer's family), and
+    otherwise fails naming ``materialize_mhla``. A plain object: hooked models pickle and deep-copy."""
+
+    def __call__(self, attn, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        key = f"{prefix}mhla_mixing.weight"
+        processor = getattr(attn, "processor", None)
+        if key not in state_dict or getattr(attn, "mhla_mixing", None) is not None or not isinstance(processor, MHLAProcessor):
+            return
+        from .families import attention_family
+
+        family = processor.family or attention_family(attn)
+        block_grid = processor._explicit_block_grid(None, family)
+        if block_grid is not None:
+            processor._create(attn, block_grid, family, "locality", _layer_requires_grad(attn))
+            return
+        if not any(_PENDING_LOAD in msg for msg in error_msgs):  # one message, not one per layer
+            error_msgs.append(
+                f"{key}: {_PENDING_LOAD} (diffusers' own set_attn_processor(MHLAProcessor()), the bare one-liner, "
+                "creates it at the model's first forward from the transformer's native token grid, which the layer "
+                "alone does not know), so the state dict's MHLA weights have nowhere to go. Call "
+                "mhla_diffusers.materialize_mhla(model) before load_state_dict (or install MHLA with "
+                "mhla_diffusers.apply_mhla / mhla_diffusers.set_attn_processor, or give the MHLAProcessor an explicit "
+                "block_grid)"
+            )
+
+
+_PENDING_LOAD = "this layer runs MHLAProcessor but has no mixing matrix yet"
+
+
+def _add_load_hook(attn: nn.Module) -> None:
+    """Give ``attn`` the :class:`_PendingMixingLoader` pre-hook (once)."""
+    if not any(isinstance(getattr(h, "hook", None), _PendingMixingLoader) for h in attn._load_state_dict_pre_hooks.values()):
+        attn.register_load_state_dict_pre_hook(_PendingMixingLoader())
+
+
+def remove_load_hook(attn: nn.Module) -> None:
+    """Remove the :class:`_PendingMixingLoader` pre-hook from ``attn`` (no-op without one)."""
+    hooks = attn._load_state_dict_pre_hooks
+    for hook_id in [i for i, h in hooks.items() if isinstance(getattr(h, "hook", None), _PendingMixingLoader)]:
+        del hooks[hook_id]
+
+
+def _on_module_registration(module: nn.Module, name: str, submodule: nn.Module):
+    """Process-wide module-registration hook: an :class:`MHLAProcessor` set as an attention module's
+    ``processor`` (by diffusers' ``set_processor``) gives that module the load pre-hook."""
+    if name == "processor" and isinstance(submodule, MHLAProcessor):
+        _add_load_hook(module)
+    return None
+
+
+_registration_handle = None
+
+
+def _ensure_registration_hook() -> None:
+    """Register (once per process) :func:`_on_module_registration`."""
+    global _registration_handle
+    if _registration_handle is None:
+        _registration_handle = nn.modules.module.register_module_module_registration_hook(_on_module_registration)
 
 
 def _output_head_dim(attn) -> int:

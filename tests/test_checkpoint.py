@@ -243,10 +243,15 @@ def test_base_folder_is_plain_diffusers(saved):
     assert not [k for k in base if "mhla" in k]
     assert sorted(load_file(folder / "mhla.safetensors")) == sorted(mhla_state(saved["model"]))
     assert all(v.dtype == torch.float32 for v in load_file(folder / "mhla.safetensors").values())
-    assert "mhla" not in json.dumps(json.loads((folder / "config.json").read_text()))
+    config = json.loads((folder / "config.json").read_text())
+    marker = config.pop(mhla_diffusers.checkpoint.CONFIG_MARKER_KEY)  # the one key added to the base config
+    assert "load_mhla_transformer" in marker and "WITHOUT MHLA" in marker
+    assert "mhla" not in json.dumps(config)
     with WarningLog() as log:
         plain = DiTTransformer2DModel.from_pretrained(folder)
     assert not [m for m in log.messages if "not used" in m or "unexpected" in m.lower() or "newly initialized" in m]
+    # all a stock load says: diffusers' warning about the unknown config key, which carries the marker's text
+    assert len(log.messages) == 1 and marker in log.messages[0] and "not expected" in log.messages[0], log.messages
     assert not is_mhla_model(plain)
     expected = {k: v for k, v in saved["model"].state_dict().items() if "mhla" not in k}
     got = plain.state_dict()
