@@ -161,16 +161,23 @@ def _exit(model: nn.Module, args, output) -> None:
 
 
 class _PublishGrid:
-    """Patch-embedding pre-hook of one model (a plain object, so hooked models pickle and deep-copy)."""
+    """Patch-embedding pre-hook (a plain object, so hooked models pickle and deep-copy). It writes the
+    grid into the innermost frame when that frame is a transformer's of this family that has no grid
+    yet (the first patch embedding its forward runs). No stored model and no identity check: module
+    objects that share the hooks (torch.export's non-strict tracing runs the hooks and the forward on
+    different clones of the model) publish to the frame of the forward that runs."""
 
-    def __init__(self, model: nn.Module, family):
-        self.model, self.family = model, family
+    def __init__(self, family):
+        self.family = family
 
     def __call__(self, module: nn.Module, args) -> None:
         frames = _frames()
-        if not frames or frames[-1].model is not self.model or not args or not isinstance(args[0], torch.Tensor):
+        if not frames or not args or not isinstance(args[0], torch.Tensor):
             return
-        frames[-1].grid = self.family.grid_from_latent(args[0], self.model.config)
+        frame = frames[-1]
+        if frame.model is None or frame.grid is not None or _family_name(type(frame.model)) != self.family.name:
+            return
+        frame.grid = self.family.grid_from_latent(args[0], frame.model.config)
 
 
 _MARK = "_mhla_grid_hooks"  # in a hooked model's __dict__; deepcopy / pickle copy it along with the hooks
@@ -198,7 +205,7 @@ def install_grid_hooks(model: nn.Module) -> bool:
     patch = model.get_submodule(family.patch_embed)
     model.register_forward_pre_hook(_enter)
     model.register_forward_hook(_exit, always_call=True)
-    patch.register_forward_pre_hook(_PublishGrid(model, family))
+    patch.register_forward_pre_hook(_PublishGrid(family))
     _wrap_checkpointing(model)
     model.__dict__[_MARK] = True
     return True
@@ -221,10 +228,12 @@ def remove_grid_hooks(model: nn.Module) -> None:
         model._gradient_checkpointing_func = func.inner
 
 
-@torch.compiler.assume_constant_result  # traced: a constant. A bool, never the Family object: a constant
-def _is_transformer_type(module_type: type) -> bool:  # standing for it would break the tracing of its hooks
-    """Whether ``module_type`` is a supported transformer class (one dict lookup after the first call)."""
-    return _family_of_type(module_type) is not None
+@torch.compiler.assume_constant_result  # traced: a constant. A str, never the Family object: a constant
+def _family_name(module_type: type) -> str | None:  # standing for it would break the tracing of its hooks
+    """The name of the family whose transformer class ``module_type`` is, or ``None`` (one dict lookup
+    after the first call)."""
+    family = _family_of_type(module_type)
+    return None if family is None else family.name
 
 
 @torch.compiler.assume_constant_result  # traced: run once at trace time (guard: this model object)
@@ -255,7 +264,7 @@ def _global_pre_hook(module: nn.Module, args) -> None:
     # check (a bool, a trace-time constant under torch.compile: every other module stops here), then the
     # model's mark (a plain attribute: a hooked model stops here), then the scan for an MHLAProcessor (a
     # trace-time constant). A model without one is left untouched: a stock model compiles as stock.
-    if not _is_transformer_type(type(module)) or has_grid_hooks(module):
+    if _family_name(type(module)) is None or has_grid_hooks(module):
         return
     if _runs_mhla(module):
         _hook_first_forward(module, args)

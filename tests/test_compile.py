@@ -368,3 +368,16 @@ def test_model_without_mhla_is_untouched_and_compiles_fullgraph(history):
     torch.testing.assert_close(first, expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(second, expected, rtol=1e-6, atol=1e-6)
     _assert_untouched(model, func)
+
+
+def test_torch_export_of_wan_with_mhla_matches_eager():
+    """torch.export (non-strict, as diffusers' test_compile_works_with_aot) runs the hooks and the forward
+    on different clones of the model: the grid still reaches MHLA; the exported program computes eager's output."""
+    model = tiny_wan(num_layers=2)
+    mhla_diffusers.apply_mhla(model, layers="all")
+    inputs = wan_inputs(batch=1)
+    with torch.no_grad():
+        expected = model(**inputs).sample
+        exported = torch.export.export(model, args=(), kwargs=inputs)
+        out = exported.module()(**inputs).sample
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
