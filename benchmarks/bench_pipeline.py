@@ -50,7 +50,7 @@ from bench_ops import _sync, machine_info  # noqa: E402  (machine description, d
 
 VARIANTS = ("stock", "mhla_all", "mhla_hybrid")
 
-from mhla_diffusers.configs import DIT_XL_2, SANA_600M  # noqa: E402  (published architectures)
+from mhla_diffusers.models.configs import DIT_XL_2, SANA_600M  # noqa: E402  (published architectures)
 
 # --quick: the same classes, tiny
 DIT_TINY = dict(DIT_XL_2, num_layers=3, num_attention_heads=2, attention_head_dim=8, sample_size=8, num_embeds_ada_norm=10)

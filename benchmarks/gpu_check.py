@@ -12,7 +12,7 @@ What it does (each case in its own try/except: an error is printed, recorded, an
 1. Correctness: ``mhla_attention(..., backend="triton")`` in bf16, fp16 and fp32 against the
    float64 reference (the dense ``mhla_attention_reference`` up to N = 4096, an O(N d^2) loop over
    blocks beyond), outputs AND gradients (dq, dk, dv, dmixing), by relative error
-   ``max |x - ref| / max(max |ref|, quotient-rule term scale)`` (as in tests/test_ops.py), and
+   ``max |x - ref| / max(max |ref|, quotient-rule term scale)`` (as in tests/ops/test_ops.py), and
    against the torch backend on the same inputs. Uneven layouts, head dims 32/72/128,
    non-contiguous inputs, normalize and feature_map off, CASES C01 (fp16, N(0, 30^2), M = 1),
    Wan's RoPE variant fused into the kernels (an ``InterleavedRotary``; random angles), and that
@@ -74,8 +74,8 @@ def _import_library():
         pkg.__file__ = str(ROOT / "mhla_diffusers" / "__init__.py")
         sys.modules["mhla_diffusers"] = pkg
     from mhla_diffusers import ops
-    from mhla_diffusers.layout import BlockLayout, choose_block_grid
-    from mhla_diffusers.mixing import mixing_init
+    from mhla_diffusers.ops.layout import BlockLayout, choose_block_grid
+    from mhla_diffusers.ops.mixing import mixing_init
 
     return ops, BlockLayout, choose_block_grid, mixing_init
 

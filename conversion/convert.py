@@ -13,11 +13,11 @@
         --config ./Wan2.1-T2V-1.3B-Diffusers --out wan-mhla-authors
 
 --from authors imports the authors' released Wan MHLA weights (DAGroup-PKU/MHLA): layers, blocks,
-normaliser, feature epsilon, output norm are theirs, read from the file (mhla_diffusers.authors);
+normaliser, feature epsilon, output norm are theirs, read from the file (mhla_diffusers.checkpoint.authors);
 --layers, --num-blocks, --no-normalize, --output-norm and --eps do not apply there.
 
 Writes the base checkpoint + transformer/mhla_config.json + transformer/mhla.safetensors
-(see mhla_diffusers.checkpoint). Exit code 2 for bad input, 3 if the source is already converted.
+(see mhla_diffusers.checkpoint.format). Exit code 2 for bad input, 3 if the source is already converted.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from mhla_diffusers.conversion import AlreadyConvertedError, convert_checkpoint
+    from mhla_diffusers.checkpoint.conversion import AlreadyConvertedError, convert_checkpoint
 
     dtype = None if DTYPES[args.dtype] is None else getattr(torch, DTYPES[args.dtype])
     try:
@@ -174,7 +174,7 @@ def _import_authors(args) -> int:
 
     import torch
 
-    from mhla_diffusers.authors import AUTHORS_BLOCK_GRID, import_authors_wan
+    from mhla_diffusers.checkpoint.authors import AUTHORS_BLOCK_GRID, import_authors_wan
 
     block_grid = AUTHORS_BLOCK_GRID if args.block_grid in (None, "authors") else args.block_grid
     if isinstance(block_grid, str) or len(block_grid) != 3:

@@ -78,8 +78,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
 
     from mhla_diffusers import load_mhla_pipeline
-    from mhla_diffusers.conversion import convert_checkpoint
-    from mhla_diffusers.training import (
+    from mhla_diffusers.checkpoint.conversion import convert_checkpoint
+    from mhla_diffusers.training.loop import (
         TrainingParts,
         build_dataset,
         evaluate_heldout,
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         read_loss_terms,
         train,
     )
-    from mhla_diffusers.flow import Objective
+    from mhla_diffusers.training.flow import Objective
 
     base = Path(args.base)
     if not (base / "model_index.json").is_file():

@@ -1,61 +1,102 @@
-"""mhla_diffusers: Multi-Head Linear Attention (MHLA, arXiv 2601.07832, ICLR 2026) for diffusers."""
+"""mhla_diffusers: Multi-Head Linear Attention (MHLA, arXiv 2601.07832, ICLR 2026) for diffusers.
 
+The public API, re-exported from the sub-packages and imported on first use, so that
+``import mhla_diffusers`` (and ``import mhla_diffusers.ops``, the framework-free operator) stays
+cheap and never imports diffusers until a name that needs it is used:
+
+- ``ops``: the operator (torch, optional triton): ``mhla_attention``, ``BlockLayout``, ``mixing_init``.
+- ``models``: the diffusers integration: ``MHLAProcessor``, ``apply_mhla``, ``remove_mhla``.
+- ``checkpoint``: converted checkpoints, conversion, LoRA files, the authors' weights.
+- ``training``: fine-tuning (accelerate / peft / yaml are needed only there).
+"""
+
+import importlib
 import os as _os
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
-# Triton decides at import time whether its own functions run in the CPU interpreter, and diffusers
-# (imported below) imports triton: remember whether TRITON_INTERPRET was on at this point so that
-# the Triton backend can say clearly when it was switched on too late.
+# Triton decides at import time whether its functions run in the CPU interpreter: remember whether
+# TRITON_INTERPRET was on when this package was imported, so that the Triton backend can say
+# clearly when it was switched on too late.
 _TRITON_INTERPRET_AT_IMPORT = _os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
-from .autoencoder import SpaceToDepthAutoencoder
-from .layout import BlockLayout, choose_block_grid, default_num_blocks
-from .mixing import MixingMatrix, clamp_mixing_, mixing_init, mixing_parameters
-from .ops import InterleavedRotary, available_backends, mhla_attention, mhla_attention_reference
-from .grid import token_grid
-from .hybrid import select_layers
-from .processor import MHLAProcessor
-from .apply import apply_mhla, attention_modules, is_mhla_model, materialize_mhla, mhla_spec, remove_mhla, set_attn_processor
-from .checkpoint import (
-    MHLACheckpointError,
-    load_mhla_pipeline,
-    load_mhla_transformer,
-    read_mhla_config,
-    save_mhla_pipeline,
-    save_mhla_transformer,
-)
-from .authors import import_authors_wan, load_authors_wan
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BlockLayout",
-    "choose_block_grid",
-    "default_num_blocks",
-    "MixingMatrix",
-    "clamp_mixing_",
-    "mixing_init",
-    "mixing_parameters",
-    "mhla_attention",
-    "mhla_attention_reference",
-    "InterleavedRotary",
-    "available_backends",
-    "SpaceToDepthAutoencoder",
-    "token_grid",
-    "select_layers",
-    "MHLAProcessor",
-    "apply_mhla",
-    "materialize_mhla",
-    "remove_mhla",
-    "set_attn_processor",
-    "attention_modules",
-    "is_mhla_model",
-    "mhla_spec",
-    "MHLACheckpointError",
-    "load_mhla_pipeline",
-    "load_mhla_transformer",
-    "read_mhla_config",
-    "save_mhla_pipeline",
-    "save_mhla_transformer",
-    "import_authors_wan",
-    "load_authors_wan",
-]
+# public name -> the module that defines it (one line each: the API at a glance)
+_EXPORTS = {
+    "BlockLayout": "mhla_diffusers.ops.layout",
+    "choose_block_grid": "mhla_diffusers.ops.layout",
+    "default_num_blocks": "mhla_diffusers.ops.layout",
+    "MixingMatrix": "mhla_diffusers.ops.mixing",
+    "clamp_mixing_": "mhla_diffusers.ops.mixing",
+    "mixing_init": "mhla_diffusers.ops.mixing",
+    "mixing_parameters": "mhla_diffusers.ops.mixing",
+    "mhla_attention": "mhla_diffusers.ops",
+    "mhla_attention_reference": "mhla_diffusers.ops",
+    "InterleavedRotary": "mhla_diffusers.ops",
+    "available_backends": "mhla_diffusers.ops",
+    "token_grid": "mhla_diffusers.models.grid",
+    "select_layers": "mhla_diffusers.models.hybrid",
+    "MHLAProcessor": "mhla_diffusers.models.processor",
+    "apply_mhla": "mhla_diffusers.models.install",
+    "materialize_mhla": "mhla_diffusers.models.install",
+    "remove_mhla": "mhla_diffusers.models.install",
+    "set_attn_processor": "mhla_diffusers.models.install",
+    "attention_modules": "mhla_diffusers.models.install",
+    "is_mhla_model": "mhla_diffusers.models.install",
+    "mhla_spec": "mhla_diffusers.models.install",
+    "MHLACheckpointError": "mhla_diffusers.checkpoint.format",
+    "load_mhla_pipeline": "mhla_diffusers.checkpoint.format",
+    "load_mhla_transformer": "mhla_diffusers.checkpoint.format",
+    "read_mhla_config": "mhla_diffusers.checkpoint.format",
+    "save_mhla_pipeline": "mhla_diffusers.checkpoint.format",
+    "save_mhla_transformer": "mhla_diffusers.checkpoint.format",
+    "import_authors_wan": "mhla_diffusers.checkpoint.authors",
+    "load_authors_wan": "mhla_diffusers.checkpoint.authors",
+    # the demo's parameter-free autoencoder: a demo / training helper, kept at its module path
+    # because saved pipelines name it there (model_index.json: ["mhla_diffusers.autoencoder", ...])
+    "SpaceToDepthAutoencoder": "mhla_diffusers.autoencoder",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """Import the module that defines a public name on first use (PEP 562)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mhla_diffusers' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if _TYPE_CHECKING:  # static analysers and IDEs see the eager imports
+    from mhla_diffusers.autoencoder import SpaceToDepthAutoencoder
+    from mhla_diffusers.checkpoint.authors import import_authors_wan, load_authors_wan
+    from mhla_diffusers.checkpoint.format import (
+        MHLACheckpointError,
+        load_mhla_pipeline,
+        load_mhla_transformer,
+        read_mhla_config,
+        save_mhla_pipeline,
+        save_mhla_transformer,
+    )
+    from mhla_diffusers.models.grid import token_grid
+    from mhla_diffusers.models.hybrid import select_layers
+    from mhla_diffusers.models.install import (
+        apply_mhla,
+        attention_modules,
+        is_mhla_model,
+        materialize_mhla,
+        mhla_spec,
+        remove_mhla,
+        set_attn_processor,
+    )
+    from mhla_diffusers.models.processor import MHLAProcessor
+    from mhla_diffusers.ops import InterleavedRotary, available_backends, mhla_attention, mhla_attention_reference
+    from mhla_diffusers.ops.layout import BlockLayout, choose_block_grid, default_num_blocks
+    from mhla_diffusers.ops.mixing import MixingMatrix, clamp_mixing_, mixing_init, mixing_parameters

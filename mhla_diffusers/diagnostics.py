@@ -40,8 +40,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .layout import BlockLayout, choose_block_grid, normalize_grid
-from .mixing import mixing_init
+from mhla_diffusers.ops.layout import BlockLayout, choose_block_grid, normalize_grid
+from mhla_diffusers.ops.mixing import mixing_init
 
 __all__ = [
     "KINDS",
@@ -107,7 +107,7 @@ def attention_matrix(
     * ``"linear"``: plain linear attention, ``A[i, t] = phi(q_i) . phi(k_t) / sum_s phi(q_i) . phi(k_s)``
       (MHLA paper Sec. 3.2: ``A_lin = phi(Q) phi(K)^T``, rank ``<= d``);
     * ``"mhla"``: the implied MHLA matrix ``A[i, t] = Mc[b(i), b(t)] phi(q_i) . phi(k_t)``
-      (:func:`mhla_diffusers.ops.reference.implied_attention`; paper Sec. 3.2, "block selection x
+      (:func:`mhla_diffusers.ops.naive.implied_attention`; paper Sec. 3.2, "block selection x
       intra-block reweighting"), rows normalised: exactly the weights MHLA's output
       ``phi(q) S~ / phi(q) . z~`` applies to the values (with ``eps = 0``).
 
@@ -161,7 +161,7 @@ def attention_matrix(
             "the mixing matrix has negative entries, which give no attention distribution; pass the "
             "matrix the operator uses, clamped to [0, 1] (MixingMatrix.clamped())"
         )
-    from .ops.reference import implied_attention
+    from mhla_diffusers.ops.naive import implied_attention
 
     scores = implied_attention(q64, k64, mixing.detach().to(q64.device), layout, dtype=torch.float64)
     return _row_normalise(scores)
@@ -362,7 +362,7 @@ def capture_query_key(
             call (``encoder_hidden_states`` given).
         RuntimeError: a named layer or the patch embedding was not called during the forward.
     """
-    from .families import family_of
+    from mhla_diffusers.models.families import family_of
 
     family = family_of(transformer)
     names = [attn_names] if isinstance(attn_names, str) else list(attn_names)
@@ -586,7 +586,7 @@ def diagnostic_inputs(
     """Real model inputs for a class-conditional DiT pipeline: photo crops, encoded and noised.
 
     ``num_samples`` crops of the photographs shipped in the scikit-image / scikit-learn wheels
-    (:class:`~mhla_diffusers.data.PhotoCrops`, seed ``seed``) at the checkpoint's resolution
+    (:class:`~mhla_diffusers.training.data.PhotoCrops`, seed ``seed``) at the checkpoint's resolution
     (``transformer.config.sample_size * vae factor`` pixels), encoded by ``pipe.vae``
     (``latent_dist.mode() * scaling_factor``) and noised with a ``DDPMScheduler`` built from
     ``pipe.scheduler.config`` at every timestep of ``timesteps``; sample ``(i, j)`` (crop ``i``,
@@ -605,8 +605,8 @@ def diagnostic_inputs(
     """
     from diffusers import DDPMScheduler
 
-    from .data import PHOTO_NAMES, PhotoCrops
-    from .training import vae_scale_factor
+    from mhla_diffusers.training.data import PHOTO_NAMES, PhotoCrops
+    from mhla_diffusers.training.loop import vae_scale_factor
 
     if int(num_samples) != num_samples or num_samples < 1:
         raise ValueError(f"num_samples must be a positive integer; got {num_samples!r}")
@@ -676,7 +676,7 @@ def diagnose_pipeline(
     Raises:
         ValueError: a layer index out of range; see :func:`diagnostic_inputs` and :func:`qk_statistics`.
     """
-    from .families import family_of, self_attention_modules
+    from mhla_diffusers.models.families import family_of, self_attention_modules
 
     transformer = pipe.transformer
     modules = self_attention_modules(transformer, family_of(transformer))

@@ -34,7 +34,7 @@ class GenerationError(ValueError):
 
 def _prepare(checkpoint, pipe, steps: int, dtype: str, device: str | None):
     """Validate the common generation arguments; load the pipeline unless given. Returns ``(pipe, device)``."""
-    from .checkpoint import load_mhla_pipeline
+    from mhla_diffusers.checkpoint.format import load_mhla_pipeline
 
     if steps < 1:
         raise GenerationError(f"steps must be >= 1; got {steps}")
@@ -44,7 +44,7 @@ def _prepare(checkpoint, pipe, steps: int, dtype: str, device: str | None):
     if pipe is None:
         pipe = load_mhla_pipeline(checkpoint, torch_dtype=_DTYPES[dtype])
     else:  # a pipeline the caller loaded: diffusers' own from_pretrained of a converted folder has no MHLA
-        from .checkpoint import warn_if_stock_loaded
+        from mhla_diffusers.checkpoint.format import warn_if_stock_loaded
 
         warn_if_stock_loaded(pipe, "this pipeline generates with the stock attention")
     return pipe, device
@@ -316,13 +316,13 @@ WAN_NATIVE_SIZE = {"height": 480, "width": 832, "frames": 81}
 
 def native_video_size(pipe) -> dict:
     """``{"height", "width", "frames"}`` a video pipeline's transformer was trained at: the size recorded in
-    its config (``_mhla_native_size``, written by :func:`~mhla_diffusers.authors.import_authors_wan`: the
+    its config (``_mhla_native_size``, written by :func:`~mhla_diffusers.checkpoint.authors.import_authors_wan`: the
     authors' MHLA model, 480 x 800 px, 81 frames), else Wan 2.1's 480 x 832 px, 81 frames.
 
     Raises:
         GenerationError: a recorded size that is not three positive integers.
     """
-    from .authors import NATIVE_SIZE_KEY
+    from mhla_diffusers.checkpoint.authors import NATIVE_SIZE_KEY
 
     config = getattr(getattr(pipe, "transformer", None), "config", None)
     recorded = config.get(NATIVE_SIZE_KEY) if hasattr(config, "get") else None

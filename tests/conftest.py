@@ -1,10 +1,15 @@
 """Test settings: one thread, offline, deterministic."""
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# tests/<area>/test_*.py import the shared tiny-model builders (tests/helpers*.py) by name
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -190,7 +190,7 @@ def tiny_dit_pipeline(num_layers: int = 3, seed: int = 0):
 @contextmanager
 def no_grid_frames():
     """Assert that no grid frame leaks out of the block (frames are thread-local and must be popped)."""
-    from mhla_diffusers import grid
+    from mhla_diffusers.models import grid
 
     before = list(grid._frames())
     yield

@@ -28,7 +28,7 @@ __all__ = [
     "original_sana_state_dict",
 ]
 
-from mhla_diffusers.configs import SANA_600M  # noqa: E402  (the published SANA-600M config)
+from mhla_diffusers.models.configs import SANA_600M  # noqa: E402  (the published SANA-600M config)
 
 
 def tiny_sana(

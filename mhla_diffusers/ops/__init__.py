@@ -13,10 +13,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..layout import BlockLayout
-from .reference import implied_attention, mhla_attention_reference
-from .rotary import InterleavedRotary
-from .torch_ops import compute_dtype, mhla_attention_torch
+from mhla_diffusers.ops.layout import BlockLayout
+from mhla_diffusers.ops.naive import implied_attention, mhla_attention_reference
+from mhla_diffusers.ops.rotary import InterleavedRotary
+from mhla_diffusers.ops.torch_ops import compute_dtype, mhla_attention_torch
 
 __all__ = [
     "mhla_attention", "mhla_attention_reference", "implied_attention", "available_backends", "resolve_backend",
@@ -28,7 +28,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def _triton_backend(q, k, v, mixing, layout, **kwargs):
     """The Triton kernels, imported on first use (importing mhla_diffusers never imports them; diffusers may import triton itself)."""
-    from .triton_ops import mhla_attention_triton
+    from mhla_diffusers.ops.triton_ops import mhla_attention_triton
 
     return mhla_attention_triton(q, k, v, mixing, layout, **kwargs)
 
@@ -139,7 +139,7 @@ def mhla_attention(
         S_b = (R phi(K_b))^T V_b,   out = (R phi(q)) S~_i / (phi(q) . z~_i + eps)
 
     The Triton backend applies an :class:`InterleavedRotary` (e.g. Wan's
-    :class:`~mhla_diffusers.families.WanRotary`) inside its kernels: one pass, numerator and
+    :class:`~mhla_diffusers.models.families.WanRotary`) inside its kernels: one pass, numerator and
     denominator fused, the tables treated as constants. Any other ``rotary`` callable (and any
     rotary on the torch backend) is composed: one numerator call of the backend on the rotated
     features (``feature_map`` off) plus a second call for the denominator (a value of ones), both
@@ -215,7 +215,7 @@ def mhla_attention(
     name = resolve_backend(backend, q.device)
     fn = _BACKENDS[name]
     if torch.compiler.is_compiling():  # one opaque graph node per call, not a graph break (ops/compiled.py)
-        from . import compiled
+        from mhla_diffusers.ops import compiled
 
         fn = functools.partial(compiled.attention, backend=name)
     if rotary is None:
@@ -244,7 +244,7 @@ def _fused_rotary(rotary, q: torch.Tensor, v: torch.Tensor) -> bool:
     tables need no gradient, on inputs the kernels take (not sent to the torch fallback)."""
     if not isinstance(rotary, InterleavedRotary) or rotary.requires_grad:
         return False
-    from .triton_ops import torch_fallback_reason
+    from mhla_diffusers.ops.triton_ops import torch_fallback_reason
 
     return torch_fallback_reason(q, v) is None
 

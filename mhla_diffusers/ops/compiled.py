@@ -26,9 +26,9 @@ from functools import lru_cache
 
 import torch
 
-from ..layout import BlockLayout
-from .rotary import InterleavedRotary
-from .torch_ops import _empty_like_layout
+from mhla_diffusers.ops.layout import BlockLayout
+from mhla_diffusers.ops.rotary import InterleavedRotary
+from mhla_diffusers.ops.torch_ops import _empty_like_layout
 
 __all__ = ["attention"]
 
@@ -39,7 +39,7 @@ def _layout(grid: tuple[int, ...], block_grid: tuple[int, ...]) -> BlockLayout:
 
 
 def _call_backend(q, k, v, mixing, grid, block_grid, normalize, eps, feature_map, backend, cos, sin):
-    from . import _BACKENDS  # imported here: ops/__init__ imports this module lazily
+    from mhla_diffusers.ops import _BACKENDS  # imported here: ops/__init__ imports this module lazily
 
     fn, layout = _BACKENDS[backend], _layout(tuple(grid), tuple(block_grid))
     if cos is None:

@@ -56,7 +56,7 @@ from functools import lru_cache
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..layout import BlockLayout
+from mhla_diffusers.ops.layout import BlockLayout
 
 __all__ = ["mhla_attention_torch", "compute_dtype"]
 

@@ -84,9 +84,9 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from ..layout import BlockLayout
-from .rotary import InterleavedRotary
-from .torch_ops import _empty_like_layout
+from mhla_diffusers.ops.layout import BlockLayout
+from mhla_diffusers.ops.rotary import InterleavedRotary
+from mhla_diffusers.ops.torch_ops import _empty_like_layout
 
 __all__ = ["mhla_attention_triton", "interpreter_enabled", "check_supported", "torch_fallback_reason", "MAX_HEAD_DIM"]
 
@@ -109,7 +109,7 @@ _INTERPRET_MIX_BLOCKS: tuple[int, int, int] | None = None  # tests: (BLOCK_R, BL
 
 # When a list, kernel launches are appended to it as (kernel, grid, args, meta) instead of run, and
 # the GPU launch configuration is used whatever the device: lets a test compile the exact launches
-# of a CUDA run for an sm_90 target on a machine without a GPU (see tests/triton_compile_check.py).
+# of a CUDA run for an sm_90 target on a machine without a GPU (see tests/ops/triton_compile_check.py).
 _RECORD: list | None = None
 
 
@@ -458,7 +458,7 @@ def _launch(kernel, grid, *args, **meta) -> None:
 def _config(d: int, dv: int, length: int, device: torch.device, prec: str) -> dict:
     """Fixed launch configuration (no autotuning): tile sizes, warps and stages by head dim and precision.
 
-    Chosen by compiling every kernel for sm_90 (``tests/triton_compile_check.py``): no register
+    Chosen by compiling every kernel for sm_90 (``tests/ops/triton_compile_check.py``): no register
     spills (a few bytes in ``_bwd_query`` at d > 64) and shared memory within an H100/H200's 227 KiB.
     ``BLOCK_T``: tokens per tile of the forward kernels and ``_bwd_key``; ``BLOCK_T_BWD``: of ``_bwd_query``.
     Not yet timed on a GPU.
@@ -773,7 +773,7 @@ def mhla_attention_triton(
                 f"rotary inputs the kernels do not take ({torch_fallback_reason(q, v)}): call mhla_attention, "
                 "which composes the rotation with the torch backend"
             )
-        from .torch_ops import mhla_attention_torch
+        from mhla_diffusers.ops.torch_ops import mhla_attention_torch
 
         return mhla_attention_torch(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map)
     if q.numel() == 0 or v.numel() == 0:

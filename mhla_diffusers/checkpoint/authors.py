@@ -1,0 +1,413 @@
+"""Import the authors' released Wan2.1-1.3B MHLA weights (DAGroup-PKU/MHLA) into a diffusers ``WanTransformer3DModel``.
+
+Their model is the original Wan 2.1 code (key names ``blocks.{i}.self_attn.q.weight``,
+``blocks.{i}.ffn.0.weight``, ``head.head.weight``, ...) in which some self-attention layers are
+their ``MHLA_Video_Uni``. What their released configuration runs (their ``mhla_videogen`` code at
+commit ccf97b2: ``configs/Wan_1300M_hybrid_mhla.yaml`` as forwarded by ``init_model_configs``, and
+``diffusion/model/wan/mhla_utils.py``; ../shared/FACTS.md section 5), and how it is reproduced here:
+
+* q, k, v, o linear layers with bias and ``norm_q`` / ``norm_k`` (RMSNorm over all heads): the
+  stock Wan layer's, renamed by diffusers' own ``convert_wan_transformer_to_diffusers``;
+* features ``phi(x) = ReLU(x) + 1e-6`` (the epsilon added after the ReLU): ``feature_eps=1e-6``;
+* Wan's RoPE applied to those features, numerator only, and no normaliser (``norm_output: false``):
+  ``normalize=False`` (our Wan RoPE path rotates the features after the feature map);
+* blocks ``(3, 5, 10)`` by floor division of the 21 x 30 x 50 token grid (the constructor default:
+  the YAML's ``block_layout`` is never forwarded), ``M = 150``, and the mixed summaries
+  ``kv[i] = sum_j W[i, j] kv[j]`` with ``W = block_attn.conv.weight[:, :, 0, 0]`` (rows = query blocks),
+  never clamped (the released matrices hold negative entries): ``mixing_clamp=False``;
+* ``g_norm``: an RMSNorm over the head dim (eps 1e-6, one learned weight shared by the heads) on the
+  attention output, then ``o``: our per-head :class:`~mhla_diffusers.OutputRMSNorm`, its weight the
+  same row for every head;
+* no output gate and no LePE (the YAML's ``is_gated`` / ``is_lepe`` are never forwarded either).
+  A file holding gate (``self_attn.g``) or LePE (``self_attn.lepe``) weights is refused.
+
+The layers that are MHLA are read from the file (the layers holding ``block_attn.conv.weight``; the
+released hybrid model: 1, 2, 4, 5, ..., 28, 29, softmax kept on 0, 3, ..., 27; their full-MHLA
+configuration: all 30). Their model runs at 480 x 800 px, 81 frames (31,500 tokens): the imported
+transformer records it in its diffusers config (``_mhla_native_size``), the default size of
+:func:`~mhla_diffusers.generation.generate_videos` and ``pipelines/generate.py`` for it. Our layer
+also runs at other sizes (blocks of unequal size), which their code cannot.
+
+Differences that remain are rounding only: their RoPE multiplies in float64, ours in float32 (below
+1e-6 relative in float32 runs); in bfloat16 their q / k norms output float32 where diffusers' layer
+rounds to bfloat16, and their ``g_norm`` rounds its input to bfloat16 first.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "AUTHORS_BLOCK_GRID",
+    "AUTHORS_FEATURE_EPS",
+    "AUTHORS_NATIVE_SIZE",
+    "NATIVE_SIZE_KEY",
+    "AuthorsCheckpointError",
+    "read_authors_state_dict",
+    "split_authors_state_dict",
+    "install_authors_mhla",
+    "load_authors_wan",
+    "import_authors_wan",
+]
+
+AUTHORS_BLOCK_GRID = (3, 5, 10)
+AUTHORS_FEATURE_EPS = 1e-6
+AUTHORS_NATIVE_SIZE = {"height": 480, "width": 800, "frames": 81}
+# The transformer's diffusers config key recording the size a model was trained at (kept by save/load).
+NATIVE_SIZE_KEY = "_mhla_native_size"
+
+# Key prefixes of wrapped models (DDP, torch.compile, FSDP, ComfyUI-style files), stripped when every key has one.
+_WRAPPER_PREFIXES = ("module.", "model.", "_orig_mod.", "_fsdp_wrapped_module.", "diffusion_model.")
+_MHLA_KEY = re.compile(r"^blocks\.(\d+)\.self_attn\.(block_attn\.conv\.weight|g_norm\.weight)$")
+_VARIANT_KEY = re.compile(r"^blocks\.(\d+)\.self_attn\.(g|lepe)\.")
+_LISTED = 12  # keys named in an error message
+
+
+class AuthorsCheckpointError(ValueError):
+    """The file is not the authors' Wan MHLA model for the given diffusers config (unknown, missing or
+    mis-shaped keys, an unsupported variant, an unreadable or ambiguous file)."""
+
+
+def _listed(keys) -> str:
+    keys = sorted(keys)
+    more = f" and {len(keys) - _LISTED} more" if len(keys) > _LISTED else ""
+    return f"{keys[:_LISTED]}{more}"
+
+
+# -- reading the file -------------------------------------------------------------------------------
+def read_authors_state_dict(path: str | os.PathLike, state_dict_key: str | None = None) -> dict[str, torch.Tensor]:
+    """The flat ``{key: tensor}`` state dict of the authors' checkpoint file, in their key names.
+
+    Reads ``.safetensors`` or a pickled ``.pth`` / ``.pt`` / ``.bin`` / ``.ckpt`` with
+    ``torch.load(weights_only=True)`` (nothing else is unpickled). A training checkpoint nesting the
+    weights (their trainer writes ``{"state_dict": ..., "state_dict_ema": ..., "optimizer": ...}``) is
+    unwrapped: ``state_dict_key`` names the entry to use; without it the one entry that is a dict of
+    tensors is taken. A prefix every key carries (``module.``, ``model.``, ``_orig_mod.``, ...) is removed.
+    Tensors keep their stored dtype (bfloat16 or float32).
+
+    Raises:
+        FileNotFoundError: no such file.
+        AuthorsCheckpointError: an unknown suffix, a file ``weights_only`` loading refuses, no dict of
+            tensors, several candidate entries without ``state_dict_key``, or a ``state_dict_key`` it lacks.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        obj = load_file(str(path))
+    elif path.suffix in (".pth", ".pt", ".bin", ".ckpt"):
+        try:
+            obj = torch.load(str(path), map_location="cpu", weights_only=True)
+        except Exception as err:  # pickled objects weights_only refuses (e.g. a numpy RNG state), or a damaged file
+            raise AuthorsCheckpointError(
+                f"{path} could not be read with torch.load(weights_only=True) ({type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''}); nothing else is unpickled. Save the model's "
+                "state dict alone (torch.save(ckpt['state_dict'], ...) or safetensors) and import that file"
+            ) from err
+    else:
+        raise AuthorsCheckpointError(f"{path}: expected a .safetensors, .pth, .pt, .bin or .ckpt file")
+    return _strip_wrapper_prefix(_unwrap(obj, state_dict_key, path))
+
+
+def _is_tensor_dict(obj) -> bool:
+    return isinstance(obj, Mapping) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
+
+
+def _unwrap(obj, key: str | None, path: Path) -> dict[str, torch.Tensor]:
+    """The dict of tensors inside a loaded checkpoint object (see :func:`read_authors_state_dict`)."""
+    if not isinstance(obj, Mapping):
+        raise AuthorsCheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict")
+    if key is not None:
+        if key not in obj or not _is_tensor_dict(obj[key]):
+            entries = sorted(str(k) for k, v in obj.items() if _is_tensor_dict(v))
+            raise AuthorsCheckpointError(
+                f"{path} has no state dict under {key!r}; its entries holding state dicts: {entries or 'none'}"
+            )
+        return dict(obj[key])
+    if _is_tensor_dict(obj):
+        return dict(obj)
+    candidates = sorted(str(k) for k, v in obj.items() if _is_tensor_dict(v))
+    if len(candidates) == 1:
+        return dict(obj[candidates[0]])
+    if not candidates:
+        raise AuthorsCheckpointError(
+            f"{path} holds no state dict (no dict of tensors at the top level or under one entry; entries: "
+            f"{_listed(str(k) for k in obj)})"
+        )
+    raise AuthorsCheckpointError(
+        f"{path} holds several state dicts {candidates} (e.g. the model and its EMA): choose one with "
+        "state_dict_key= (--state-dict-key)"
+    )
+
+
+def _strip_wrapper_prefix(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` without a wrapper prefix that every key carries (repeatedly: ``module.model.`` too)."""
+    changed = True
+    while changed and state:
+        changed = False
+        for prefix in _WRAPPER_PREFIXES:
+            if all(k.startswith(prefix) for k in state):
+                state = {k[len(prefix):]: v for k, v in state.items()}
+                changed = True
+    return state
+
+
+def split_authors_state_dict(
+    state: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]]]:
+    """Split their state dict into the stock Wan keys and the MHLA keys of each MHLA layer.
+
+    Returns:
+        ``(stock, mhla)``: ``stock`` every key but the MHLA ones (their names); ``mhla``
+        ``{layer index: {"block_attn.conv.weight": [M, M, 1, 1], "g_norm.weight": [head_dim]}}``
+        (entries as found; :func:`install_authors_mhla` checks them).
+
+    Raises:
+        AuthorsCheckpointError: gate (``self_attn.g``) or LePE (``self_attn.lepe``) weights: variants
+            their released configuration does not run and this importer does not map.
+    """
+    variants = [k for k in state if _VARIANT_KEY.match(k)]
+    if variants:
+        raise AuthorsCheckpointError(
+            f"the file holds output-gate / LePE weights {_listed(variants)}: an MHLA variant the released Wan model does "
+            "not use (its config never enables them) and this importer does not map; nothing was written"
+        )
+    stock, mhla = {}, {}
+    for key, value in state.items():
+        match = _MHLA_KEY.match(key)
+        if match:
+            mhla.setdefault(int(match.group(1)), {})[match.group(2)] = value
+        else:
+            stock[key] = value
+    return stock, mhla
+
+
+# -- building the diffusers model ---------------------------------------------------------------------
+def _empty_transformer(cls, load_kwargs: dict):
+    """The transformer of the diffusers config, parameters on the meta device (for names and shapes)."""
+    from accelerate import init_empty_weights
+
+    config = cls.load_config(load_kwargs["config"], subfolder=load_kwargs.get("subfolder"))
+    with init_empty_weights():
+        return cls.from_config(config)
+
+
+def _to_diffusers_keys(stock: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``(converted, original name of each converted key)`` through diffusers' own Wan key mapping."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    names = {id(v): k for k, v in stock.items()}
+    converted = convert_wan_transformer_to_diffusers(dict(stock))  # renames keys; pops from the copy
+    return converted, {new: names.get(id(v), new) for new, v in converted.items()}
+
+
+def _check_stock_keys(converted: dict, original: dict[str, str], empty, src) -> None:
+    """Every parameter of the diffusers model given once with its shape, nothing else.
+
+    Raises:
+        AuthorsCheckpointError: listing unknown keys (their names), missing keys (diffusers names) and
+            shape mismatches.
+    """
+    expected = {k: tuple(v.shape) for k, v in empty.state_dict().items()}
+    unknown = [original[k] for k in converted if k not in expected]
+    missing = [k for k in expected if k not in converted]
+    shapes = [
+        f"{original[k]}: {tuple(v.shape)} in the file, {expected[k]} in the config"
+        for k, v in converted.items()
+        if k in expected and tuple(v.shape) != expected[k]
+    ]
+    problems = []
+    if unknown:
+        problems.append(f"unknown keys {_listed(unknown)}")
+    if missing:
+        problems.append(f"missing keys (diffusers names) {_listed(missing)}")
+    if shapes:
+        problems.append(f"shape mismatches {shapes[:_LISTED]}")
+    if problems:
+        raise AuthorsCheckpointError(
+            f"{src} does not match the diffusers Wan config ({'; '.join(problems)}); pass the config of the model this "
+            "file belongs to (Wan2.1-T2V-1.3B-Diffusers for the released weights); nothing was written"
+        )
+
+
+def _storage_dtype(state: Mapping[str, torch.Tensor]) -> torch.dtype:
+    """The floating dtype holding most parameter values of ``state`` (float32 if none)."""
+    counts: dict[torch.dtype, int] = {}
+    for t in state.values():
+        if t.is_floating_point():
+            counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    return max(counts, key=counts.get) if counts else torch.float32
+
+
+def install_authors_mhla(
+    transformer, mhla: Mapping[int, Mapping[str, torch.Tensor]], block_grid=AUTHORS_BLOCK_GRID
+) -> list[int]:
+    """Install MHLA on a diffusers ``WanTransformer3DModel`` as the authors' layers run, with their weights.
+
+    ``apply_mhla`` on the layers of ``mhla`` with ``block_grid``, numerator only, the per-head output
+    RMSNorm, ``feature_eps=1e-6`` and unclamped mixing matrices; then each layer's mixing matrix
+    ``<- block_attn.conv.weight[:, :, 0, 0]`` and output-norm weight ``<- g_norm.weight`` (every head),
+    in float32.
+
+    Args:
+        transformer: a ``WanTransformer3DModel`` without MHLA.
+        mhla: ``{layer: {"block_attn.conv.weight": [M, M, 1, 1], "g_norm.weight": [head_dim]}}`` as
+            :func:`split_authors_state_dict` returns it.
+        block_grid: ``(bt, bh, bw)`` with ``bt * bh * bw = M``; their code always builds (3, 5, 10).
+
+    Returns:
+        The MHLA layer indices.
+
+    Raises:
+        AuthorsCheckpointError: no MHLA layer, a layer index the model lacks, a layer with one of the two
+            keys only, a mixing matrix not ``[M, M, 1, 1]`` for the block grid (or differing between
+            layers), an output-norm weight not ``[head_dim]``, non-finite values.
+    """
+    from mhla_diffusers.models.install import apply_mhla
+    from mhla_diffusers.models.families import family_of, self_attention_modules
+
+    family = family_of(transformer)
+    if family.name != "wan":
+        raise AuthorsCheckpointError(f"the authors' MHLA video model is a Wan model; got a {type(transformer).__name__}")
+    modules = self_attention_modules(transformer, family)
+    if not mhla:
+        raise AuthorsCheckpointError(
+            "the file holds no MHLA layer (no blocks.<i>.self_attn.block_attn.conv.weight): it is a plain Wan model; "
+            "convert it with convert.py --from diffusers (the default) instead"
+        )
+    beyond = sorted(i for i in mhla if i >= len(modules))
+    if beyond:
+        raise AuthorsCheckpointError(
+            f"unknown keys: MHLA weights for layers {beyond}, but the config has {len(modules)} layers; nothing was written"
+        )
+    m = block_grid[0] * block_grid[1] * block_grid[2]
+    heads = transformer.config.num_attention_heads
+    head_dim = transformer.config.attention_head_dim
+    expected = {"block_attn.conv.weight": (m, m, 1, 1), "g_norm.weight": (head_dim,)}
+    for i in sorted(mhla):
+        lacking = [f"blocks.{i}.self_attn.{name}" for name in expected if name not in mhla[i]]
+        if lacking:
+            raise AuthorsCheckpointError(f"missing keys {lacking}: layer {i} has only part of an MHLA layer; nothing was written")
+        for name, shape in expected.items():
+            got = tuple(mhla[i][name].shape)
+            if got != shape:
+                what = f"the mixing matrix of {m} = {' x '.join(map(str, block_grid))} blocks" if "conv" in name else (
+                    f"one weight per channel of a head (head dim {head_dim})")
+                raise AuthorsCheckpointError(
+                    f"blocks.{i}.self_attn.{name} has shape {got}, expected {shape}: {what}"
+                    + (" (their code always builds blocks (3, 5, 10); for another layout give block_grid= / "
+                       "--block-grid with that many blocks)" if "conv" in name else "")
+                )
+            if not torch.isfinite(mhla[i][name]).all():
+                raise AuthorsCheckpointError(f"blocks.{i}.self_attn.{name} holds NaN or infinite values")
+    layers = sorted(mhla)
+    apply_mhla(
+        transformer, layers, block_grid=tuple(block_grid), normalize=False, output_norm=True,
+        feature_eps=AUTHORS_FEATURE_EPS, mixing_clamp=False,
+    )
+    with torch.no_grad():
+        for i in layers:
+            attn = modules[i][1]
+            attn.mhla_mixing.weight.copy_(mhla[i]["block_attn.conv.weight"][:, :, 0, 0].float())
+            attn.mhla_output_norm.weight.copy_(mhla[i]["g_norm.weight"].float().expand(heads, head_dim))
+    return layers
+
+
+def load_authors_wan(
+    src: str | os.PathLike | Mapping[str, torch.Tensor],
+    config: str | os.PathLike,
+    *,
+    torch_dtype: torch.dtype | None = None,
+    state_dict_key: str | None = None,
+    block_grid=AUTHORS_BLOCK_GRID,
+):
+    """The authors' Wan MHLA model as a diffusers pipeline (or transformer) with our MHLA layers.
+
+    Args:
+        src: their checkpoint file (see :func:`read_authors_state_dict`) or the loaded object (a state
+            dict, or a training checkpoint nesting one: ``state_dict_key`` as for a file).
+        config: a local diffusers Wan2.1-T2V-1.3B pipeline folder (the other components are loaded from
+            it), a transformer folder, or a Hub id of the diffusers pipeline (online or cached).
+        torch_dtype: dtype of the base weights; ``None``: the file's (bfloat16 or float32). MHLA
+            parameters are float32.
+        state_dict_key: which entry of a nested training checkpoint to use.
+        block_grid: see :func:`install_authors_mhla`.
+
+    Returns:
+        ``(pipeline or None, transformer)``: the pipeline when ``config`` names one; the transformer
+        in eval mode, recording the native size 480 x 800 px, 81 frames (``config._mhla_native_size``).
+
+    Raises:
+        AuthorsCheckpointError: see :func:`read_authors_state_dict`, :func:`split_authors_state_dict`,
+            :func:`install_authors_mhla`; stock keys unknown, missing or mis-shaped for ``config``; a
+            config of another model family.
+        FileNotFoundError: ``src`` or ``config`` does not exist.
+    """
+    from mhla_diffusers.checkpoint.conversion import _pipeline_around, _single_file_target
+
+    name = "the state dict" if isinstance(src, Mapping) else str(src)
+    if isinstance(src, Mapping):
+        state = _strip_wrapper_prefix(_unwrap(src, state_dict_key, name))
+    else:
+        state = read_authors_state_dict(src, state_dict_key)
+    stock, mhla = split_authors_state_dict(state)
+    cls, load_kwargs, pipeline_folder = _single_file_target(name, str(config), "wan")
+    if cls.__name__ != "WanTransformer3DModel":
+        raise AuthorsCheckpointError(f"config {config} describes a {cls.__name__}; the authors' model needs a Wan2.1 config")
+    converted, original = _to_diffusers_keys(stock)
+    _check_stock_keys(converted, original, _empty_transformer(cls, load_kwargs), name)
+    dtype = torch_dtype or _storage_dtype(state)
+    # the checked stock weights through diffusers' own single-file loader (its key mapping and dtype handling)
+    model = cls.from_single_file(dict(stock), **load_kwargs, dtype=dtype)
+    install_authors_mhla(model, mhla, block_grid)
+    model.register_to_config(**{NATIVE_SIZE_KEY: dict(AUTHORS_NATIVE_SIZE)})
+    model.eval()
+    if pipeline_folder is None:
+        return None, model
+    return _pipeline_around(pipeline_folder, model, dtype), model
+
+
+def import_authors_wan(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    config: str | os.PathLike,
+    torch_dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    state_dict_key: str | None = None,
+    block_grid=AUTHORS_BLOCK_GRID,
+) -> dict:
+    """Convert the authors' checkpoint file into our converted-checkpoint format (``mhla_config.json``,
+    ``mhla.safetensors``; :mod:`mhla_diffusers.checkpoint.format`), loadable with ``load_mhla_pipeline``.
+
+    Arguments as :func:`load_authors_wan`; ``out`` the output folder (written atomically; it must not
+    exist or be empty unless ``overwrite``). A pipeline ``config`` writes a whole ``WanPipeline``.
+
+    Returns:
+        The MHLA spec written to ``mhla_config.json`` plus ``"native_size"`` and ``"out"``.
+
+    Raises:
+        As :func:`load_authors_wan`; ``ValueError`` when ``out`` would replace ``src``;
+        ``FileExistsError`` for a non-empty ``out`` without ``overwrite``.
+    """
+    from mhla_diffusers.models.install import mhla_spec
+    from mhla_diffusers.checkpoint.format import save_mhla_pipeline, save_mhla_transformer
+
+    src_path, out_path = Path(src).resolve(), Path(out).resolve()
+    if src_path == out_path or src_path.is_relative_to(out_path):
+        raise ValueError(f"--out {out} would replace the source {src}; write the converted checkpoint elsewhere")
+    if out_path.exists() and any(out_path.iterdir()) and not overwrite:  # before minutes of loading
+        raise FileExistsError(f"{out} exists and is not empty; choose another folder or pass overwrite=True (--overwrite)")
+    pipe, model = load_authors_wan(src, config, torch_dtype=torch_dtype, state_dict_key=state_dict_key, block_grid=block_grid)
+    if pipe is not None:
+        save_mhla_pipeline(pipe, out, overwrite=overwrite)
+    else:
+        save_mhla_transformer(model, out, overwrite=overwrite)
+    return {**mhla_spec(model), "native_size": dict(AUTHORS_NATIVE_SIZE), "out": str(out)}

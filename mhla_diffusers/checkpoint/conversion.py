@@ -1,0 +1,287 @@
+"""Retrofit a pretrained diffusers checkpoint with MHLA and write it in the converted format.
+
+Sources: a Hub id, a local diffusers pipeline or transformer folder, or an original single-file
+checkpoint (``.safetensors`` / ``.pth`` of the model's own repository, e.g. SANA's
+``Sana_600M_1024px.pth`` or Wan's ``diffusion_pytorch_model.safetensors`` in the original layout),
+read by diffusers' ``from_single_file`` with a diffusers ``config``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from mhla_diffusers.models.install import apply_mhla
+from mhla_diffusers.checkpoint.format import (
+    MHLACheckpointError,
+    read_mhla_config,
+    save_mhla_pipeline,
+    save_mhla_transformer,
+    transformer_folder,
+)
+from mhla_diffusers.models.families import FAMILIES, family_of, get_family
+
+__all__ = ["convert_checkpoint", "AlreadyConvertedError"]
+
+
+class AlreadyConvertedError(MHLACheckpointError):
+    """The source checkpoint already has MHLA; conversion starts from the original model."""
+
+
+SINGLE_FILE_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt")
+_SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+
+
+def stored_dtype(path: str | os.PathLike) -> torch.dtype | None:
+    """The floating dtype holding most parameters of a ``.safetensors`` file, or of the safetensors
+    files of a diffusers model folder (read from the headers only); ``None`` if there is none.
+
+    diffusers and transformers load weights as float32 unless told otherwise, so converting "in the
+    stored dtype" needs this.
+    """
+    import struct
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path] if path.suffix == ".safetensors" else []
+    counts: dict[torch.dtype, int] = {}
+    for file in files:
+        with open(file, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        for key, info in header.items():
+            dtype = _SAFETENSORS_DTYPES.get(info.get("dtype")) if key != "__metadata__" else None
+            if dtype is not None:
+                start, end = info["data_offsets"]
+                counts[dtype] = counts.get(dtype, 0) + (end - start) // torch.empty((), dtype=dtype).element_size()
+    return max(counts, key=counts.get) if counts else None
+
+
+def _pipeline_dtypes(folder: Path) -> dict:
+    """``{component: stored dtype}`` for ``DiffusionPipeline.from_pretrained(dtype=...)`` (float32 default)."""
+    dtypes = {"default": torch.float32}
+    for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
+        dtype = stored_dtype(sub)
+        if dtype is not None:
+            dtypes[sub.name] = dtype
+    return dtypes
+
+
+def _is_hub_id(text: str) -> bool:
+    return not text.startswith((".", "/", "~")) and text.count("/") == 1
+
+
+def _load_single_file(src: Path, config: str | None, family: str | None, torch_dtype: torch.dtype | None):
+    """(pipeline or None, transformer) from an original single-file checkpoint and a diffusers config.
+
+    ``config``: a local diffusers pipeline folder (the other components are loaded from it and the
+    whole pipeline is written), a local transformer folder (the transformer alone is written), or a
+    Hub id of a diffusers pipeline (online, or cached).
+    """
+    from mhla_diffusers.checkpoint.format import _dtype_kwargs
+
+    if (src.parent / "mhla_config.json").is_file():
+        raise AlreadyConvertedError(
+            f"{src} belongs to an MHLA checkpoint ({src.parent / 'mhla_config.json'}); nothing was written. Convert "
+            "from the original checkpoint, or load this one with mhla_diffusers.load_mhla_transformer."
+        )
+    if config is None:
+        raise ValueError(
+            f"{src} is a single-file checkpoint: pass config= (--config) naming a diffusers folder or Hub id with "
+            "the model's config.json, e.g. a local copy of Efficient-Large-Model/Sana_600M_1024px_diffusers; "
+            "diffusers would otherwise guess a model and fetch its config from the Hub"
+        )
+    cls, load_kwargs, pipeline_folder = _single_file_target(src, config, family)
+    if not hasattr(cls, "from_single_file"):
+        raise ValueError(f"{cls.__name__} cannot be read from a single-file checkpoint (diffusers has no from_single_file for it)")
+    if torch_dtype is None:
+        torch_dtype = stored_dtype(src)  # None for pickled files: diffusers' float32
+    try:
+        model = cls.from_single_file(str(src), **load_kwargs, **_dtype_kwargs(torch_dtype))
+    except (KeyError, IndexError) as err:  # diffusers' key mapping fails on another model's file
+        raise ValueError(f"{src} is not an original {cls.__name__} checkpoint (missing key {err})") from err
+    except (NotImplementedError, RuntimeError) as err:  # weights left on the meta device, or shape mismatches
+        raise ValueError(
+            f"{src} does not match the config {config} (layers or sizes differ; diffusers said: {type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}); pass the config of the model this file belongs to"
+        ) from err
+    if pipeline_folder is None:
+        return None, model
+    return _pipeline_around(pipeline_folder, model, torch_dtype), None
+
+
+def _single_file_target(src, config: str, family: str | None):
+    """``(transformer class, config kwargs of from_single_file, pipeline folder or Hub id or None)`` for a
+    single-file ``src`` read with the diffusers ``config`` (a local pipeline or transformer folder, or a
+    Hub id of a pipeline: then ``family`` names the class).
+
+    Raises:
+        ValueError: a Hub id without ``family``. FileNotFoundError: ``config`` is neither.
+    """
+    from mhla_diffusers.checkpoint.format import _transformer_class
+
+    folder = Path(config)
+    if folder.exists():
+        transformer_dir = transformer_folder(folder)
+        cls = _transformer_class(transformer_dir)
+        return cls, {"config": str(transformer_dir)}, (folder if transformer_dir != folder else None)
+    if _is_hub_id(str(config)):
+        if family is None:
+            raise ValueError(f"pass family= (--family) to convert {src} with the Hub config {config!r}")
+        import diffusers
+
+        cls = getattr(diffusers, get_family(family).model_classes[0])
+        return cls, {"config": str(config), "subfolder": "transformer"}, str(config)
+    raise FileNotFoundError(f"config {config} does not exist (and does not look like a Hub id 'owner/name')")
+
+
+def _pipeline_around(pipeline_folder, model, torch_dtype: torch.dtype | None):
+    """The diffusers pipeline of ``pipeline_folder`` (local or Hub id) with ``model`` as its transformer; the
+    other components in their stored dtypes (local) or ``torch_dtype``.
+
+    Loaded through the pipeline's own class (named in ``model_index.json``): diffusers 0.42's
+    ``DiffusionPipeline.from_pretrained`` silently ignores a passed component that the pipeline
+    class lists as optional (``WanPipeline``'s ``transformer``) and loads the folder's own instead.
+    """
+    import diffusers
+    from diffusers import DiffusionPipeline
+
+    from mhla_diffusers.checkpoint.format import _dtype_kwargs
+
+    name = DiffusionPipeline.load_config(str(pipeline_folder)).get("_class_name")
+    pipeline_class = getattr(diffusers, str(name), None)
+    if pipeline_class is None:
+        raise ValueError(f"{pipeline_folder}: model_index.json names an unknown pipeline class {name!r}")
+    dtypes = _pipeline_dtypes(Path(pipeline_folder)) if Path(pipeline_folder).is_dir() else {}
+    if dtypes and torch_dtype is not None:
+        dtypes["transformer"] = torch_dtype
+    pipe = pipeline_class.from_pretrained(pipeline_folder, transformer=model, **_dtype_kwargs(dtypes or torch_dtype))
+    if pipe.transformer is not model:  # never write the config's transformer in place of the converted one
+        raise RuntimeError(f"diffusers did not take the converted transformer into the {type(pipe).__name__} of {pipeline_folder}")
+    return pipe
+
+
+def _load_source(src: str, torch_dtype: torch.dtype | None, config: str | None = None, family: str | None = None):
+    """(pipeline or None, transformer) from a local pipeline/transformer folder, a Hub id, or a single file."""
+    from diffusers import DiffusionPipeline
+
+    from mhla_diffusers.checkpoint.format import _dtype_kwargs, _transformer_class
+
+    path = Path(src)
+    if path.is_file():
+        if path.suffix not in SINGLE_FILE_SUFFIXES:
+            raise ValueError(f"{src} is a file but not a checkpoint ({', '.join(SINGLE_FILE_SUFFIXES)})")
+        return _load_single_file(path, config, family, torch_dtype)
+    if config is not None:
+        raise ValueError("config= (--config) is only for single-file checkpoints; a diffusers folder or Hub id carries its own")
+    if path.exists():
+        folder = transformer_folder(path)
+        mhla = read_mhla_config(folder)
+        if mhla is not None:
+            raise AlreadyConvertedError(
+                f"{src} is already an MHLA checkpoint (layers {mhla['layers']}, block grid {mhla['block_grid']}); "
+                "nothing was written. Convert from the original checkpoint to change settings, or load this one "
+                "with mhla_diffusers.load_mhla_pipeline / load_mhla_transformer."
+            )
+        if (path / "model_index.json").is_file():
+            dtype = _pipeline_dtypes(path) if torch_dtype is None else torch_dtype
+            return DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(dtype)), None
+        dtype = stored_dtype(folder) if torch_dtype is None else torch_dtype
+        return None, _transformer_class(folder).from_pretrained(folder, **_dtype_kwargs(dtype))
+    if not _is_hub_id(src):
+        raise FileNotFoundError(f"{src} does not exist (and does not look like a Hub id 'owner/name')")
+    try:
+        return DiffusionPipeline.from_pretrained(src, **_dtype_kwargs(torch_dtype)), None
+    except OSError as err:
+        raise OSError(
+            f"could not load {src!r} from the Hugging Face Hub or its local cache ({err}). Offline "
+            "(HF_HUB_OFFLINE=1) only cached repositories load; pass a local folder instead."
+        ) from err
+
+
+def convert_checkpoint(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    family: str | None = None,
+    layers: str | Sequence[int] = "all",
+    num_blocks: int | None = None,
+    block_grid: Sequence[int] | str | None = None,
+    normalize: bool = True,
+    eps: float | None = None,
+    torch_dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    config: str | os.PathLike | None = None,
+    output_norm: bool | None = None,
+) -> dict:
+    """Load a pretrained checkpoint, install MHLA, write it as a converted checkpoint.
+
+    Args:
+        src: a Hub id (``facebook/DiT-XL-2-256``, ``Efficient-Large-Model/Sana_600M_1024px_diffusers``,
+            ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers``), a local diffusers pipeline folder or a local
+            transformer folder (a pipeline is written whole, a transformer folder alone), or an
+            original single-file checkpoint (``.safetensors``, ``.pth``, ...; SANA, Wan and other
+            models diffusers' ``from_single_file`` reads) together with ``config``.
+        config: for a single-file ``src`` only: a local diffusers pipeline folder (its other
+            components are loaded from it and the whole pipeline is written), a local transformer
+            folder (the transformer alone is written), or a Hub id of a diffusers pipeline.
+        out: output folder (written atomically; must not exist or be empty unless ``overwrite``).
+        family: expected model family (``"dit"``, ``"sana"``, ``"wan"``); checked against the loaded
+            model when given.
+        layers, num_blocks, block_grid, normalize, eps, output_norm: see
+            :func:`~mhla_diffusers.apply_mhla` (``block_grid`` may name a preset: Wan ``"paper"``,
+            ``"authors"``).
+        torch_dtype: dtype to load (and save) the base weights in (for a pipeline: every component);
+            ``None`` keeps the stored dtype of each local component (read from the safetensors
+            headers); Hub ids and pickled single files then load as float32 (diffusers' default).
+
+    Returns:
+        The MHLA spec written to ``mhla_config.json`` plus ``"out"``.
+
+    Raises:
+        AlreadyConvertedError: ``src`` already has MHLA (C15): nothing is written.
+        ValueError: unknown family, family mismatch, bad layer or block options (no layer selected:
+            an empty list, ``"none"``, ``"hybrid"`` on a one-layer model), a single file
+            without ``config`` (or ``config`` without a single file), a file of another model, a
+            pipeline with a second transformer (Wan 2.2's ``transformer_2``: not supported yet).
+        FileNotFoundError / OSError: ``src`` cannot be found or loaded.
+    """
+    from mhla_diffusers.models.install import mhla_spec
+
+    if not isinstance(layers, str):
+        layers = list(layers)
+    if layers == "none" or (not isinstance(layers, str) and not layers):
+        raise ValueError(
+            f"no layers selected (layers={layers!r}): a conversion installs MHLA on at least one layer; "
+            "give 'all', 'hybrid' or a non-empty list of indices"
+        )
+    src_path, out_path = Path(src).resolve(), Path(out).resolve()
+    if Path(src).exists() and (src_path == out_path or src_path.is_relative_to(out_path)):
+        raise ValueError(f"--out {out} would replace the source {src}; write the converted checkpoint elsewhere")
+    if family is not None and family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
+    pipe, transformer = _load_source(str(src), torch_dtype, None if config is None else str(config), family)
+    model = pipe.transformer if pipe is not None else transformer
+    found = family_of(model)
+    if family is not None and found.name != family:
+        raise ValueError(f"--family {family} was given but {src} holds a {type(model).__name__} ({found.name})")
+    if pipe is not None and getattr(pipe, "transformer_2", None) is not None:
+        raise ValueError(
+            f"{src} has a second transformer (transformer_2, Wan 2.2's two-expert design); this release converts "
+            "pipelines with one transformer. Convert each transformer folder on its own."
+        )
+    apply_mhla(
+        model, layers, num_blocks=num_blocks, block_grid=block_grid, normalize=normalize, eps=eps, output_norm=output_norm
+    )
+    spec = mhla_spec(model)
+    if spec is None:  # e.g. "hybrid" on a model with a single self-attention layer
+        raise ValueError(
+            f"no layers selected: layers={layers!r} picks none of the self-attention layers of {src}; nothing was written"
+        )
+    if pipe is not None:
+        save_mhla_pipeline(pipe, out, overwrite=overwrite)
+    else:
+        save_mhla_transformer(model, out, overwrite=overwrite)
+    return {**spec, "out": str(out)}

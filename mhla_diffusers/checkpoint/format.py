@@ -1,0 +1,823 @@
+"""The converted-checkpoint format: save and load MHLA transformers and pipelines.
+
+A converted checkpoint is the base diffusers checkpoint (``save_pretrained``, without any MHLA
+keys; its ``config.json`` carries one extra key, see below) plus, in the transformer's folder:
+
+* ``mhla_config.json`` — ``format_version``, family, model class, layers, block grid, normalize,
+  eps, backend (see :func:`~mhla_diffusers.mhla_spec`);
+* ``mhla.safetensors`` — the MHLA parameters, fp32: the mixing matrices, keyed
+  ``<attention path>.mhla_mixing.weight``, and any other per-layer MHLA submodule's parameters
+  (Wan's per-head output RMSNorm: ``<attention path>.mhla_output_norm.weight``). Its header
+  metadata ``mhla_config`` repeats the settings that give the weights their meaning (family,
+  model class, layers, block grid, number of blocks, normalize, eps, output norm, feature epsilon,
+  mixing clamp) and the config's
+  ``weights_sha256`` covers the whole file, header included: an edit of any of these settings in
+  ``mhla_config.json`` no longer matches and is refused on load. (``backend`` is a run-time
+  choice, the same numbers on every backend: it may be edited.) Checkpoints written before this
+  metadata existed still load; only their settings cannot be cross-checked.
+
+Saving a model that runs :class:`~mhla_diffusers.MHLAProcessor` on self-attention layers whose
+mixing matrices are not created yet (the bare one-liner ``model.set_attn_processor(MHLAProcessor())``
+before its first forward) creates them first, as that forward would: the checkpoint is always the
+MHLA model, never silently the stock one. A pipeline's ``id2label`` (DiT class names), which
+diffusers' ``save_pretrained`` drops, is written into ``model_index.json``.
+
+Loading: the base ``from_pretrained``, ``apply_mhla`` from the config, then the MHLA weights
+strictly: a missing file, unknown, missing or mis-shaped key is an error, never a silent
+re-initialisation (CASES C14). Only safetensors is read; nothing is unpickled. Writes go to a
+temporary folder beside the target that is renamed into place when complete.
+
+A stock load is never silent: diffusers' own ``from_pretrained`` of a converted folder gives the
+base model WITHOUT MHLA (the stock attention). The transformer's ``config.json`` therefore holds
+the key ``mhla_checkpoint`` (:data:`CONFIG_MARKER_KEY`), unknown to diffusers, which logs it as a
+warning ("The config attributes {'mhla_checkpoint': 'converted MHLA checkpoint ...: load it with
+mhla_diffusers.load_mhla_transformer or load_mhla_pipeline ...'} were passed to ... but are not
+expected and will be ignored"); our loaders drop that line and the key (the loaded model's config
+is the base config). Checkpoints written before the key existed load as before (the key is not
+covered by ``weights_sha256``). Where our code later sees a model loaded from a converted folder
+that has no MHLA layers (``apply_mhla``, ``set_attn_processor``, ``materialize_mhla``, the bare
+one-liner's first forward, the generation helpers), it warns (:func:`warn_if_stock_loaded`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from mhla_diffusers.models.install import apply_mhla, materialize_mhla, mhla_spec, pending_mhla_layers
+from mhla_diffusers.models.families import FAMILIES, family_of, self_attention_modules
+
+__all__ = [
+    "MHLA_CONFIG_NAME",
+    "MHLA_WEIGHTS_NAME",
+    "FORMAT_VERSION",
+    "MHLACheckpointError",
+    "read_mhla_config",
+    "save_mhla_transformer",
+    "save_mhla_pipeline",
+    "load_mhla_transformer",
+    "load_mhla_pipeline",
+    "load_mhla_weights",
+    "transformer_folder",
+    "CONFIG_MARKER_KEY",
+    "converted_source",
+    "warn_if_stock_loaded",
+]
+
+MHLA_CONFIG_NAME = "mhla_config.json"
+MHLA_WEIGHTS_NAME = "mhla.safetensors"
+FORMAT_VERSION = 1
+
+
+class MHLACheckpointError(ValueError):
+    """A converted checkpoint is missing, corrupted or does not match the model."""
+
+
+# -- writing --------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def atomic_directory(out_dir: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder beside ``out_dir``; on success it replaces ``out_dir`` in one rename.
+
+    Raises:
+        FileExistsError: if ``out_dir`` exists, is not empty and ``overwrite`` is False.
+    """
+    out = Path(out_dir).resolve()
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(
+            f"{out} exists and is not empty; choose another folder or pass overwrite=True (--overwrite on the command "
+            "line), which replaces the folder's whole content"
+        )
+    if overwrite and out.exists() and Path.cwd().resolve().is_relative_to(out):
+        raise ValueError(f"refusing to replace {out}: it contains the current directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it owner-only; the result is an ordinary folder
+    try:
+        yield tmp
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def _without_mixing(model: nn.Module) -> Iterator[dict[tuple[str, str], nn.Module]]:
+    """Temporarily detach every MHLA submodule (``mhla_mixing``, ``mhla_output_norm``, any ``mhla_*``)
+    so that ``save_pretrained`` writes the base model."""
+    detached = {}
+    for name, module in list(model.named_modules()):
+        for child in [c for c in module._modules if c.startswith("mhla_")]:
+            detached[(name, child)] = module._modules.pop(child)
+    try:
+        yield detached
+    finally:
+        for (name, child), sub in detached.items():
+            model.get_submodule(name)._modules[child] = sub
+
+
+def _mhla_parameters(transformer: nn.Module) -> dict[str, torch.Tensor]:
+    """``{state-dict key: tensor}`` of every MHLA parameter / buffer of the self-attention layers:
+    ``<attention path>.<mhla_* submodule>.<name>`` (e.g. ``blocks.1.attn1.mhla_mixing.weight``)."""
+    out = {}
+    for name, attn in self_attention_modules(transformer):
+        for child, sub in attn._modules.items():
+            if child.startswith("mhla_") and sub is not None:
+                for key, tensor in sub.state_dict(keep_vars=True).items():
+                    out[f"{name}.{child}.{key}"] = tensor
+    return out
+
+
+# The settings of mhla_config.json that give the weights their meaning, repeated in the header
+# metadata of mhla.safetensors (key "mhla_config") and so covered by weights_sha256. Not "backend":
+# a run-time choice, every backend gives the same numbers. Absent keys take the values of _ABSENT.
+_CHECKED_KEYS = (
+    "family", "model_class", "num_layers", "layers", "block_grid", "num_blocks", "normalize", "eps", "output_norm",
+    "feature_eps", "mixing_clamp",
+)
+_METADATA_KEY = "mhla_config"
+# The value a checked key has when a config leaves it out (settings added after format version 1 began).
+_ABSENT = {"output_norm": False, "feature_eps": 0.0, "mixing_clamp": True}
+
+
+def _checked_settings(config: dict) -> dict:
+    settings = {key: config.get(key, _ABSENT.get(key)) for key in _CHECKED_KEYS}
+    grid = settings["block_grid"]
+    if isinstance(grid, list) and len(grid) < 3:  # (H, W) = (1, H, W), as apply_mhla reads it
+        settings["block_grid"] = [1] * (3 - len(grid)) + grid
+    return settings
+
+
+def _prepare_for_saving(transformer: nn.Module) -> None:
+    """Create the mixing matrices of layers set up by the bare one-liner and not run yet.
+
+    Raises:
+        MHLACheckpointError: when they cannot be created here.
+    """
+    try:
+        materialize_mhla(transformer)
+    except (ValueError, TypeError, RuntimeError) as err:
+        raise MHLACheckpointError(
+            f"{type(transformer).__name__} runs MHLAProcessor on layers whose mixing matrices do not exist yet and "
+            f"cannot be created here ({err}). Run one forward pass of the model first, or install MHLA with "
+            "mhla_diffusers.apply_mhla(transformer), then save; nothing was written"
+        ) from err
+
+
+def _write_mhla_files(transformer: nn.Module, folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    import mhla_diffusers
+
+    _prepare_for_saving(transformer)
+    spec = mhla_spec(transformer)
+    _mark_config(folder, converted=spec is not None)
+    if spec is None:
+        return
+    tensors = {key: t.detach().to("cpu", torch.float32).contiguous() for key, t in _mhla_parameters(transformer).items()}
+    names = [name for name, _ in self_attention_modules(transformer)]
+    without = [names[i] for i in spec["layers"] if not any(k.startswith(f"{names[i]}.mhla_mixing.") for k in tensors)]
+    if without or pending_mhla_layers(transformer):  # never write a checkpoint that loads as another model
+        raise MHLACheckpointError(
+            f"the MHLA layers {without or pending_mhla_layers(transformer)} have no mixing matrix to save; run one forward "
+            "pass of the model first, or install MHLA with mhla_diffusers.apply_mhla(transformer)"
+        )
+    config = {"format_version": FORMAT_VERSION, "mhla_diffusers_version": mhla_diffusers.__version__, **spec}
+    metadata = {
+        "format": "pt",
+        "mhla_format_version": str(FORMAT_VERSION),
+        _METADATA_KEY: json.dumps(_checked_settings(config), sort_keys=True),
+    }
+    save_file(tensors, str(folder / MHLA_WEIGHTS_NAME), metadata=metadata)
+    config["weights_sha256"] = _sha256(folder / MHLA_WEIGHTS_NAME)
+    (folder / MHLA_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+
+
+# -- what a stock load of a converted folder says ---------------------------------------------------
+CONFIG_MARKER_KEY = "mhla_checkpoint"
+_CONFIG_MARKER = (
+    "converted MHLA checkpoint (mhla_config.json and mhla.safetensors beside this config.json): load it with "
+    "mhla_diffusers.load_mhla_transformer or mhla_diffusers.load_mhla_pipeline. diffusers' from_pretrained alone "
+    "runs the base model WITHOUT MHLA, on the stock attention"
+)
+
+
+def _mark_config(folder: Path, converted: bool) -> None:
+    """Add :data:`CONFIG_MARKER_KEY` to ``folder/config.json`` (a converted transformer folder), or take
+    it out (a model without MHLA that was loaded from a converted folder carries it in its config)."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return
+    data = json.loads(path.read_text())
+    if converted:
+        data[CONFIG_MARKER_KEY] = _CONFIG_MARKER
+    elif data.pop(CONFIG_MARKER_KEY, None) is None:
+        return
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")  # diffusers' own layout
+
+
+class _DropMarkerLog(logging.Filter):
+    """Takes the marker out of diffusers' "config attributes ... not expected" warning (the whole line
+    when it is the only such attribute): our loaders know the key."""
+
+    _ENTRY = f"{CONFIG_MARKER_KEY!r}: {_CONFIG_MARKER!r}"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if self._ENTRY not in message:
+            return True
+        message = message.replace(f", {self._ENTRY}", "").replace(f"{self._ENTRY}, ", "").replace(self._ENTRY, "")
+        if "attributes {}" in message:
+            return False
+        record.msg, record.args = message, ()
+        return True
+
+
+@contextlib.contextmanager
+def _loading_converted() -> Iterator[None]:
+    """Inside our loaders: diffusers does not log the marker, and :func:`warn_if_stock_loaded` stays quiet."""
+    logger = logging.getLogger("diffusers.configuration_utils")
+    drop = _DropMarkerLog()
+    logger.addFilter(drop)
+    token = _LOADING.set(True)
+    try:
+        yield
+    finally:
+        _LOADING.reset(token)
+        logger.removeFilter(drop)
+
+
+_LOADING = contextvars.ContextVar("mhla_loading_converted", default=False)
+
+
+def _forget_marker(model: nn.Module) -> None:
+    """Drop the marker from a loaded model's config (diffusers keeps unknown keys there), so that its
+    config is the base config and a later save writes the marker only where it belongs."""
+    config = getattr(model, "_internal_dict", None)
+    if config is not None and CONFIG_MARKER_KEY in config:
+        from diffusers.configuration_utils import FrozenDict
+
+        model._internal_dict = FrozenDict({k: v for k, v in config.items() if k != CONFIG_MARKER_KEY})
+
+
+def converted_source(model) -> Path | None:
+    """The converted MHLA checkpoint folder (the one holding ``mhla_config.json``) that a diffusers model
+    or pipeline was loaded from, or ``None``.
+
+    Read from ``model.config["_name_or_path"]``, which diffusers' ``from_pretrained`` records: a local
+    folder (pipeline or transformer), or a Hub id whose files are already in the local cache (nothing
+    is downloaded).
+    """
+    config = getattr(model, "config", None)
+    name = config.get("_name_or_path") if hasattr(config, "get") else None
+    if not name:
+        return None
+    for sub in ("", "transformer"):
+        local = Path(str(name)) / sub / MHLA_CONFIG_NAME
+        try:
+            if local.is_file():
+                return local.parent
+        except OSError:
+            return None
+    if not _is_hub_id(str(name)):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        for filename in (MHLA_CONFIG_NAME, f"transformer/{MHLA_CONFIG_NAME}"):
+            cached = try_to_load_from_cache(str(name), filename)
+            if isinstance(cached, str):
+                return Path(cached).parent
+    except Exception:  # not a repository id after all, an unreadable cache: nothing to say
+        return None
+    return None
+
+
+def _is_hub_id(text: str) -> bool:
+    return not text.startswith((".", "/", "~")) and text.count("/") == 1
+
+
+def warn_if_stock_loaded(model, consequence: str) -> bool:
+    """Warn when ``model`` (a transformer, or a pipeline's ``transformer``) was loaded from a converted
+    MHLA checkpoint but has no MHLA layer: diffusers' own ``from_pretrained`` (or ``remove_mhla``)
+    left the trained mixing matrices out. ``consequence`` says what the caller is about to do with
+    it. Quiet inside our own loaders. Returns whether it warned."""
+    from mhla_diffusers.models.install import attention_modules
+
+    if _LOADING.get():
+        return False
+    transformer = getattr(model, "transformer", model)
+    if not isinstance(transformer, nn.Module):
+        return False
+    if any(getattr(attn, "mhla_mixing", None) is not None for attn in attention_modules(transformer).values()):
+        return False
+    folder = converted_source(transformer) or converted_source(model)
+    if folder is None:
+        return False
+    warnings.warn(
+        f"{type(transformer).__name__} was loaded from {folder}, a converted MHLA checkpoint ({MHLA_CONFIG_NAME}), "
+        f"but has no MHLA layer: diffusers' own from_pretrained (or remove_mhla) leaves the trained mixing matrices "
+        f"out, so {consequence}. Load the checkpoint with mhla_diffusers.load_mhla_transformer or "
+        "mhla_diffusers.load_mhla_pipeline to run it as converted",
+        UserWarning,
+        stacklevel=3,
+    )
+    return True
+
+
+def _pipeline_id2label(pipe) -> dict[str, str] | None:
+    """The ``id2label`` of a pipeline (DiT's class names) as ``model_index.json`` stores it, or ``None``.
+
+    diffusers' ``save_pretrained`` writes only what is registered in the pipeline's config, and
+    ``DiTPipeline`` keeps the names it was built or loaded with in ``pipe.labels`` only. In order:
+    ``pipe.config["id2label"]`` (registered, as :func:`~mhla_diffusers.training.loop.export_pipeline`
+    does); the ``model_index.json`` the pipeline was loaded from, when its names give exactly
+    ``pipe.labels``; else the names rebuilt from ``pipe.labels`` (``name -> id``; the names of one id
+    joined with ", ", which ``DiTPipeline`` splits back into the same ``labels``).
+    """
+    config = getattr(pipe, "config", None) or {}
+    raw = config.get("id2label") if hasattr(config, "get") else None
+    if raw:
+        return _sorted_id2label(raw)
+    labels = getattr(pipe, "labels", None)
+    if not isinstance(labels, dict) or not labels:
+        return None
+    source = _source_id2label(config.get("_name_or_path") if hasattr(config, "get") else None)
+    if source is not None and _labels_of(source) == {str(k): int(v) for k, v in labels.items()}:
+        return source
+    by_id: dict[int, list[str]] = {}
+    for name, idx in labels.items():
+        by_id.setdefault(int(idx), []).append(str(name))
+    return {str(i): ", ".join(names) for i, names in sorted(by_id.items())}
+
+
+def _sorted_id2label(raw) -> dict[str, str]:
+    """``{"0": name, "1": ...}``: string keys (as JSON stores them), in the order of the class ids."""
+    items = [(str(k), str(v)) for k, v in dict(raw).items()]
+    return dict(sorted(items, key=lambda kv: (0, int(kv[0]), "") if kv[0].lstrip("-").isdigit() else (1, 0, kv[0])))
+
+
+def _source_id2label(name_or_path) -> dict[str, str] | None:
+    """``id2label`` of the ``model_index.json`` a pipeline was loaded from: a local folder, or a Hub
+    id's cached copy (never downloaded); ``None`` if unknown."""
+    if not name_or_path:
+        return None
+    index = Path(str(name_or_path)) / "model_index.json"
+    try:
+        if not index.is_file():
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(str(name_or_path), "model_index.json")
+            if not isinstance(cached, str):
+                return None
+            index = Path(cached)
+        raw = json.loads(index.read_text()).get("id2label")
+        return _sorted_id2label(raw) if raw else None
+    except Exception:  # no such repository id, unreadable JSON, ...: the names are rebuilt from pipe.labels
+        return None
+
+
+def _labels_of(id2label: dict[str, str]) -> dict[str, int]:
+    """``DiTPipeline.labels`` built from ``id2label`` (names split at commas)."""
+    return {name.strip(): int(key) for key, value in id2label.items() for name in value.split(",")}
+
+
+def _write_id2label(pipe, folder: Path) -> None:
+    """Put the pipeline's ``id2label`` into the written ``model_index.json`` when diffusers left it out."""
+    index = folder / "model_index.json"
+    if not index.is_file():
+        return
+    data = json.loads(index.read_text())
+    if data.get("id2label"):
+        return
+    id2label = _pipeline_id2label(pipe)
+    if id2label is None:
+        return
+    data["id2label"] = id2label
+    index.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def save_mhla_transformer(transformer: nn.Module, out_dir: str | os.PathLike, *, overwrite: bool = False, **save_kwargs) -> Path:
+    """Write ``transformer`` as a converted checkpoint folder (atomic). A model without MHLA is
+    written as a plain diffusers folder. Extra keyword arguments go to ``save_pretrained``.
+
+    Layers that run :class:`~mhla_diffusers.MHLAProcessor` without a mixing matrix yet (the bare
+    one-liner before any forward) get it now, as their first forward would.
+
+    Raises:
+        MHLACheckpointError: such matrices cannot be created (nothing is written).
+        ValueError: the MHLA layers disagree on settings (one config holds one setting).
+    """
+    _prepare_for_saving(transformer)
+    with atomic_directory(out_dir, overwrite) as tmp:
+        with _without_mixing(transformer):
+            transformer.save_pretrained(tmp, **save_kwargs)
+        _write_mhla_files(transformer, tmp)
+    return Path(out_dir)
+
+
+def save_mhla_pipeline(pipe, out_dir: str | os.PathLike, *, overwrite: bool = False, **save_kwargs) -> Path:
+    """Write a diffusers pipeline whose ``transformer`` may have MHLA (atomic); the MHLA files go
+    into ``<out_dir>/transformer/``. The pipeline's ``id2label`` (DiT class names), which
+    diffusers' ``save_pretrained`` leaves out unless registered in ``pipe.config``, is written
+    into ``model_index.json`` (see :func:`_pipeline_id2label`). Raises as :func:`save_mhla_transformer`."""
+    _prepare_for_saving(pipe.transformer)
+    with atomic_directory(out_dir, overwrite) as tmp:
+        with _without_mixing(pipe.transformer):
+            pipe.save_pretrained(tmp, **save_kwargs)
+        _write_id2label(pipe, tmp)
+        _write_mhla_files(pipe.transformer, tmp / "transformer")
+    return Path(out_dir)
+
+
+# -- reading --------------------------------------------------------------------------------------
+def transformer_folder(path: str | os.PathLike) -> Path:
+    """The folder holding the transformer's ``config.json``: ``path`` itself or ``path/transformer``.
+
+    Raises:
+        FileNotFoundError: when neither holds a ``config.json``.
+    """
+    path = Path(path)
+    if (path / "model_index.json").is_file() and (path / "transformer" / "config.json").is_file():
+        return path / "transformer"
+    if (path / "config.json").is_file():
+        return path
+    raise FileNotFoundError(f"{path} is neither a diffusers pipeline folder nor a transformer folder (no config.json)")
+
+
+def read_mhla_config(path: str | os.PathLike) -> dict | None:
+    """The ``mhla_config.json`` of a checkpoint (pipeline or transformer folder), or ``None`` if it has none.
+
+    Raises:
+        MHLACheckpointError: unreadable JSON, unsupported format version, or weights without config.
+    """
+    folder = transformer_folder(path)
+    config_file, weights_file = folder / MHLA_CONFIG_NAME, folder / MHLA_WEIGHTS_NAME
+    if not config_file.is_file():
+        if weights_file.is_file():
+            raise MHLACheckpointError(f"{weights_file} exists but {config_file.name} is missing: the checkpoint is incomplete")
+        stray = _mhla_keys_in_base(folder)
+        if stray:
+            raise MHLACheckpointError(
+                f"{folder} holds MHLA mixing matrices inside its base weights ({stray[0]}, ...) but no {MHLA_CONFIG_NAME}: "
+                "it was written with a plain save_pretrained, which diffusers cannot load back with MHLA. Re-save the "
+                "model with mhla_diffusers.save_mhla_transformer / save_mhla_pipeline"
+            )
+        return None
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise MHLACheckpointError(f"cannot read {config_file}: {err}") from err
+    version = config.get("format_version")
+    if version != FORMAT_VERSION:
+        raise MHLACheckpointError(
+            f"{config_file} has format_version {version!r}; this mhla_diffusers reads version {FORMAT_VERSION}"
+        )
+    for key in ("family", "model_class", "num_layers", "layers", "block_grid", "normalize", "eps"):
+        if key not in config:
+            raise MHLACheckpointError(f"{config_file} lacks the key {key!r}")
+    _validate_config(config, config_file)
+    return config
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _validate_config(config: dict, config_file: Path) -> None:
+    """The types and the internal consistency of the settings (not yet against the model or the weights).
+
+    Raises:
+        MHLACheckpointError: naming the key and what it should hold.
+    """
+
+    def bad(key: str, expected: str):
+        return MHLACheckpointError(f"{config_file}: {key!r} must be {expected}; got {config.get(key)!r}")
+
+    if config["family"] not in FAMILIES:
+        raise bad("family", f"one of {sorted(FAMILIES)}")
+    if not isinstance(config["model_class"], str):
+        raise bad("model_class", "a diffusers class name")
+    if not _is_int(config["num_layers"]) or config["num_layers"] < 1:
+        raise bad("num_layers", "a positive integer")
+    layers = config["layers"]
+    if not isinstance(layers, list) or not layers or not all(_is_int(i) for i in layers):
+        raise bad("layers", "a non-empty list of self-attention layer indices (integers)")
+    grid = config["block_grid"]
+    if not isinstance(grid, list) or not 1 <= len(grid) <= 3 or not all(_is_int(b) and b >= 1 for b in grid):
+        raise bad("block_grid", "a list of 1 to 3 positive integers [bt, bh, bw]")
+    if "num_blocks" in config:
+        product = 1
+        for b in grid:
+            product *= b
+        if not _is_int(config["num_blocks"]) or config["num_blocks"] != product:
+            raise MHLACheckpointError(
+                f"{config_file}: num_blocks {config['num_blocks']!r} is not the number of blocks of the block grid "
+                f"{grid} ({product}); the config was edited"
+            )
+    if not isinstance(config["normalize"], bool):
+        raise bad("normalize", "true or false")
+    eps = config["eps"]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise bad("eps", "a number >= 0")
+    if "output_norm" in config and not isinstance(config["output_norm"], bool):
+        raise bad("output_norm", "true or false")
+    feature_eps = config.get("feature_eps", 0.0)
+    if isinstance(feature_eps, bool) or not isinstance(feature_eps, (int, float)) or not 0 <= feature_eps < float("inf"):
+        raise bad("feature_eps", "a finite number >= 0")
+    if "mixing_clamp" in config and not isinstance(config["mixing_clamp"], bool):
+        raise bad("mixing_clamp", "true or false")
+    if "backend" in config and not isinstance(config["backend"], str):
+        raise bad("backend", "a backend name")
+    sha = config.get("weights_sha256")
+    if sha is not None and not isinstance(sha, str):
+        raise bad("weights_sha256", "a hex digest")
+
+
+def _check_config_against_weights(config: dict, folder: Path) -> None:
+    """Compare the settings of ``mhla_config.json`` with those recorded in the header of ``mhla.safetensors``.
+
+    Files written before the header carried them (no ``mhla_config`` metadata) are accepted unchecked.
+
+    Raises:
+        MHLACheckpointError: the weights file is missing or unreadable, or a setting differs.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    path = folder / MHLA_WEIGHTS_NAME
+    if not path.is_file():
+        raise MHLACheckpointError(f"{path} is missing: the MHLA mixing matrices of this checkpoint are lost")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as err:
+        raise MHLACheckpointError(f"{path} is corrupted or not a safetensors file: {err}") from err
+    if _METADATA_KEY not in metadata:
+        return  # written before the settings were recorded beside the weights
+    try:
+        recorded = json.loads(metadata[_METADATA_KEY])
+        if not isinstance(recorded, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as err:
+        raise MHLACheckpointError(f"{path} is corrupted: its {_METADATA_KEY!r} metadata is unreadable ({err})") from err
+    if not isinstance(config.get("weights_sha256"), str):
+        # every writer of the current format records the digest: without it the weights could be swapped
+        raise MHLACheckpointError(
+            f"{folder / MHLA_CONFIG_NAME} has no weights_sha256, but {MHLA_WEIGHTS_NAME} was written in the current "
+            "format, which always records it: the config was edited. Restore the original config"
+        )
+    given = _checked_settings(config)
+    differ = [key for key in _CHECKED_KEYS if key in recorded and given[key] != recorded[key]]
+    if differ:
+        details = "; ".join(f"{key}: {given[key]!r} in {MHLA_CONFIG_NAME}, {recorded[key]!r} in the weights" for key in differ)
+        raise MHLACheckpointError(
+            f"{folder / MHLA_CONFIG_NAME} does not match the settings {MHLA_WEIGHTS_NAME} was written with ({details}): "
+            "the config was edited or belongs to other weights. Restore the original config; to change the MHLA "
+            "settings, convert again from the base model"
+        )
+
+
+def _mhla_keys_in_base(folder: Path) -> list[str]:
+    """MHLA keys found in the base ``*.safetensors`` weights of a transformer folder (headers only)."""
+    from safetensors import safe_open
+
+    found = []
+    for file in sorted(folder.glob("*.safetensors")):
+        if file.name == MHLA_WEIGHTS_NAME:
+            continue
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                found += [key for key in f.keys() if ".mhla_" in key]
+        except Exception:  # unreadable base weights: diffusers' own loader reports them
+            continue
+    return found
+
+
+def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike, expected_sha256: str | None = None) -> None:
+    """Load ``mhla.safetensors`` from ``folder`` into a model with MHLA installed, strictly.
+
+    Args:
+        expected_sha256: the digest recorded in ``mhla_config.json`` (checked when given).
+
+    Raises:
+        MHLACheckpointError: file missing or corrupted (digest mismatch included), keys missing or
+            unexpected, shapes differ, non-finite values.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(folder) / MHLA_WEIGHTS_NAME
+    if not path.is_file():
+        raise MHLACheckpointError(f"{path} is missing: the MHLA mixing matrices of this checkpoint are lost")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise MHLACheckpointError(f"{path} is corrupted or not a safetensors file: {err}") from err
+    params = _mhla_parameters(transformer)
+    missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+    if missing or unexpected:
+        raise MHLACheckpointError(f"{path} does not match the model: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+    for key, param in params.items():
+        if tuple(tensors[key].shape) != tuple(param.shape):
+            raise MHLACheckpointError(f"{path}: {key} has shape {tuple(tensors[key].shape)}, the model expects {tuple(param.shape)}")
+        if not torch.isfinite(tensors[key]).all():
+            raise MHLACheckpointError(f"{path}: {key} holds NaN or infinite values")
+    # Last: the specific messages above say more when the file parses; this catches silent damage.
+    if expected_sha256 is not None and _sha256(path) != expected_sha256:
+        raise MHLACheckpointError(
+            f"{path} does not match the sha256 recorded in {MHLA_CONFIG_NAME}: the file is corrupted or was replaced"
+        )
+    with torch.no_grad():
+        for key, param in params.items():
+            param.copy_(tensors[key])
+
+
+def _install_from_config(transformer: nn.Module, config: dict, folder: Path) -> None:
+    _check_config_against_weights(config, folder)
+    if type(transformer).__name__ != config["model_class"]:
+        raise MHLACheckpointError(
+            f"{folder / MHLA_CONFIG_NAME} was written for {config['model_class']}, but the base model is {type(transformer).__name__}"
+        )
+    try:
+        family = family_of(transformer).name
+    except ValueError as err:
+        raise MHLACheckpointError(f"{folder / MHLA_CONFIG_NAME}: {err}") from err
+    if family != config["family"]:
+        raise MHLACheckpointError(
+            f"{folder / MHLA_CONFIG_NAME} names the family {config['family']!r}, but the base model "
+            f"{type(transformer).__name__} is of the family {family!r}"
+        )
+    num_layers = len(self_attention_modules(transformer))
+    if num_layers != config["num_layers"]:
+        raise MHLACheckpointError(
+            f"{folder / MHLA_CONFIG_NAME} counts {config['num_layers']} self-attention layers, the base model has {num_layers}"
+        )
+    try:
+        apply_mhla(
+            transformer,
+            layers=list(config["layers"]),
+            block_grid=tuple(config["block_grid"]),
+            normalize=bool(config["normalize"]),
+            eps=float(config["eps"]),
+            backend=_usable_backend(config.get("backend", "auto")),
+            output_norm=bool(config.get("output_norm", False)),
+            feature_eps=float(config.get("feature_eps", 0.0)),
+            mixing_clamp=bool(config.get("mixing_clamp", True)),
+        )
+    except (ValueError, TypeError) as err:  # layers, block grid or settings that do not fit this model
+        raise MHLACheckpointError(f"{folder / MHLA_CONFIG_NAME} does not fit the base model: {err}") from err
+    load_mhla_weights(transformer, folder, config.get("weights_sha256"))
+
+
+def _usable_backend(backend: str) -> str:
+    """The recorded backend if it can run here, else ``"auto"`` (backends give the same numbers).
+
+    ``"triton"`` runs only on CUDA tensors: a checkpoint saved with it and loaded on a machine
+    without CUDA (triton installed or not) gets ``"auto"``, not a failure at the first forward.
+    """
+    from mhla_diffusers.ops import available_backends
+
+    if backend in ("auto", "torch"):
+        return backend
+    if backend in available_backends() and (backend != "triton" or torch.cuda.is_available()):
+        return backend
+    import warnings
+
+    warnings.warn(f"the checkpoint asks for MHLA backend {backend!r}, which is not available here; using 'auto'")
+    return "auto"
+
+
+def _dtype_kwargs(torch_dtype: torch.dtype | None) -> dict:
+    """diffusers 0.42 takes ``dtype=`` (``torch_dtype=`` is deprecated there)."""
+    return {} if torch_dtype is None else {"dtype": torch_dtype}
+
+
+def _transformer_class(folder: Path):
+    import diffusers
+
+    name = json.loads((folder / "config.json").read_text()).get("_class_name")
+    if name == "Transformer2DModel":  # the original DiT checkpoints
+        name = "DiTTransformer2DModel"
+    cls = getattr(diffusers, str(name), None)
+    if cls is None:
+        raise MHLACheckpointError(f"{folder / 'config.json'} names an unknown model class {name!r}")
+    return cls
+
+
+def _load_saved_lora(model: nn.Module, default_dir: Path, lora) -> None:
+    """Apply a LoRA adapter saved beside a checkpoint (``transformer_lora/``, see ``mhla_diffusers.checkpoint.lora``).
+
+    ``lora=True``: the adapter in ``default_dir`` if there is one; ``False``: none; a path: that
+    adapter, which must exist.
+    """
+    if lora is False or lora is None:
+        return
+    folder = default_dir if lora is True else Path(lora)
+    if lora is True and not folder.is_dir():
+        return
+    from mhla_diffusers.checkpoint.lora import load_lora
+
+    load_lora(model, folder)
+
+
+def load_mhla_transformer(
+    path: str | os.PathLike, *, torch_dtype: torch.dtype | None = None, lora: bool | str | os.PathLike = True, **kwargs
+) -> nn.Module:
+    """Load a transformer from a converted (or plain) checkpoint: a transformer folder or a pipeline folder.
+
+    Returns the model in eval mode with MHLA installed as recorded (unchanged if none recorded) and,
+    with ``lora=True`` (default), the LoRA adapter a fine-tuning run saved beside the transformer
+    folder (``transformer_lora/``, export mode "separate") applied; ``lora=False`` skips it, a
+    path loads that adapter folder.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path`` (or no adapter at an explicit ``lora`` path).
+        MHLACheckpointError: see :func:`read_mhla_config` and :func:`load_mhla_weights`.
+        ValueError: an adapter whose keys do not match the model.
+    """
+    folder = transformer_folder(path)
+    config = read_mhla_config(folder)
+    with _loading_converted():
+        model = _transformer_class(folder).from_pretrained(folder, **_dtype_kwargs(torch_dtype), **kwargs)
+        _forget_marker(model)
+        if config is not None:
+            _install_from_config(model, config, folder)
+    _load_saved_lora(model, folder.parent / "transformer_lora", lora)
+    return model.eval()
+
+
+def _register_id2label(pipe, path: Path) -> None:
+    """Keep the ``id2label`` of ``model_index.json`` in ``pipe.config`` (diffusers passes it to the
+    pipeline's ``__init__`` only), so that ``pipe.config["id2label"]`` holds the class names and a
+    later ``save_pretrained`` writes them again."""
+    import inspect
+
+    config = getattr(pipe, "config", None)
+    if config is None or config.get("id2label") or "id2label" not in inspect.signature(type(pipe).__init__).parameters:
+        return
+    index = Path(path) / "model_index.json"
+    try:
+        raw = json.loads(index.read_text()).get("id2label")
+    except (OSError, ValueError, AttributeError):
+        return
+    if raw and isinstance(raw, dict):
+        pipe.register_to_config(id2label=_sorted_id2label(raw))
+
+
+def load_mhla_pipeline(
+    path: str | os.PathLike, *, torch_dtype: torch.dtype | None = None, lora: bool | str | os.PathLike = True, **kwargs
+):
+    """Load a diffusers pipeline folder whose transformer may be a converted MHLA checkpoint.
+
+    Returns a ready pipeline (its ``transformer`` in eval mode, MHLA installed if recorded, and
+    the LoRA adapter of ``<path>/transformer_lora`` applied when present and ``lora=True``;
+    ``lora=False`` skips it, a path loads that adapter folder). A class-conditional pipeline keeps
+    the ``id2label`` of ``model_index.json`` in ``pipe.config`` as well as in ``pipe.labels``.
+
+    Raises:
+        FileNotFoundError: ``path`` holds no ``model_index.json`` (or no adapter at an explicit ``lora`` path).
+        MHLACheckpointError: see :func:`load_mhla_transformer`.
+    """
+    from diffusers import DiffusionPipeline
+
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        raise FileNotFoundError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
+    config = read_mhla_config(path)
+    with _loading_converted():
+        pipe = DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(torch_dtype), **kwargs)
+        _forget_marker(pipe.transformer)
+        _register_id2label(pipe, path)
+        if config is not None:
+            _install_from_config(pipe.transformer, config, path / "transformer")
+    _load_saved_lora(pipe.transformer, path / "transformer_lora", lora)
+    pipe.transformer.eval()
+    return pipe

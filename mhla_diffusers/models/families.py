@@ -1,0 +1,384 @@
+"""Everything that differs per model family lives here, and only here.
+
+A :class:`Family` says which diffusers transformer classes it covers, where their self- and
+cross-attention modules are, which submodule embeds the latent into tokens (its input gives the
+token grid exactly), the model's default token grid (for picking a block grid once, at conversion),
+which stock processors restore the original model, and how the stock self-attention processor
+handles q/k norms, dtypes and the output (so that MHLA with one block reproduces it).
+
+Families:
+
+* ``dit`` — ``DiTTransformer2DModel``: softmax self-attention (``AttnProcessor2_0``), no
+  cross-attention, per-head q/k norms after the head split (none in released models).
+* ``sana`` — ``SanaTransformer2DModel``: ReLU linear self-attention (``SanaLinearAttnProcessor2_0``:
+  eps 1e-15, q/k norms over all heads before the head split, output cast to the layer input's dtype
+  and clipped to +-65504 for fp16 inputs), softmax cross-attention (``SanaAttnProcessor2_0``).
+* ``wan`` — ``WanTransformer3DModel`` (Wan 2.1 text-to-video and image-to-video): ``WanAttention``
+  modules calling ``WanAttnProcessor`` positionally ``(attn, hidden_states, encoder_hidden_states,
+  attention_mask, rotary_emb)``; q/k RMSNorm over all heads before the head split; interleaved 3D
+  RoPE (:class:`WanRotary`), which MHLA applies after the feature map, in the numerator only; token
+  grid ``(F / p_t, H / p_h, W / p_w)`` from the latent ``[B, C, F, H, W]`` entering
+  ``patch_embedding``; the paper's ``M = 105`` blocks by default (``(3, 5, 7)`` on the native
+  21 x 30 x 52 grid of 81 frames at 480 x 832 px), presets ``"paper"`` and ``"authors"``
+  (``(3, 5, 10)``, M = 150, the authors' released configuration).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from mhla_diffusers.ops.rotary import InterleavedRotary
+
+__all__ = [
+    "Family",
+    "FAMILIES",
+    "WanRotary",
+    "attention_family",
+    "family_of",
+    "find_family",
+    "get_family",
+    "self_attention_modules",
+    "stock_processor",
+]
+
+
+@dataclass(frozen=True)
+class Family:
+    """Model-family facts used by the processor, the grid hooks and conversion.
+
+    Attributes:
+        name: short name used in configs and on the command line (``"dit"``).
+        model_classes: diffusers class names of the transformers of this family.
+        self_attention: regex over ``named_modules()`` names matching self-attention layers;
+            group 1 is the layer index.
+        patch_embed: name of the submodule that turns the latent into tokens; its first
+            positional input is the latent.
+        grid_from_latent: ``(latent, config) -> (T, H, W)``, the token grid of one forward.
+        reference_grid: ``config -> (T, H, W)``, the token grid at the model's native resolution.
+        stock_self_processor: factory of the processor the model's self-attention ships with.
+        default_eps: denominator epsilon used when the processor does not set one (the stock
+            linear attention's own eps where the model has one: SANA 1e-15).
+        cross_attention: regex over ``named_modules()`` names matching cross-attention layers
+            (group 1 the layer index), ``None`` when the model has none.
+        stock_cross_processor: factory of the processor the model's cross-attention ships with;
+            an MHLA processor installed there runs it unchanged. ``None``: diffusers' default
+            ``AttnProcessor2_0``.
+        qk_norm_across_heads: the stock self-attention applies ``attn.norm_q`` / ``attn.norm_k`` to
+            the projected ``[B, N, heads * d]`` tensors before the head split (SANA), not per head
+            after it (``AttnProcessor2_0``).
+        attention_output_dtype: ``"query"`` — the attention output is cast to the query's dtype
+            before ``to_out`` (``AttnProcessor2_0``); ``"input"`` — to the dtype of the layer's
+            ``hidden_states`` input (``SanaLinearAttnProcessor2_0``).
+        fp16_output_clip: when set, the self-attention output (after ``to_out``) is clipped to
+            ``[-clip, clip]`` if the layer's input is float16, as the stock processor does (SANA:
+            65504, part of the trained function).
+        processor_call: ``"keywords"`` — the attention module calls its processor as the legacy
+            diffusers ``Attention`` does (``encoder_hidden_states=``, ``attention_mask=``, named
+            extras such as ``temb=``); ``"positional"`` — as ``WanAttention`` does:
+            ``(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)``.
+        rotary: ``rotary_emb -> callable`` turning the model's rotary embedding into the map that
+            rotates a ``[B, heads, N, d]`` feature tensor (Wan: :class:`WanRotary`); ``None`` when the
+            family has no RoPE.
+        attention_classes: class names of attention modules found only in this family's models
+            (``WanAttention``): an MHLA processor called on such a module outside its transformer
+            follows this family.
+        default_num_blocks: target ``M`` when the user gives neither ``num_blocks`` nor
+            ``block_grid`` (``None``: :func:`~mhla_diffusers.default_num_blocks`); the block grid is
+            then :func:`~mhla_diffusers.choose_block_grid` of the reference grid and this ``M``.
+        block_grid_presets: ``((name, (bt, bh, bw)), ...)``: named block grids for this family.
+        empty_blocks: when a forward's token grid has fewer tokens than the layer's block grid on
+            an axis (Wan at 1 frame or a small size, an extreme SANA aspect ratio, a small DiT
+            latent), run with the blocks that hold tokens and the matching rows / columns of the
+            mixing matrix (exactly MHLA with the other blocks empty) instead of raising. All three
+            families set it; ``False`` (the default) raises.
+        output_norm_without_normalize: an MHLA processor with ``normalize=False`` and
+            ``output_norm=None`` puts a per-head RMSNorm on the attention output (the authors' Wan
+            recipe: numerator only, then RMSNorm).
+    """
+
+    name: str
+    model_classes: tuple[str, ...]
+    self_attention: str
+    patch_embed: str
+    grid_from_latent: Callable[[torch.Tensor, dict], tuple[int, int, int]]
+    reference_grid: Callable[[dict], tuple[int, int, int]]
+    stock_self_processor: Callable[[], object]
+    default_eps: float = 1e-6
+    cross_attention: str | None = None
+    stock_cross_processor: Callable[[], object] | None = None
+    qk_norm_across_heads: bool = False
+    attention_output_dtype: str = "query"
+    fp16_output_clip: float | None = None
+    processor_call: str = "keywords"
+    rotary: Callable[[object], Callable[[torch.Tensor], torch.Tensor]] | None = None
+    attention_classes: tuple[str, ...] = ()
+    default_num_blocks: int | None = None
+    block_grid_presets: tuple[tuple[str, tuple[int, int, int]], ...] = ()
+    empty_blocks: bool = False
+    output_norm_without_normalize: bool = False
+
+    def __post_init__(self):
+        if self.attention_output_dtype not in ("query", "input"):
+            raise ValueError(f"attention_output_dtype must be 'query' or 'input'; got {self.attention_output_dtype!r}")
+        if self.processor_call not in ("keywords", "positional"):
+            raise ValueError(f"processor_call must be 'keywords' or 'positional'; got {self.processor_call!r}")
+
+    def preset(self, name: str) -> tuple[int, int, int]:
+        """The block grid of the preset ``name``.
+
+        Raises:
+            ValueError: for a name this family has no preset of (listing the presets it has).
+        """
+        presets = dict(self.block_grid_presets)
+        if name not in presets:
+            known = ", ".join(f"{k!r} {v}" for k, v in presets.items()) or "none"
+            raise ValueError(f"the {self.name} family has no block-grid preset {name!r}; its presets: {known}")
+        return presets[name]
+
+    def make_stock_cross_processor(self):
+        """A fresh instance of the stock cross-attention processor of this family."""
+        if self.stock_cross_processor is not None:
+            return self.stock_cross_processor()
+        return _attn_processor_2_0()
+
+
+def _patch(config) -> tuple[int, ...]:
+    p = config["patch_size"]
+    return tuple(p) if isinstance(p, (tuple, list)) else (p,)
+
+
+def _grid_2d(latent: torch.Tensor, config) -> tuple[int, int, int]:
+    if latent.ndim != 4:
+        raise ValueError(f"expected a latent [batch, channels, height, width]; got shape {tuple(latent.shape)}")
+    (p,) = _patch(config)[-1:]
+    return (1, latent.shape[-2] // p, latent.shape[-1] // p)
+
+
+def _reference_grid_2d(config) -> tuple[int, int, int]:
+    size = config["sample_size"]
+    h, w = (size, size) if isinstance(size, int) else tuple(size)
+    (p,) = _patch(config)[-1:]
+    return (1, h // p, w // p)
+
+
+def _grid_3d(latent: torch.Tensor, config) -> tuple[int, int, int]:
+    if latent.ndim != 5:
+        raise ValueError(f"expected a video latent [batch, channels, frames, height, width]; got shape {tuple(latent.shape)}")
+    pt, ph, pw = _patch(config)
+    return (latent.shape[-3] // pt, latent.shape[-2] // ph, latent.shape[-1] // pw)
+
+
+# Wan 2.1's native size: 81 frames at 480 x 832 px, VAE factors 4 (time) and 8 (space): a latent of
+# 21 x 60 x 104, i.e. 21 x 30 x 52 tokens with patch (1, 2, 2).
+WAN_NATIVE_LATENT = (21, 60, 104)
+
+
+def _reference_grid_wan(config) -> tuple[int, int, int]:
+    pt, ph, pw = _patch(config)
+    t, h, w = WAN_NATIVE_LATENT
+    return (max(1, t // pt), max(1, h // ph), max(1, w // pw))
+
+
+class WanRotary(InterleavedRotary):
+    """Wan 2.1's 3D rotary embedding as a map on ``[B, heads, N, d]`` feature tensors.
+
+    The exact rotation of diffusers' ``WanAttnProcessor`` (``apply_rotary_emb``, interleaved pairs):
+    for channel pairs ``(x1, x2) = (x[..., 0::2], x[..., 1::2])`` with ``cos = freqs_cos[..., 0::2]``
+    and ``sin = freqs_sin[..., 1::2]``::
+
+        out[..., 0::2] = x1 * cos - x2 * sin
+        out[..., 1::2] = x1 * sin + x2 * cos
+
+    An :class:`~mhla_diffusers.ops.InterleavedRotary` on those tables: computed in the promoted
+    dtype of the input and the (float32) tables, returned in the input's dtype; for float32 /
+    float64 inputs as one complex multiplication (on this CPU bit-identical to diffusers' formula).
+    The Triton backend applies it inside its kernels.
+
+    Args:
+        rotary_emb: ``(freqs_cos, freqs_sin)`` as ``WanTransformer3DModel.rope`` returns it: two float
+            tensors of shape ``(1, N, 1, d)`` (tokens row-major ``f * H * W + h * W + w``).
+
+    Raises:
+        ValueError: if ``rotary_emb`` is not such a pair, or (when called) if the feature tensor's
+            token count or head dim does not match the tables.
+    """
+
+    def __init__(self, rotary_emb):
+        if not (isinstance(rotary_emb, (tuple, list)) and len(rotary_emb) == 2):
+            raise ValueError("Wan's rotary_emb must be a pair (freqs_cos, freqs_sin) of tensors of shape (1, N, 1, d)")
+        cos, sin = rotary_emb
+        if (
+            not isinstance(cos, torch.Tensor) or not isinstance(sin, torch.Tensor)
+            or cos.ndim != 4 or cos.shape != sin.shape or cos.shape[0] != 1 or cos.shape[2] != 1 or cos.shape[-1] % 2
+        ):
+            raise ValueError(
+                f"Wan's rotary_emb tensors must have shape (1, N, 1, d) with even d; got "
+                f"{tuple(getattr(cos, 'shape', ()))}, {tuple(getattr(sin, 'shape', ()))}"
+            )
+        # (1, N, 1, d) -> (N, d / 2)
+        super().__init__(cos[0, :, 0, 0::2], sin[0, :, 0, 1::2])
+
+
+def _wan_attn_processor():
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    return WanAttnProcessor()
+
+
+def _attn_processor_2_0():
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    return AttnProcessor2_0()
+
+
+def _sana_linear_attn_processor():
+    from diffusers.models.attention_processor import SanaLinearAttnProcessor2_0
+
+    return SanaLinearAttnProcessor2_0()
+
+
+def _sana_attn_processor():
+    from diffusers.models.transformers.sana_transformer import SanaAttnProcessor2_0
+
+    return SanaAttnProcessor2_0()
+
+
+DIT = Family(
+    name="dit",
+    model_classes=("DiTTransformer2DModel",),
+    self_attention=r"^transformer_blocks\.(\d+)\.attn1$",
+    patch_embed="pos_embed",
+    grid_from_latent=_grid_2d,
+    reference_grid=_reference_grid_2d,
+    stock_self_processor=_attn_processor_2_0,
+    empty_blocks=True,  # a latent smaller than the block grid (e.g. 64 px with 4 x 4 blocks on 32 x 32 tokens)
+)
+
+SANA = Family(
+    name="sana",
+    model_classes=("SanaTransformer2DModel",),
+    self_attention=r"^transformer_blocks\.(\d+)\.attn1$",
+    patch_embed="patch_embed",  # PatchEmbed(latent [B, C, H, W]); tokens (H / p) x (W / p), row-major
+    grid_from_latent=_grid_2d,
+    reference_grid=_reference_grid_2d,  # sample_size 32, patch 1 -> 32 x 32 (1024 px); 16 -> 512 px
+    stock_self_processor=_sana_linear_attn_processor,
+    default_eps=1e-15,
+    cross_attention=r"^transformer_blocks\.(\d+)\.attn2$",
+    stock_cross_processor=_sana_attn_processor,
+    qk_norm_across_heads=True,
+    attention_output_dtype="input",
+    fp16_output_clip=65504.0,
+    empty_blocks=True,  # e.g. 64 x 1024 px without binning: 2 x 32 tokens under 4 x 4 blocks
+)
+
+WAN = Family(
+    name="wan",
+    model_classes=("WanTransformer3DModel",),  # text-to-video and image-to-video (image_dim set)
+    self_attention=r"^blocks\.(\d+)\.attn1$",
+    patch_embed="patch_embedding",  # Conv3d(latent [B, C, F, H, W]); tokens f*H*W + h*W + w
+    grid_from_latent=_grid_3d,
+    reference_grid=_reference_grid_wan,  # 21 x 30 x 52 (81 frames, 480 x 832 px) for patch (1, 2, 2)
+    stock_self_processor=_wan_attn_processor,
+    cross_attention=r"^blocks\.(\d+)\.attn2$",
+    stock_cross_processor=_wan_attn_processor,
+    qk_norm_across_heads=True,  # WanAttnProcessor: norm_q / norm_k on [B, N, heads * d]
+    attention_output_dtype="query",  # .type_as(query)
+    processor_call="positional",
+    rotary=WanRotary,
+    attention_classes=("WanAttention",),
+    default_num_blocks=105,  # the paper's M = 105: (3, 5, 7) on 21 x 30 x 52
+    block_grid_presets=(("paper", (3, 5, 7)), ("authors", (3, 5, 10))),
+    empty_blocks=True,
+    output_norm_without_normalize=True,
+)
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (DIT, SANA, WAN)}
+_BY_CLASS = {cls: f for f in FAMILIES.values() for cls in f.model_classes}
+_BY_ATTENTION_CLASS = {cls: f for f in FAMILIES.values() for cls in f.attention_classes}
+
+
+_BY_TYPE: dict[type, Family | None] = {}
+
+
+def find_family(model: nn.Module) -> Family | None:
+    """The :class:`Family` of ``model`` (by class name, walking the MRO; cached per type), or ``None``."""
+    return _family_of_type(type(model))
+
+
+@torch.compiler.assume_constant_result  # traced by torch.compile (the process-wide pre-hook): run, not traced
+def _family_of_type(model_type: type) -> Family | None:
+    try:
+        return _BY_TYPE[model_type]
+    except KeyError:
+        pass
+    family = next((_BY_CLASS[c.__name__] for c in model_type.__mro__ if c.__name__ in _BY_CLASS), None)
+    _BY_TYPE[model_type] = family
+    return family
+
+
+def attention_family(attn: nn.Module) -> Family | None:
+    """The family whose models alone use the attention module class of ``attn`` (Wan's ``WanAttention``),
+    or ``None`` (the legacy diffusers ``Attention`` serves several families)."""
+    return _attention_family_of_type(type(attn))
+
+
+@torch.compiler.assume_constant_result
+def _attention_family_of_type(attn_type: type) -> Family | None:
+    return next((_BY_ATTENTION_CLASS[c.__name__] for c in attn_type.__mro__ if c.__name__ in _BY_ATTENTION_CLASS), None)
+
+
+def block_grid_preset_names() -> set[str]:
+    """Every preset name some family knows (``"paper"``, ``"authors"``)."""
+    return {name for f in FAMILIES.values() for name, _ in f.block_grid_presets}
+
+
+def family_of(model: nn.Module) -> Family:
+    """Like :func:`find_family` but raises ``ValueError`` naming the supported classes."""
+    family = find_family(model)
+    if family is None:
+        supported = sorted(_BY_CLASS)
+        raise ValueError(
+            f"{type(model).__name__} is not a supported transformer; MHLA supports {supported}. "
+            f"Pass the pipeline's transformer (pipe.transformer), not the pipeline."
+        )
+    return family
+
+
+def get_family(family: "str | Family") -> Family:
+    """The :class:`Family` named ``family`` (a :class:`Family` is returned as is).
+
+    Raises:
+        ValueError: for an unknown name, listing the known ones.
+    """
+    if isinstance(family, Family):
+        return family
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; choose one of {sorted(FAMILIES)}")
+    return FAMILIES[family]
+
+
+def stock_processor(family: Family, module_name: str):
+    """A fresh stock processor for the attention module ``module_name`` of a model of ``family``:
+    the stock cross-attention processor for cross-attention layers, the stock self-attention
+    processor otherwise (what ``remove_mhla`` must restore there)."""
+    if family.cross_attention is not None and re.match(family.cross_attention, module_name):
+        return family.make_stock_cross_processor()
+    return family.stock_self_processor()
+
+
+def self_attention_modules(model: nn.Module, family: Family | None = None) -> list[tuple[str, nn.Module]]:
+    """``[(name, attention module)]`` of the self-attention layers, ordered by layer index."""
+    family = family or family_of(model)
+    pattern = re.compile(family.self_attention)
+    found = []
+    for name, module in model.named_modules():
+        match = pattern.match(name)
+        if match:
+            found.append((int(match.group(1)), name, module))
+    found.sort(key=lambda item: item[0])
+    return [(name, module) for _, name, module in found]

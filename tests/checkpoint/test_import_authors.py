@@ -1,0 +1,395 @@
+"""Importing the authors' released Wan MHLA weights (DAGroup-PKU/MHLA) into a diffusers WanTransformer3DModel.
+
+No real file is available here: a tiny checkpoint with THEIR key names and shapes is built from a tiny
+diffusers Wan (original Wan key layout, tests/helpers_wan.py) plus their MHLA parameters, imported, and
+the imported layers are compared with an independent implementation of their attention layer written
+below from their formulas (their ``MHLA_Video_Uni`` forward with the released configuration:
+numerator only, ``g_norm``, no gate, no LePE, blocks (3, 5, 10), ``relu(x) + 1e-6`` features, Wan's
+complex RoPE on the features, mixing never clamped).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from helpers import run_main
+from helpers_wan import original_wan_state_dict, tiny_t5_tokenizer, tiny_umt5, tiny_wan, tiny_wan_vae
+
+HEADS, HEAD_DIM, LAYERS = 2, 16, 3
+MHLA_LAYERS = [1, 2]  # their hybrid pattern on three layers: softmax kept on layer 0
+BLOCKS = (3, 5, 10)
+EPS = 1e-6
+GRID = (3, 10, 20)  # latent 3 x 20 x 40: 600 tokens, blocks of 1 x 2 x 2 tokens
+
+
+# -- an independent implementation of their layer (from their formulas, not from our code) -------------
+def authors_rope_freqs(head_dim: int, max_len: int = 64) -> torch.Tensor:
+    """Their ``rope_params`` table: complex128 ``[max_len, head_dim / 2]``, parts t, h, w."""
+
+    def params(dim):
+        angles = torch.outer(
+            torch.arange(max_len, dtype=torch.float64),
+            1.0 / torch.pow(10000.0, torch.arange(0, dim, 2, dtype=torch.float64) / dim),
+        )
+        return torch.polar(torch.ones_like(angles), angles)
+
+    d = head_dim
+    return torch.cat([params(d - 4 * (d // 6)), params(2 * (d // 6)), params(2 * (d // 6))], dim=1)
+
+
+def authors_rope(x: torch.Tensor, grid, freqs: torch.Tensor) -> torch.Tensor:
+    """Their ``rope_apply``: x ``[B, N, heads, d]`` -> rotated (adjacent channel pairs as complex numbers, fp64)."""
+    f, h, w = grid
+    c = x.shape[-1] // 2
+    ft, fh, fw = freqs.split([c - 2 * (c // 3), c // 3, c // 3], dim=1)
+    table = torch.cat(
+        [
+            ft[:f].view(f, 1, 1, -1).expand(f, h, w, -1),
+            fh[:h].view(1, h, 1, -1).expand(f, h, w, -1),
+            fw[:w].view(1, 1, w, -1).expand(f, h, w, -1),
+        ],
+        dim=-1,
+    ).reshape(f * h * w, 1, -1)
+    xc = torch.view_as_complex(x.to(torch.float64).reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * table).flatten(-2).float()
+
+
+def authors_rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Their ``WanRMSNorm`` (eps 1e-6) over the last dim."""
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + EPS) * weight
+
+
+def authors_layer(x: torch.Tensor, p: dict, grid, heads: int) -> torch.Tensor:
+    """Their MHLA self-attention (numerator only, then g_norm per head, then o) on ``x`` ``[B, N, C]``.
+
+    ``p``: their tensors of the layer, keyed as in their state dict without ``blocks.<i>.self_attn.``.
+    Blocks by floor division: token (t, h, w) is in block (t // (T / 3), h // (H / 5), w // (W / 10)).
+    """
+    b, n, c = x.shape
+    d = c // heads
+    q = F.linear(x, p["q.weight"], p["q.bias"]).float()
+    k = F.linear(x, p["k.weight"], p["k.bias"]).float()
+    v = F.linear(x, p["v.weight"], p["v.bias"]).float()
+    q, k = authors_rms(q, p["norm_q.weight"]), authors_rms(k, p["norm_k.weight"])
+    q, k = torch.relu(q) + EPS, torch.relu(k) + EPS
+    q, k, v = (t.view(b, n, heads, d) for t in (q, k, v))
+    freqs = authors_rope_freqs(d)
+    q_rope, k_rope = authors_rope(q, grid, freqs), authors_rope(k, grid, freqs)
+    # one-hot block membership [N, M] by floor division of the grid
+    t_size, h_size, w_size = (g // blk for g, blk in zip(grid, BLOCKS))
+    tt, hh, ww = torch.meshgrid(*(torch.arange(g) for g in grid), indexing="ij")
+    block = ((tt // t_size) * BLOCKS[1] + hh // h_size) * BLOCKS[2] + ww // w_size
+    member = F.one_hot(block.reshape(-1), BLOCKS[0] * BLOCKS[1] * BLOCKS[2]).float()
+    kv = torch.einsum("nm,bnhd,bnhe->bhmde", member, k_rope, v)  # per-block summaries
+    mixed = torch.einsum("ij,bhjde->bhide", p["block_attn.conv.weight"][:, :, 0, 0].float(), kv)
+    out = torch.einsum("bnhd,nm,bhmde->bnhe", q_rope, member, mixed)
+    out = authors_rms(out, p["g_norm.weight"])  # g_norm over the head dim
+    return F.linear(out.reshape(b, n, c), p["o.weight"], p["o.bias"])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# -- a tiny checkpoint in their layout ---------------------------------------------------------------------
+def authors_state_dict(transformer, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The tiny diffusers Wan as their model's state dict: original Wan keys plus, on MHLA_LAYERS, their
+    ``g_norm.weight`` [head_dim] and ``block_attn.conv.weight`` [150, 150, 1, 1] (negative entries included,
+    as in their release). Layer 2's q/k norm weights are small (features ~1e-4), so that the feature epsilon
+    1e-6 changes its output measurably."""
+    g = torch.Generator().manual_seed(seed)
+    state = original_wan_state_dict(transformer)
+    m = BLOCKS[0] * BLOCKS[1] * BLOCKS[2]
+    for i in MHLA_LAYERS:
+        state[f"blocks.{i}.self_attn.g_norm.weight"] = 1.0 + 0.3 * torch.randn(HEAD_DIM, generator=g)
+        state[f"blocks.{i}.self_attn.block_attn.conv.weight"] = (0.02 * torch.randn(m, m, 1, 1, generator=g)) + (
+            torch.eye(m)[:, :, None, None] * 0.5)
+    for name in ("norm_q", "norm_k"):
+        state[f"blocks.2.self_attn.{name}.weight"] = state[f"blocks.2.self_attn.{name}.weight"] * 1e-4
+    for name in ("v.weight", "v.bias"):  # the numerator well above g_norm's epsilon (1e-6 on its mean square)
+        state[f"blocks.2.self_attn.{name}"] = state[f"blocks.2.self_attn.{name}"] * 1e4
+    state["blocks.2.self_attn.o.bias"] = torch.zeros_like(state["blocks.2.self_attn.o.bias"])
+    return state
+
+
+def layer_params(state: dict, i: int) -> dict[str, torch.Tensor]:
+    prefix = f"blocks.{i}.self_attn."
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """``{"config": a tiny diffusers WanPipeline folder, "src": their checkpoint (.safetensors), "state": its dict}``."""
+    from diffusers import UniPCMultistepScheduler, WanPipeline
+
+    root = tmp_path_factory.mktemp("authors")
+    transformer = tiny_wan(num_layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM, seed=1)
+    pipe = WanPipeline(
+        tokenizer=tiny_t5_tokenizer(),
+        text_encoder=tiny_umt5(),
+        vae=tiny_wan_vae(),
+        transformer=transformer,
+        scheduler=UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
+        ),
+    )
+    pipe.save_pretrained(root / "wan21")
+    state = authors_state_dict(transformer)
+    save_file(state, str(root / "model.safetensors"))
+    return {"config": root / "wan21", "src": root / "model.safetensors", "state": state}
+
+
+def _run_layers(model, grid=GRID, seed: int = 0) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """``{layer: (input hidden states, output)}`` of every self-attention layer in one forward of ``model``."""
+    seen, handles = {}, []
+    for i, block in enumerate(model.blocks):
+        handles.append(block.attn1.register_forward_hook(lambda mod, args, out, i=i: seen.__setitem__(i, (args[0], out))))
+    gen = torch.Generator().manual_seed(seed)
+    t, h, w = grid
+    try:
+        with torch.no_grad():
+            model(
+                hidden_states=torch.randn(1, 16, t, 2 * h, 2 * w, generator=gen),
+                timestep=torch.tensor([500.0]),
+                encoder_hidden_states=torch.randn(1, 6, 32, generator=gen),
+            )
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+# -- the tests -------------------------------------------------------------------------------------------------
+def test_imported_layers_equal_the_authors_layer(files, tmp_path, capsys):
+    """convert.py --from authors writes our format; the loaded model's MHLA layers equal the independent
+    implementation of their layer (fp32, <= 1e-5 relative), its softmax layer and every stock weight are
+    the file's, and the test sees the details: clamping the mixing matrix or dropping the feature epsilon
+    changes the output far beyond the tolerance."""
+    from mhla_diffusers import load_mhla_pipeline
+
+    out = tmp_path / "imported"
+    code, err = run_main("conversion/convert.py", "--family", "wan", "--from", "authors", "--src", files["src"],
+                         "--config", files["config"], "--out", out, capsys=capsys)
+    assert code == 0, err
+    config = json.loads((out / "transformer" / "mhla_config.json").read_text())
+    assert config["layers"] == MHLA_LAYERS and config["block_grid"] == list(BLOCKS) and config["num_blocks"] == 150
+    assert config["normalize"] is False and config["output_norm"] is True
+    assert config["feature_eps"] == EPS and config["mixing_clamp"] is False
+    pipe = load_mhla_pipeline(out)
+    model = pipe.transformer
+    assert model.config["_mhla_native_size"] == {"height": 480, "width": 800, "frames": 81}
+    assert [type(b.attn1.processor).__name__ for b in model.blocks] == ["WanAttnProcessor", "MHLAProcessor", "MHLAProcessor"]
+
+    # the stock weights are the file's, through diffusers' key mapping
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    stock = {k: v for k, v in files["state"].items() if ".g_norm." not in k and ".block_attn." not in k}
+    expected = convert_wan_transformer_to_diffusers(dict(stock))
+    got = {k: v for k, v in model.state_dict().items() if ".mhla_" not in k}
+    assert sorted(got) == sorted(expected)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+    seen = _run_layers(model)
+    for i in MHLA_LAYERS:
+        x, y = seen[i]
+        assert _rel(y, authors_layer(x, layer_params(files["state"], i), GRID, HEADS)) <= 1e-5, i
+
+    # the comparison can fail: the clamp on the mixing matrix, the feature epsilon
+    attn = model.blocks[2].attn1
+    attn.mhla_mixing.clamp = True
+    x, y = _run_layers(model)[2]
+    assert _rel(y, authors_layer(x, layer_params(files["state"], 2), GRID, HEADS)) > 1e-2
+    attn.mhla_mixing.clamp = False
+    attn.processor.feature_eps = 0.0
+    x, y = _run_layers(model)[2]
+    assert _rel(y, authors_layer(x, layer_params(files["state"], 2), GRID, HEADS)) > 1e-2
+
+
+def test_pipeline_runs_and_defaults_to_the_native_size(files, tmp_path, monkeypatch):
+    """The imported model runs through WanPipeline (here at 3 x 5 x 10 tokens, one per block); video
+    generation defaults to its native 480 x 800 px, 81 frames (a plain Wan checkpoint: 480 x 832)."""
+    from diffusers import WanPipeline
+
+    import mhla_diffusers.generation as generation
+    from mhla_diffusers import import_authors_wan, load_mhla_pipeline
+
+    spec = import_authors_wan(files["src"], tmp_path / "imported", config=files["config"])
+    assert spec["native_size"] == {"height": 480, "width": 800, "frames": 81} and spec["layers"] == MHLA_LAYERS
+    pipe = load_mhla_pipeline(tmp_path / "imported")
+    assert isinstance(pipe, WanPipeline)
+    video = pipe(prompt="a cat walking in the snow", height=80, width=160, num_frames=9, num_inference_steps=2,
+                 output_type="np", generator=torch.Generator().manual_seed(0)).frames
+    assert video.shape == (1, 9, 80, 160, 3) and bool(torch.isfinite(torch.from_numpy(video)).all())
+
+    asked = {}
+
+    def fake_run(pipe, device, seed, **kwargs):
+        asked.update(kwargs)
+        return type("Result", (), {"frames": [None]})()
+
+    monkeypatch.setattr(generation, "_run", fake_run)
+    generation.generate_videos(tmp_path / "imported", ["a prompt"], steps=1)
+    assert (asked["height"], asked["width"], asked["num_frames"]) == (480, 800, 81)
+    generation.generate_videos(tmp_path / "imported", ["a prompt"], steps=1, width=832)
+    assert (asked["height"], asked["width"], asked["num_frames"]) == (480, 832, 81)
+    generation.generate_videos(files["config"], ["a prompt"], steps=1)
+    assert (asked["height"], asked["width"], asked["num_frames"]) == (480, 832, 81)
+
+
+def test_training_checkpoint_nested_prefixed_bf16(files, tmp_path):
+    """A .pth training checkpoint of their trainer (model and EMA state dicts, a DDP "module." prefix, bf16):
+    two candidates without a choice is a clear error naming them; the chosen one imports in bf16, its MHLA
+    parameters as float32 copies of the stored values."""
+    from mhla_diffusers import load_mhla_pipeline
+    from mhla_diffusers.checkpoint.authors import AuthorsCheckpointError, read_authors_state_dict
+
+    ema = {k: (v * 0.5 if k.endswith("conv.weight") else v) for k, v in files["state"].items()}
+    bf16 = lambda sd: {f"module.{k}": v.to(torch.bfloat16) for k, v in sd.items()}  # noqa: E731
+    path = tmp_path / "epoch_5_step_500.pth"
+    torch.save({"state_dict": bf16(files["state"]), "state_dict_ema": bf16(ema), "step": 500}, path)
+    with pytest.raises(AuthorsCheckpointError, match=r"several state dicts \['state_dict', 'state_dict_ema'\]"):
+        read_authors_state_dict(path)
+    with pytest.raises(AuthorsCheckpointError, match="no state dict under 'ema'"):
+        read_authors_state_dict(path, "ema")
+    assert sorted(read_authors_state_dict(path, "state_dict_ema")) == sorted(files["state"])
+
+    from mhla_diffusers import import_authors_wan
+
+    import_authors_wan(path, tmp_path / "out", config=files["config"], state_dict_key="state_dict_ema")
+    from mhla_diffusers.checkpoint.conversion import stored_dtype
+
+    assert stored_dtype(tmp_path / "out" / "transformer") == torch.bfloat16  # the file's dtype kept
+    model = load_mhla_pipeline(tmp_path / "out").transformer
+    mixing = model.blocks[1].attn1.mhla_mixing.weight
+    assert mixing.dtype == torch.float32
+    stored = ema["blocks.1.self_attn.block_attn.conv.weight"][:, :, 0, 0].to(torch.bfloat16).float()
+    assert torch.equal(mixing.detach(), stored) and bool((mixing < 0).any())
+
+
+def _write(state: dict, path) -> str:
+    save_file(state, str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda s: s.update({"blocks.1.self_attn.extra.weight": torch.ones(2)}), r"unknown keys \['blocks.1.self_attn.extra.weight'\]"),
+        (lambda s: s.pop("blocks.0.ffn.0.weight"), r"missing keys \(diffusers names\) \['blocks.0.ffn.net.0.proj.weight'\]"),
+        (lambda s: s.pop("blocks.2.self_attn.g_norm.weight"), r"missing keys \['blocks.2.self_attn.g_norm.weight'\]"),
+        (lambda s: s.update({"blocks.1.self_attn.block_attn.conv.weight": torch.ones(149, 149, 1, 1)}),
+         r"blocks.1.self_attn.block_attn.conv.weight has shape \(149, 149, 1, 1\), expected \(150, 150, 1, 1\)"),
+        (lambda s: s.update({"blocks.1.self_attn.block_attn.conv.weight": torch.ones(150, 150)}),
+         r"shape \(150, 150\), expected \(150, 150, 1, 1\)"),
+        (lambda s: s.update({"blocks.1.self_attn.g_norm.weight": torch.ones(HEADS * HEAD_DIM)}),
+         r"g_norm.weight has shape \(32,\), expected \(16,\)"),
+        (lambda s: s.update({"blocks.1.self_attn.g.weight": torch.ones(32, 32)}), "output-gate / LePE"),
+        (lambda s: s.update({"blocks.7.self_attn.g_norm.weight": torch.ones(HEAD_DIM)}), r"layers \[7\], but the config has 3"),
+        (lambda s: s.update({"blocks.0.ffn.0.weight": torch.ones(5, 5)}), r"shape mismatches \['blocks.0.ffn.0.weight: \(5, 5\)"),
+        (lambda s: s.update({"blocks.1.self_attn.g_norm.weight": torch.full((HEAD_DIM,), float("nan"))}), "NaN"),
+    ],
+)
+def test_bad_files_are_clear_errors(files, tmp_path, capsys, edit, message):
+    """Unknown, missing or mis-shaped keys, half an MHLA layer, a gated variant, a layer the config lacks:
+    exit code 2 with a message naming the keys; nothing is written."""
+    state = dict(files["state"])
+    edit(state)
+    src = _write(state, tmp_path / "bad.safetensors")
+    code, err = run_main("conversion/convert.py", "--family", "wan", "--from", "authors", "--src", src,
+                         "--config", files["config"], "--out", tmp_path / "out", capsys=capsys)
+    assert code == 2 and __import__("re").search(message, err), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_settings_that_are_the_authors_are_refused(files, tmp_path, capsys):
+    """--from authors takes its settings from the file: --layers, --no-normalize, ... are refused, as are a family
+    other than wan, a missing --config and a plain Wan file (no MHLA layer)."""
+    base = ("conversion/convert.py", "--from", "authors", "--src", files["src"], "--out", tmp_path / "o")
+    cases = [
+        (("--family", "wan", "--config", files["config"], "--layers", "hybrid"), "--layers cannot be set with --from authors"),
+        (("--family", "wan", "--config", files["config"], "--no-normalize", "--eps", "1e-3"), "--no-normalize, --eps cannot"),
+        (("--family", "sana", "--config", files["config"]), "use --family wan"),
+        (("--family", "wan",), "needs --config"),
+    ]
+    for extra, message in cases:
+        code, err = run_main(*base, *extra, capsys=capsys)
+        assert code == 2 and message in err, err
+    plain = {k: v for k, v in files["state"].items() if ".g_norm." not in k and ".block_attn." not in k}
+    code, err = run_main("conversion/convert.py", "--family", "wan", "--from", "authors", "--src",
+                         _write(plain, tmp_path / "plain.safetensors"), "--config", files["config"], "--out",
+                         tmp_path / "o", capsys=capsys)
+    assert code == 2 and "no MHLA layer" in err
+    code, err = run_main("conversion/convert.py", "--family", "wan", "--src", files["config"], "--out", tmp_path / "o",
+                         "--state-dict-key", "ema", capsys=capsys)
+    assert code == 2 and "only applies with --from authors" in err
+
+
+def test_recorded_settings_cannot_be_edited(files, tmp_path):
+    """feature_eps and mixing_clamp are recorded beside the weights: editing them in mhla_config.json is refused."""
+    from mhla_diffusers import import_authors_wan, load_mhla_transformer
+    from mhla_diffusers.checkpoint.format import MHLACheckpointError
+
+    import_authors_wan(files["src"], tmp_path / "t", config=files["config"] / "transformer")
+    path = tmp_path / "t" / "mhla_config.json"
+    original = path.read_text()
+    for key, value in (("feature_eps", 0.0), ("mixing_clamp", True)):
+        config = json.loads(original)
+        config[key] = value
+        path.write_text(json.dumps(config))
+        with pytest.raises(MHLACheckpointError, match=key):
+            load_mhla_transformer(tmp_path / "t")
+    path.write_text(original)
+    model = load_mhla_transformer(tmp_path / "t")
+    assert not model.blocks[1].attn1.mhla_mixing.clamp and model.blocks[1].attn1.processor.feature_eps == EPS
+
+
+def test_single_file_with_a_pipeline_config_keeps_the_files_weights(files, tmp_path, capsys):
+    """convert.py --src <original Wan file> --config <pipeline folder>: the written pipeline holds the FILE's
+    transformer, not the config folder's (diffusers' DiffusionPipeline.from_pretrained silently drops a passed
+    WanPipeline transformer; the conversion loads through the pipeline's own class)."""
+    from safetensors.torch import load_file
+
+    other = tiny_wan(num_layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM, seed=7)
+    src = _write(original_wan_state_dict(other), tmp_path / "finetuned.safetensors")
+    code, err = run_main("conversion/convert.py", "--family", "wan", "--src", src, "--config", files["config"],
+                         "--out", tmp_path / "out", "--layers", "1", capsys=capsys)
+    assert code == 0, err
+    written = load_file(tmp_path / "out" / "transformer" / "diffusion_pytorch_model.safetensors")
+    assert torch.equal(written["proj_out.weight"], other.proj_out.weight)
+
+
+def test_feature_eps_operator_and_unclamped_mixing():
+    """mhla_attention's feature_eps (phi = ReLU + eps, rotated in the numerator) equals the dense reference,
+    with and without the normaliser; bad values are refused. clamp_mixing_ leaves unclamped matrices alone."""
+    from mhla_diffusers import BlockLayout, MHLAProcessor, MixingMatrix, clamp_mixing_, mhla_attention
+    from mhla_diffusers.models.families import WanRotary
+    from mhla_diffusers.ops import mhla_attention_reference
+
+    g = torch.Generator().manual_seed(0)
+    layout = BlockLayout((3, 4, 6), (3, 2, 2))
+    q, k, v = (torch.randn(2, 2, 72, 8, generator=g) for _ in range(3))
+    mixing = torch.randn(12, 12, generator=g)  # negative entries: used as given
+    angles = torch.rand(1, 72, 1, 4, generator=g).repeat_interleave(2, dim=-1) * 6.0
+    rotary = WanRotary((angles.cos(), angles.sin()))
+    for normalize in (False, True):
+        for rot in (None, rotary):
+            got = mhla_attention(q, k, v, mixing, layout, normalize=normalize, rotary=rot, feature_eps=0.3, backend="torch")
+            ref = mhla_attention_reference(q, k, v, mixing, layout, normalize=normalize, rotary=rot, feature_eps=0.3)
+            plain = mhla_attention_reference(q, k, v, mixing, layout, normalize=normalize, rotary=rot)
+            assert _rel(got, ref) < 1e-5 and _rel(plain, ref) > 1e-2
+    for bad in (-1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="feature_eps"):
+            mhla_attention(q, k, v, mixing, layout, feature_eps=bad)
+        with pytest.raises(ValueError, match="feature_eps"):
+            MHLAProcessor(feature_eps=bad)
+    model = torch.nn.ModuleList([MixingMatrix((1, 2, 2)), MixingMatrix((1, 2, 2), clamp=False)])
+    for m in model:
+        m.weight.data.fill_(-0.5)
+    assert clamp_mixing_(model) == 1
+    assert float(model[0].weight.detach().min()) == 0.0 and float(model[1].weight.detach().min()) == -0.5
+    assert torch.equal(model[1].clamped(), model[1].weight) and float(model[0].clamped().detach().min()) == 0.0
