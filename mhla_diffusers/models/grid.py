@@ -261,7 +261,7 @@ def _hook_first_forward(model: nn.Module, args) -> None:
 
 def _global_pre_hook(module: nn.Module, args) -> None:
     # Runs before every module call in the process, so the common case is one dict lookup: the type
-    # check (a bool, a trace-time constant under torch.compile: every other module stops here), then the
+    # check (a name or None, a trace-time constant under torch.compile: other modules stop here), then the
     # model's mark (a plain attribute: a hooked model stops here), then the scan for an MHLAProcessor (a
     # trace-time constant). A model without one is left untouched: a stock model compiles as stock.
     if _family_name(type(module)) is None or has_grid_hooks(module):
