@@ -54,7 +54,6 @@ import argparse
 import datetime as _dt
 import json
 import math
-import os
 import platform
 import statistics
 import time
@@ -148,26 +147,6 @@ def _random_rotary(n, d, gen, device):
     return ops.InterleavedRotary(angles.cos().float().to(device), angles.sin().float().to(device))
 
 
-def _blockwise_parts(q, k, v, mixing, layout, feature_map, eps, rotary=None):
-    """float64 numerator and denominator by a loop over blocks (O(N d^2); the oracle beyond N = 4096).
-    With ``rotary``: rotated features in the numerator, un-rotated in the denominator."""
-    idx = layout.block_index.to(q.device)
-    pq, pk = (torch.relu(q), torch.relu(k)) if feature_map else (q, k)
-    rq, rk = (rotary(pq), rotary(pk)) if rotary is not None else (pq, pk)
-    m = layout.num_blocks
-    masks = [idx == b for b in range(m)]
-    s = torch.stack([rk[:, :, mk].transpose(-1, -2) @ v[:, :, mk] for mk in masks])  # [M, B, H, d, dv]
-    z = torch.stack([pk[:, :, mk].sum(-2) for mk in masks])  # [M, B, H, d]
-    s_mix = torch.einsum("ib,bxhde->ixhde", mixing, s)
-    z_mix = torch.einsum("ib,bxhd->ixhd", mixing, z)
-    num = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
-    den = torch.zeros(*q.shape[:3], 1, dtype=q.dtype, device=q.device)
-    for i, mk in enumerate(masks):
-        num[:, :, mk] = rq[:, :, mk] @ s_mix[i]
-        den[:, :, mk] = pq[:, :, mk] @ z_mix[i].unsqueeze(-1) + eps
-    return num, den
-
-
 def correctness_cases(interpret: bool, quick: bool):
     """(name, batch, heads, grid, block_grid, d, dtype, options) of the correctness grid."""
     low = [torch.float32, torch.float16] if interpret else [torch.bfloat16, torch.float16]
@@ -254,15 +233,12 @@ def check_correctness(name, batch, heads, grid, block_grid, d, dtype, opts, devi
     if n <= 4096:
         out_r, grads_r = run(lambda *a: ops.mhla_attention_reference(*a, layout, dtype=torch.float64, **kw), torch.float64)
     else:
-        def blockwise(q_, k_, v_, m_):
-            num, den = _blockwise_parts(q_, k_, v_, m_, layout, feature_map, 1e-6, rotary)
-            return num / den if normalize else num
-
-        out_r, grads_r = run(blockwise, torch.float64)
+        # the O(N d^2) block-wise oracle where the dense one's N^2 matrix does not fit
+        out_r, grads_r = run(lambda *a: ops.naive.mhla_attention_blockwise(*a, layout, **kw), torch.float64)
     scales = [None] * 4
     if normalize:
         leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v, mixing)]
-        num, den = _blockwise_parts(*leaves, layout, feature_map, 1e-6, rotary)
+        num, den = ops.naive.blockwise_parts(*leaves, layout, eps=1e-6, feature_map=fm, rotary=rotary)
         g = grad_out.double()
         first = torch.autograd.grad(num / den.detach(), leaves, g, retain_graph=True, allow_unused=True)
         second = torch.autograd.grad(num.detach() * den / den.detach() ** 2, leaves, g, allow_unused=True)

@@ -1,7 +1,7 @@
 """The MHLA operator (framework-free: nothing here imports diffusers).
 
-``mhla_attention`` validates its inputs and dispatches to a backend; ``reference`` holds the dense
-O(N^2) oracle. A new backend is one file in this package plus one entry in ``_BACKENDS``.
+``mhla_attention`` validates its inputs and dispatches to a backend; ``naive`` holds the oracles (dense
+O(N^2) and block-wise). A new backend is one file in this package plus one entry in ``backends.BACKENDS``.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from collections.abc import Callable
 
 import torch
 
+from mhla_diffusers.ops import compiled
+from mhla_diffusers.ops.backends import BACKENDS as _BACKENDS
 from mhla_diffusers.ops.layout import BlockLayout
 from mhla_diffusers.ops.naive import implied_attention, mhla_attention_reference
 from mhla_diffusers.ops.rotary import InterleavedRotary
-from mhla_diffusers.ops.torch_ops import compute_dtype, mhla_attention_torch
+from mhla_diffusers.ops.torch_ops import compute_dtype
 
 __all__ = [
     "mhla_attention", "mhla_attention_reference", "implied_attention", "available_backends", "resolve_backend",
@@ -24,16 +26,6 @@ __all__ = [
 ]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _triton_backend(q, k, v, mixing, layout, **kwargs):
-    """The Triton kernels, imported on first use (importing mhla_diffusers never imports them; diffusers may import triton itself)."""
-    from mhla_diffusers.ops.triton_ops import mhla_attention_triton
-
-    return mhla_attention_triton(q, k, v, mixing, layout, **kwargs)
-
-
-_BACKENDS = {"torch": mhla_attention_torch, "triton": _triton_backend}
 
 
 @torch.compiler.assume_constant_result
@@ -48,7 +40,7 @@ def _triton_gpu_problem() -> str | None:
     if not _triton_installed():
         return "triton is not installed (pip install 'mhla_diffusers[triton]')"
     try:
-        import triton
+        import triton  # function-level import: triton is optional, and importing it costs seconds
 
         triton.runtime.driver.active.get_current_target()
     except Exception as err:  # e.g. "0 active drivers" on a machine without a GPU driver
@@ -215,8 +207,6 @@ def mhla_attention(
     name = resolve_backend(backend, q.device)
     fn = _BACKENDS[name]
     if torch.compiler.is_compiling():  # one opaque graph node per call, not a graph break (ops/compiled.py)
-        from mhla_diffusers.ops import compiled
-
         fn = functools.partial(compiled.attention, backend=name)
     if rotary is None:
         return fn(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map == "relu")
@@ -244,6 +234,7 @@ def _fused_rotary(rotary, q: torch.Tensor, v: torch.Tensor) -> bool:
     tables need no gradient, on inputs the kernels take (not sent to the torch fallback)."""
     if not isinstance(rotary, InterleavedRotary) or rotary.requires_grad:
         return False
+    # function-level import: the kernels module imports triton (optional, seconds to import)
     from mhla_diffusers.ops.triton_ops import torch_fallback_reason
 
     return torch_fallback_reason(q, v) is None

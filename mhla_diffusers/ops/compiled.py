@@ -22,26 +22,18 @@ backends' own rule, ``torch_ops._empty_like_layout``), so compiled code can rely
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
-from mhla_diffusers.ops.layout import BlockLayout
+from mhla_diffusers.ops.backends import BACKENDS
+from mhla_diffusers.ops.layout import BlockLayout, get_layout
 from mhla_diffusers.ops.rotary import InterleavedRotary
 from mhla_diffusers.ops.torch_ops import _empty_like_layout
 
 __all__ = ["attention"]
 
 
-@lru_cache(maxsize=256)
-def _layout(grid: tuple[int, ...], block_grid: tuple[int, ...]) -> BlockLayout:
-    return BlockLayout(grid, block_grid)
-
-
 def _call_backend(q, k, v, mixing, grid, block_grid, normalize, eps, feature_map, backend, cos, sin):
-    from mhla_diffusers.ops import _BACKENDS  # imported here: ops/__init__ imports this module lazily
-
-    fn, layout = _BACKENDS[backend], _layout(tuple(grid), tuple(block_grid))
+    fn, layout = BACKENDS[backend], get_layout(tuple(grid), tuple(block_grid))
     if cos is None:
         return fn(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map)
     if backend != "triton":
@@ -86,7 +78,7 @@ def _attention_backward_op(
         wanted = [t for t in leaves if t.requires_grad]
         got = iter(torch.autograd.grad(out, wanted, grad_out, allow_unused=True)) if wanted else iter(())
     grads = []
-    for t, need, like in zip(leaves, needs, _grad_likes(q, k, v, mixing, needs)):
+    for need, like in zip(needs, _grad_likes(q, k, v, mixing, needs)):
         g = next(got) if need else None
         if g is None:
             grads.append(like.zero_() if need else like)

@@ -14,13 +14,13 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from itertools import product
 from typing import Sequence
 
 import torch
 
-__all__ = ["BlockLayout", "choose_block_grid", "default_num_blocks", "normalize_grid"]
+__all__ = ["BlockLayout", "choose_block_grid", "default_num_blocks", "get_layout", "normalize_grid"]
 
 
 def normalize_grid(grid: int | Sequence[int], name: str = "grid") -> tuple[int, int, int]:
@@ -175,6 +175,21 @@ class BlockLayout:
 
     def __repr__(self) -> str:
         return f"BlockLayout(grid={self.grid}, block_grid={self.block_grid}, num_blocks={self.num_blocks})"
+
+
+@lru_cache(maxsize=256)
+def get_layout(grid: tuple[int, ...], block_grid: tuple[int, ...]) -> BlockLayout:
+    """The :class:`BlockLayout` of ``grid`` split into ``block_grid``, built once per pair: the package's
+    one layout cache (the processor's per-call path and the ``torch.compile`` operator share it; each
+    layout caches its index tensors per device inside).
+
+    Arguments must be hashable (tuples). Not for code traced by ``torch.compile``: build
+    ``BlockLayout(grid, block_grid)`` there (construction makes no tensors).
+
+    Raises:
+        ValueError: as :class:`BlockLayout` (a bad grid or block grid).
+    """
+    return BlockLayout(grid, block_grid)
 
 
 def default_num_blocks(num_tokens: int) -> int:

@@ -15,17 +15,23 @@ DESIGN.md) the numerator uses rotated features and the denominator un-rotated on
     out_i = sum_t Mc[b(i), b(t)] (R phi(q_i)) . (R phi(k_t)) v_t / (sum_t Mc[b(i), b(t)] phi(q_i) . phi(k_t) + eps)
 
 Memory is O(B * heads * N^2): tests and diagnostics only.
+
+The readable block-wise oracle (:func:`mhla_attention_blockwise`, :func:`blockwise_parts`) computes the
+same result in O(N d^2) by an explicit loop over blocks with boolean masks (S_b = phi(K_b)^T V_b,
+z_b = sum phi(K_b), mixed by Mc); it is the oracle where the dense matrix does not fit (N = 4096 and
+beyond) and shares no code with the fast paths' gather / scatter. Used by tests/ops/test_ops.py,
+tests/ops/triton_interpret_check.py and benchmarks/gpu_check.py.
 """
 
 from __future__ import annotations
 
-import torch
-
 from collections.abc import Callable
+
+import torch
 
 from mhla_diffusers.ops.layout import BlockLayout
 
-__all__ = ["mhla_attention_reference", "implied_attention"]
+__all__ = ["mhla_attention_reference", "implied_attention", "mhla_attention_blockwise", "blockwise_parts"]
 
 
 def implied_attention(
@@ -91,6 +97,72 @@ def mhla_attention_reference(
         )
         out = out / (den_attn.sum(dim=-1, keepdim=True) + eps)
     return out
+
+
+def blockwise_parts(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mixing: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    eps: float = 1e-6,
+    feature_map: str | None = "relu",
+    rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    feature_eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MHLA's numerator and denominator by an explicit loop over blocks, in the inputs' dtype and device.
+
+    ``S_b = phi(K_b)^T V_b``, ``z_b = sum_t phi(k_t)`` over block ``b``, ``S~ = Mc S``, ``z~ = Mc z``;
+    for a query in block ``i``: ``num = phi(q) S~_i`` ``[B, heads, N, dv]`` and
+    ``den = phi(q) . z~_i + eps`` ``[B, heads, N, 1]``. With ``rotary`` the numerator uses rotated
+    features (``rotary(phi(.))``), the denominator un-rotated ones (module doc). Cast the inputs to
+    float64 first for an oracle; differentiable in q, k, v and mixing.
+
+    Raises:
+        ValueError: shapes that do not match each other or ``layout``; an unknown ``feature_map``.
+    """
+    _check(q, k, v, mixing, layout)
+    idx = layout.block_index.to(q.device)
+    pq, pk = _features(q, q.dtype, feature_map), _features(k, k.dtype, feature_map)
+    if feature_eps:
+        pq, pk = pq + feature_eps, pk + feature_eps
+    rq, rk = (rotary(pq), rotary(pk)) if rotary is not None else (pq, pk)
+    masks = [idx == b for b in range(layout.num_blocks)]
+    s = torch.stack([rk[:, :, mask].transpose(-1, -2) @ v[:, :, mask] for mask in masks])  # [M, B, H, d, dv]
+    z = torch.stack([pk[:, :, mask].sum(-2) for mask in masks])  # [M, B, H, d]
+    s_mixed = torch.einsum("ib,bxhde->ixhde", mixing, s)
+    z_mixed = torch.einsum("ib,bxhd->ixhd", mixing, z)
+    num = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)
+    den = torch.zeros(*q.shape[:3], 1, dtype=q.dtype, device=q.device)
+    for i, mask in enumerate(masks):
+        num[:, :, mask] = rq[:, :, mask] @ s_mixed[i]
+        den[:, :, mask] = pq[:, :, mask] @ z_mixed[i].unsqueeze(-1) + eps
+    return num, den
+
+
+def mhla_attention_blockwise(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mixing: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    feature_map: str | None = "relu",
+    rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    feature_eps: float = 0.0,
+) -> torch.Tensor:
+    """MHLA ``[B, heads, N, dv]`` by :func:`blockwise_parts` (``num / den``, or ``num`` with
+    ``normalize=False``), in the inputs' dtype: O(N d^2) memory, the oracle beyond the dense one's reach.
+
+    Raises:
+        ValueError: as :func:`blockwise_parts`.
+    """
+    num, den = blockwise_parts(q, k, v, mixing, layout, eps=eps, feature_map=feature_map, rotary=rotary,
+                               feature_eps=feature_eps)
+    return num / den if normalize else num
 
 
 def _features(x: torch.Tensor, dtype: torch.dtype, feature_map: str | None) -> torch.Tensor:

@@ -84,9 +84,10 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+import mhla_diffusers
 from mhla_diffusers.ops.layout import BlockLayout
 from mhla_diffusers.ops.rotary import InterleavedRotary
-from mhla_diffusers.ops.torch_ops import _empty_like_layout
+from mhla_diffusers.ops.torch_ops import _empty_like_layout, mhla_attention_torch
 
 __all__ = ["mhla_attention_triton", "interpreter_enabled", "check_supported", "torch_fallback_reason", "MAX_HEAD_DIM"]
 
@@ -208,7 +209,8 @@ def _fwd_output(
     ACC: tl.constexpr, PREC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """out = phi(q) S~_b / (phi(q) . z~_b + eps) (numerator R phi(q) S~_b with ROTARY) for one tile of block b's queries, one (batch, head)."""
+    """out = phi(q) S~_b / (phi(q) . z~_b + eps) (numerator R phi(q) S~_b with ROTARY) for one tile of block b's
+    queries, one (batch, head)."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     m = pid // TILES
@@ -589,7 +591,8 @@ class _MHLATriton(torch.autograd.Function):
             heads, d, dv, bh, m, parts, split,
             *k.stride(), *v.stride(),
             FEATURE_MAP=feature_map, NORMALIZE=normalize, ROTARY=rotary is not None, ACC=_TL_DTYPE[acc], DOT=_TL_DTYPE[dot], PREC=prec,
-            BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         s_mix = _mix(mix, s_parts, prec, batch)
         z_mix = _mix(mix, z_parts, prec, batch) if normalize else s_mix
@@ -601,7 +604,8 @@ class _MHLATriton(torch.autograd.Function):
             heads, d, dv, bh, tiles,
             *q.stride(), *out.stride(),
             FEATURE_MAP=feature_map, NORMALIZE=normalize, ROTARY=rotary is not None, ACC=_TL_DTYPE[acc], PREC=prec,
-            BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         if need_grad:  # the un-mixed summaries (for dMc and the recomputed S~)
             s = _sum_parts(s_parts)
@@ -641,7 +645,8 @@ class _MHLATriton(torch.autograd.Function):
             heads, d, dv, bh, m, parts, split,
             *q.stride(), *grad_out.stride(), *dq_strides,
             FEATURE_MAP=feature_map, NORMALIZE=normalize, STORE_DQ=bool(need_q), ROTARY=rotary is not None, ACC=_TL_DTYPE[acc], PREC=prec,
-            BLOCK_T=cfg["BLOCK_T_BWD"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps_bwd"], num_stages=cfg["num_stages"],
+            BLOCK_T=cfg["BLOCK_T_BWD"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"],
+            num_warps=cfg["num_warps_bwd"], num_stages=cfg["num_stages"],
         )
         dmix = None
         if need_mix:  # dMc[i, j] = sum over batch and heads of <dS~_i, S_j> (+ <dz~_i, z_j>): torch GEMMs
@@ -668,7 +673,8 @@ class _MHLATriton(torch.autograd.Function):
                 *(dk.stride() if need_k else (0, 0, 0, 0)), *(dvv.stride() if need_v else (0, 0, 0, 0)),
                 FEATURE_MAP=feature_map, NORMALIZE=normalize, NEED_DK=bool(need_k), NEED_DV=bool(need_v),
                 ROTARY=rotary is not None, ACC=_TL_DTYPE[acc], PREC=prec,
-                BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             )
             dk = dk if need_k else None
             dvv = dvv if need_v else None
@@ -681,8 +687,6 @@ def check_supported(q: torch.Tensor, *others: torch.Tensor) -> None:
     diffusers / triton were imported) and no bfloat16 input (the interpreter's bf16 arithmetic
     is wrong)."""
     if q.device.type == "cpu":
-        import mhla_diffusers
-
         late = interpreter_enabled() and not (_INTERPRETED and getattr(mhla_diffusers, "_TRITON_INTERPRET_AT_IMPORT", True))
         if late:
             raise ValueError(
@@ -773,8 +777,6 @@ def mhla_attention_triton(
                 f"rotary inputs the kernels do not take ({torch_fallback_reason(q, v)}): call mhla_attention, "
                 "which composes the rotation with the torch backend"
             )
-        from mhla_diffusers.ops.torch_ops import mhla_attention_torch
-
         return mhla_attention_torch(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map)
     if q.numel() == 0 or v.numel() == 0:
         return _empty_like_layout(q, v.shape[-1], q.dtype) * mixing.sum().to(q.dtype)

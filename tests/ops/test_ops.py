@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from mhla_diffusers import BlockLayout, available_backends, mhla_attention, mhla_attention_reference, mixing_init
+from mhla_diffusers.ops import naive
 
 # Relative-error tolerances per input dtype. Low precision: inputs are rounded to the dtype, the
 # operator accumulates in fp32 and rounds the output (and each gradient) once more to the dtype,
@@ -142,26 +143,10 @@ def plain_linear_attention(q, k, v, eps=1e-6, normalize=True):
 
 
 def blockwise_parts(q, k, v, mixing, layout, *, eps=1e-6):
-    """MHLA numerator and denominator by an explicit loop over blocks with boolean masks.
-
-    S_b = phi(K_b)^T V_b, z_b = sum phi(K_b), S~ = Mc S, z~ = Mc z; for a query in block i:
-    num = phi(q) S~_i ``[B, H, N, d_v]``, den = phi(q) . z~_i + eps ``[B, H, N, 1]``.
-    """
-    idx = formula_block_index(layout).to(q.device)
-    m = layout.num_blocks
-    pq, pk = torch.relu(q), torch.relu(k)
-    masks = [idx == b for b in range(m)]
-    s = torch.stack([pk[:, :, mask].transpose(-1, -2) @ v[:, :, mask] for mask in masks], 0)  # [M, B, H, d, dv]
-    z = torch.stack([pk[:, :, mask].sum(-2) for mask in masks], 0)  # [M, B, H, d]
-    s_mixed = torch.einsum("ib,bxhde->ixhde", mixing, s)
-    z_mixed = torch.einsum("ib,bxhd->ixhd", mixing, z)
-    num = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype)
-    den = torch.zeros(*q.shape[:3], 1, dtype=q.dtype)
-    for i, mask in enumerate(masks):
-        qi = pq[:, :, mask]
-        num[:, :, mask] = qi @ s_mixed[i]
-        den[:, :, mask] = qi @ z_mixed[i].unsqueeze(-1) + eps
-    return num, den
+    """MHLA numerator and denominator by the block-wise oracle (``ops/naive.py``: an explicit loop over
+    blocks with boolean masks), after checking layout.block_index against DESIGN.md's formula."""
+    formula_block_index(layout)
+    return naive.blockwise_parts(q, k, v, mixing, layout, eps=eps)
 
 
 def blockwise_loop(q, k, v, mixing, layout, *, normalize=True, eps=1e-6):
@@ -313,7 +298,9 @@ def test_one_block_is_plain_linear_attention(grid, normalize):
 
 
 @pytest.mark.parametrize("normalize", [True, False], ids=["norm", "nonorm"])
-@pytest.mark.parametrize("grid,block_grid", [((7, 9), (2, 3)), ((5,), (3,)), ((3, 5, 7), (2, 2, 3)), ((8, 8), (4, 4)), ((1, 9), (1, 9))], ids=str)
+@pytest.mark.parametrize(
+    "grid,block_grid", [((7, 9), (2, 3)), ((5,), (3,)), ((3, 5, 7), (2, 2, 3)), ((8, 8), (4, 4)), ((1, 9), (1, 9))], ids=str
+)
 def test_all_ones_mixing_is_plain_linear_attention_for_any_partition(grid, block_grid, normalize):
     layout = BlockLayout(grid, block_grid)
     q, k, v = make_inputs(2, 2, layout.num_tokens, 16, dtype=torch.float64)

@@ -12,10 +12,10 @@ import math
 
 import pytest
 import torch
+from test_ops import TOL, make_inputs, make_mixing, rel_err
 
 from mhla_diffusers import BlockLayout, mhla_attention, mhla_attention_reference
 from mhla_diffusers.ops import implied_attention
-from test_ops import TOL, make_inputs, make_mixing, rel_err
 
 
 def make_rotary(n: int, d: int, seed: int = 0):
@@ -94,7 +94,8 @@ def test_rotary_matches_reference(grid, block_grid, normalize, feature_map, dtyp
     if feature_map is None and normalize:  # features must be non-negative for a meaningful denominator
         q, k = q.abs(), k.abs()
     rotary = make_rotary(layout.num_tokens, 8)
-    compare(q, k, v, make_mixing(layout, "rand", dtype), layout, TOL[dtype] * 10, normalize=normalize, feature_map=feature_map, rotary=rotary)
+    mixing = make_mixing(layout, "rand", dtype)
+    compare(q, k, v, mixing, layout, TOL[dtype] * 10, normalize=normalize, feature_map=feature_map, rotary=rotary)
 
 
 @pytest.mark.parametrize("normalize", [True, False], ids=["norm", "nonorm"])

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import triton_interpret_check as interp
 
 ROOT = Path(__file__).resolve().parents[2]

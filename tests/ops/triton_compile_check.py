@@ -51,8 +51,8 @@ MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 
 
 def record_launches(d, dtype, *, normalize=True, feature_map=True, rotary=False, grid=(7, 9), block_grid=(2, 3), heads=2, dv=None):
     """Run forward + backward on CPU tensors with launches recorded; returns [(kernel, grid, args, meta)]."""
-    from mhla_diffusers.ops.layout import BlockLayout
     from mhla_diffusers.ops import triton_ops
+    from mhla_diffusers.ops.layout import BlockLayout
 
     layout = BlockLayout(grid, block_grid)
     dv = d if dv is None else dv

@@ -9,7 +9,7 @@ suite) and asserts on what it prints. Runnable by hand::
 Each case runs ``mhla_attention(..., backend="triton")`` forward and backward (a random output
 gradient) and compares the output and the gradients (dq, dk, dv, dmixing) with
 - the float64 dense reference ``mhla_attention_reference`` (or, for N = 4096, an O(N d^2) float64
-  loop over blocks written here), fed the same rounded inputs, and
+  loop over blocks, ``mhla_diffusers/ops/naive.py``), fed the same rounded inputs, and
 - the torch backend on the same inputs,
 by relative error: ``max |x - ref| / max(max |ref|, scale)`` with, when the normaliser is on, the
 scale of the two terms of the quotient rule (as in tests/ops/test_ops.py: where ``dnum/den`` and
@@ -216,24 +216,6 @@ def _inputs(c, layout, torch):
     return q, k, v, mixing.to(mixdt)
 
 
-def _blockwise_parts(q, k, v, mixing, layout, feature_map, rotary, eps, torch):
-    """float64 O(N d^2): numerator and denominator by a loop over blocks with boolean masks."""
-    idx = layout.block_index
-    pq, pk = (torch.relu(q), torch.relu(k)) if feature_map else (q, k)
-    rq, rk = (rotary(pq), rotary(pk)) if rotary else (pq, pk)
-    masks = [idx == i for i in range(layout.num_blocks)]
-    s = torch.stack([rk[:, :, mk].transpose(-1, -2) @ v[:, :, mk] for mk in masks])
-    z = torch.stack([pk[:, :, mk].sum(-2) for mk in masks])
-    s_mix = torch.einsum("ib,bxhde->ixhde", mixing, s)
-    z_mix = torch.einsum("ib,bxhd->ixhd", mixing, z)
-    num = torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype)
-    den = torch.zeros(*q.shape[:3], 1, dtype=q.dtype)
-    for i, mk in enumerate(masks):
-        num[:, :, mk] = rq[:, :, mk] @ s_mix[i]
-        den[:, :, mk] = pq[:, :, mk] @ z_mix[i].unsqueeze(-1) + eps
-    return num, den
-
-
 def _rel_err(actual, expected, scale=None):
     actual, expected = actual.double(), expected.double()
     if expected.numel() == 0:
@@ -276,8 +258,7 @@ def run_case(c, torch, ops, layout_cls):
                               cast=torch.float64)
     else:
         def blockwise(q, k, v, m):
-            num, den = _blockwise_parts(q, k, v, m, layout, c["feature_map"], rotary, c["eps"], torch)
-            return num / den if c["normalize"] else num
+            return ops.naive.mhla_attention_blockwise(q, k, v, m, layout, **kw)
 
         out_r, rgrads = grads(blockwise, cast=torch.float64)
 
@@ -285,7 +266,7 @@ def run_case(c, torch, ops, layout_cls):
     scales = [None] * 4
     if c["normalize"]:
         leaves = [t.detach().double().requires_grad_(f) for t, f in zip((q, k, v, mixing), flags)]
-        num, den = _blockwise_parts(*leaves, layout, c["feature_map"], rotary, c["eps"], torch)
+        num, den = ops.naive.blockwise_parts(*leaves, layout, eps=c["eps"], feature_map=fm, rotary=rotary)
         wanted = [t for t, f in zip(leaves, flags) if f]
         g = grad_out.double()
         first = torch.autograd.grad(num / den.detach(), wanted, g, retain_graph=True, allow_unused=True)
