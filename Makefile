@@ -25,6 +25,7 @@ demo: venv
 	$(BIN)/python demo/run_demo.py --out demo_out
 
 test: venv
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests
 
 bench: venv

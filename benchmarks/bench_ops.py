@@ -114,7 +114,8 @@ def _read(path: str) -> str | None:
 
 def _git_commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip() or None
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        return done.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -477,7 +478,8 @@ def markdown(report: dict, args) -> str:
         header = ["N", "M"]
         for mode in args.modes:
             header += [f"{m} {'fwd' if mode == 'fwd' else 'fwd+bwd'}" for m in methods if m != "io_floor" or mode == "fwd"]
-        header += ["MHLA / linear fwd", "MHLA / linear fwd+bwd", "SDPA / MHLA fwd", "MHLA GFLOP/s fwd (% GEMM)", "% GEMM beyond I/O floor", "peak MiB linear / MHLA fwd (ratio)"]
+        header += ["MHLA / linear fwd", "MHLA / linear fwd+bwd", "SDPA / MHLA fwd", "MHLA GFLOP/s fwd (% GEMM)",
+                   "% GEMM beyond I/O floor", "peak MiB linear / MHLA fwd (ratio)"]
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for n in args.sizes:
             cells = [str(n)]
@@ -485,7 +487,8 @@ def markdown(report: dict, args) -> str:
             cells.append(str(any_row["num_blocks"]) if any_row else "-")
             for mode in args.modes:
                 for m in [m for m in methods if m != "io_floor" or mode == "fwd"]:
-                    cells.append(_fmt_ms(next((r for r in rows if r["method"] == m and r["shape"] == shape and r["n"] == n and r["mode"] == mode), None)))
+                    row = next((r for r in rows if (r["method"], r["shape"], r["n"], r["mode"]) == (m, shape, n, mode)), None)
+                    cells.append(_fmt_ms(row))
             rat = {e["mode"]: e for e in summary["ratios"] if e["shape"] == shape and e["n"] == n}
             f = lambda mode, key, fmt="{:.2f}x": fmt.format(rat[mode][key]) if mode in rat and key in rat[mode] else "-"  # noqa: E731
 
@@ -499,7 +502,8 @@ def markdown(report: dict, args) -> str:
             cells.append(f("fwd", "mhla_pct_of_gemm_beyond_io_floor", "{:.0f}%"))
             l_fwd = _get(rows, method="linear", shape=shape, n=n, mode="fwd")
             cells.append(
-                f"{l_fwd['peak_bytes'] / 2**20:.0f} / {m_fwd['peak_bytes'] / 2**20:.0f} ({m_fwd['peak_bytes'] / max(l_fwd['peak_bytes'], 1):.2f})"
+                f"{l_fwd['peak_bytes'] / 2**20:.0f} / {m_fwd['peak_bytes'] / 2**20:.0f} "
+                f"({m_fwd['peak_bytes'] / max(l_fwd['peak_bytes'], 1):.2f})"
                 if m_fwd and l_fwd else "-"
             )
             lines.append("| " + " | ".join(cells) + " |")
@@ -508,7 +512,8 @@ def markdown(report: dict, args) -> str:
             if e["shape"] == shape:
                 cpu = f" (CPU time {e['cpu_time_ratio']:.1f})" if "cpu_time_ratio" in e else ""
                 lines.append(
-                    f"- scaling {e['method']} {'fwd' if e['mode'] == 'fwd' else 'fwd+bwd'}: time(N={e['n_large']:,}) / time(N={e['n_small']:,}) "
+                    f"- scaling {e['method']} {'fwd' if e['mode'] == 'fwd' else 'fwd+bwd'}: "
+                    f"time(N={e['n_large']:,}) / time(N={e['n_small']:,}) "
                     f"= {e['time_ratio']:.1f}{cpu} ({e['token_ratio']:g}x the tokens)"
                 )
         skipped = [r for r in rows if r["shape"] == shape and "skipped" in r]
@@ -541,7 +546,8 @@ def plot(report: dict, args, path: Path) -> None:
     for ax, shape in zip(axes.flat, shapes):
         for method in METHODS:
             for mode, style in (("fwd", "-"), ("fwdbwd", "--")):
-                pts = [(r["n"], r["time_ms"]) for r in rows if r["shape"] == shape and r["method"] == method and r["mode"] == mode and "time_ms" in r]
+                pts = [(r["n"], r["time_ms"]) for r in rows
+                       if (r["shape"], r["method"], r["mode"]) == (shape, method, mode) and "time_ms" in r]
                 if pts:
                     xs, ys = zip(*sorted(pts))
                     ax.plot(xs, ys, style, marker="o", color=colors[method], label=f"{method} {'fwd' if mode == 'fwd' else 'fwd+bwd'}")
@@ -555,7 +561,8 @@ def plot(report: dict, args, path: Path) -> None:
     for ax in list(axes.flat)[len(shapes):]:
         ax.axis("off")
     info = report["machine"]
-    fig.suptitle(f"{info['cpu_model'] if args.device == 'cpu' else info.get('gpu')}, {info['threads']} thread(s), {args.dtype}, batch {args.batch}", fontsize=10)
+    machine = info["cpu_model"] if args.device == "cpu" else info.get("gpu")
+    fig.suptitle(f"{machine}, {info['threads']} thread(s), {args.dtype}, batch {args.batch}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -182,7 +182,8 @@ def run_all(args) -> dict:
 
     torch.set_num_threads(args.threads)
     info = machine_info(args, torch)
-    print(f"# {info.get('gpu') or info['cpu_model']} | {info['threads']} thread(s) | torch {info['torch']} | {args.device} {args.dtype} | batch {args.batch}", flush=True)
+    print(f"# {info.get('gpu') or info['cpu_model']} | {info['threads']} thread(s) | torch {info['torch']} | "
+          f"{args.device} {args.dtype} | batch {args.batch}", flush=True)
     rows = []
     for name in args.models:
         label = MODELS[name][3] + (" (tiny)" if args.quick else "")
@@ -223,7 +224,8 @@ def run_all(args) -> dict:
         if base:
             ratios.append(
                 {k: r[k] for k in ("model", "variant", "latent", "n", "m")}
-                | {"ratio": r["time_ms"] / base["time_ms"], "cpu_ratio": r["cpu_ms"] / base["cpu_ms"] if r["cpu_ms"] and base["cpu_ms"] else None}
+                | {"ratio": r["time_ms"] / base["time_ms"],
+                   "cpu_ratio": r["cpu_ms"] / base["cpu_ms"] if r["cpu_ms"] and base["cpu_ms"] else None}
             )
     return {"machine": info, "settings": settings(args), "results": rows, "ratios": ratios}
 
@@ -280,7 +282,8 @@ def markdown(report: dict, args) -> str:
             m = (a or h or {}).get("m")
             ra, rh = ratio(a, s), ratio(h, s)
             lines.append(
-                f"| {MODELS[name][3]}{' (tiny)' if args.quick else ''} | {any_row['pixels']} | {latent} x {latent} | {any_row['n']:,} | {m or '-'} | "
+                f"| {MODELS[name][3]}{' (tiny)' if args.quick else ''} | {any_row['pixels']} | {latent} x {latent} | "
+                f"{any_row['n']:,} | {m or '-'} | "
                 f"{ms(s)} | {ms(a)} | {ms(h)} | {ra} | {rh} |"
             )
     if cpu:
@@ -305,7 +308,9 @@ def main(argv=None) -> dict:
         args.argv = report["settings"]["argv"]
         for q in report["ratios"]:  # reports written before cpu_ratio existed
             if "cpu_ratio" not in q:
-                get = lambda v: next(r for r in report["results"] if (r["model"], r["variant"], r["latent"]) == (q["model"], v, q["latent"]))  # noqa: E731
+                get = lambda v: next(  # noqa: E731
+                    r for r in report["results"] if (r["model"], r["variant"], r["latent"]) == (q["model"], v, q["latent"])
+                )
                 a, b = get(q["variant"]), get("stock")
                 q["cpu_ratio"] = a["cpu_ms"] / b["cpu_ms"] if a["cpu_ms"] and b["cpu_ms"] else None
         path.write_text(json.dumps(report, indent=1, default=str) + "\n")

@@ -29,7 +29,8 @@ def main(argv=None) -> int:
     parser.add_argument("--num-samples", type=int, default=4, help="photo crops (each noised at every --timesteps)")
     parser.add_argument("--timesteps", type=int, nargs="+", default=[100, 500, 900], help="noise timesteps")
     parser.add_argument("--num-blocks", type=int, default=16, help="blocks M of the locality init for layers without MHLA")
-    parser.add_argument("--rtol", type=float, default=None, help="rank tolerance relative to the largest singular value (default N * eps(float64))")
+    parser.add_argument("--rtol", type=float, default=None,
+                        help="rank tolerance relative to the largest singular value (default N * eps(float64))")
     parser.add_argument("--short-side", type=int, default=None, help="photos are resized to this short side (px) before cropping")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default="diagnose_out", help="output folder")

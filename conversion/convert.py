@@ -35,7 +35,7 @@ def parse_layers(text: str):
     try:
         layers = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--layers takes 'all', 'hybrid' or comma-separated indices; got {text!r}")
+        raise argparse.ArgumentTypeError(f"--layers takes 'all', 'hybrid' or comma-separated indices; got {text!r}") from None
     if not layers:
         raise argparse.ArgumentTypeError(
             f"no layers selected ({text!r}): give 'all', 'hybrid' or comma-separated indices such as 1,2,4"

@@ -25,6 +25,8 @@ from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
 from safetensors.torch import save_file
 
+from mhla_diffusers.checkpoint.io import atomic_output
+
 __all__ = ["SpaceToDepthAutoencoder", "PointLatentDistribution"]
 
 
@@ -119,9 +121,8 @@ class SpaceToDepthAutoencoder(ModelMixin, ConfigMixin):
             name = f"{stem}.{variant}.{ext}"
         path = os.path.join(save_directory, name)
         if not os.path.exists(path):
-            tmp = path + ".tmp"
-            save_file({}, tmp, metadata={"format": "pt"})
-            os.replace(tmp, path)
+            with atomic_output(path) as tmp:
+                save_file({}, str(tmp), metadata={"format": "pt"})
 
     @property
     def latent_channels(self) -> int:

@@ -29,19 +29,23 @@ Everything here is dense ``O(N^2)`` per head and meant for diagnosis: at most
 
 from __future__ import annotations
 
-import json
+import io
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
+from diffusers import DDPMScheduler
 
+from mhla_diffusers.checkpoint.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from mhla_diffusers.models.families import family_of, self_attention_modules
 from mhla_diffusers.ops.layout import BlockLayout, choose_block_grid, normalize_grid
 from mhla_diffusers.ops.mixing import mixing_init
+from mhla_diffusers.ops.naive import implied_attention
 
 __all__ = [
     "KINDS",
@@ -161,8 +165,6 @@ def attention_matrix(
             "the mixing matrix has negative entries, which give no attention distribution; pass the "
             "matrix the operator uses, clamped to [0, 1] (MixingMatrix.clamped())"
         )
-    from mhla_diffusers.ops.naive import implied_attention
-
     scores = implied_attention(q64, k64, mixing.detach().to(q64.device), layout, dtype=torch.float64)
     return _row_normalise(scores)
 
@@ -362,8 +364,6 @@ def capture_query_key(
             call (``encoder_hidden_states`` given).
         RuntimeError: a named layer or the patch embedding was not called during the forward.
     """
-    from mhla_diffusers.models.families import family_of
-
     family = family_of(transformer)
     names = [attn_names] if isinstance(attn_names, str) else list(attn_names)
     modules = dict(transformer.named_modules())
@@ -603,8 +603,8 @@ def diagnostic_inputs(
         ValueError: non-positive ``num_samples``, empty ``timesteps`` or one outside
             ``[0, num_train_timesteps)``, a transformer without ``sample_size``.
     """
-    from diffusers import DDPMScheduler
-
+    # function-level import: the photo dataset and the VAE's factor live with training, which imports
+    # accelerate and the training recipes; only real-image inputs need them, not `import diagnostics`
     from mhla_diffusers.training.data import PHOTO_NAMES, PhotoCrops
     from mhla_diffusers.training.loop import vae_scale_factor
 
@@ -627,7 +627,8 @@ def diagnostic_inputs(
     else:
         photos = list(PHOTO_NAMES)
     classes = int(transformer.config.get("num_embeds_ada_norm") or 1000)
-    data = PhotoCrops(resolution=resolution, short_side=short_side, crops_per_photo=max(1, -(-num_samples // len(photos))), seed=seed, hflip=False, photos=photos)
+    per_photo = max(1, -(-num_samples // len(photos)))
+    data = PhotoCrops(resolution=resolution, short_side=short_side, crops_per_photo=per_photo, seed=seed, hflip=False, photos=photos)
     items = [data[i] for i in range(num_samples)]
     device = next(transformer.parameters()).device
     dtype = next(transformer.parameters()).dtype
@@ -676,14 +677,14 @@ def diagnose_pipeline(
     Raises:
         ValueError: a layer index out of range; see :func:`diagnostic_inputs` and :func:`qk_statistics`.
     """
-    from mhla_diffusers.models.families import family_of, self_attention_modules
-
     transformer = pipe.transformer
     modules = self_attention_modules(transformer, family_of(transformer))
     chosen = list(range(len(modules))) if layers is None else [int(i) for i in layers]
     bad = [i for i in chosen if not 0 <= i < len(modules)]
     if bad or not chosen:
-        raise ValueError(f"layer indices {bad or chosen} out of range: the model has {len(modules)} self-attention layers (0..{len(modules) - 1})")
+        raise ValueError(
+            f"layer indices {bad or chosen} out of range: the model has {len(modules)} self-attention layers (0..{len(modules) - 1})"
+        )
     inputs = diagnostic_inputs(pipe, num_samples=num_samples, timesteps=timesteps, seed=seed, short_side=short_side)
     was_training = transformer.training
     transformer.eval()
@@ -752,21 +753,6 @@ def markdown_report(result: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _atomic_write(path: str | os.PathLike, data: bytes) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a report is for everyone to read
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
 def write_report(result: Mapping[str, Any], out_dir: str | os.PathLike, pipe=None) -> dict[str, Path]:
     """Write :func:`diagnose_pipeline`'s result into ``out_dir`` (each file atomically).
 
@@ -781,8 +767,8 @@ def write_report(result: Mapping[str, Any], out_dir: str | os.PathLike, pipe=Non
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = {
-        "json": _atomic_write(out / "diagnostics.json", (json.dumps(result, indent=1) + "\n").encode()),
-        "markdown": _atomic_write(out / "diagnostics.md", markdown_report(result).encode()),
+        "json": atomic_write_json(out / "diagnostics.json", result, indent=1),
+        "markdown": atomic_write_text(out / "diagnostics.md", markdown_report(result)),
         "rank_entropy": plot_rank_entropy(result["layers"], out / "rank_entropy.png"),
     }
     init_done = False
@@ -803,7 +789,7 @@ def write_report(result: Mapping[str, Any], out_dir: str | os.PathLike, pipe=Non
 
 # -- pictures -------------------------------------------------------------------------------------
 def _figure(width: float, height: float):
-    try:
+    try:  # function-level import: matplotlib is optional (the dev / demo extras), needed only for pictures
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as err:  # pragma: no cover - depends on the environment
@@ -814,11 +800,9 @@ def _figure(width: float, height: float):
 
 
 def _save_png(fig, path: str | os.PathLike) -> Path:
-    import io
-
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
-    return _atomic_write(path, buf.getvalue())
+    return atomic_write_bytes(path, buf.getvalue())
 
 
 def plot_mixing_matrix(
@@ -876,8 +860,6 @@ def plot_mixing_matrix(
     grid = fig.add_gridspec(
         bh, bw, left=0.1 / width, right=1 - right / width, bottom=0.1 / height, top=1 - top / height, wspace=gap, hspace=gap
     )
-    import numpy as np
-
     image = None
     for ih in range(bh):
         for iw in range(bw):
@@ -900,7 +882,7 @@ def plot_mixing_matrix(
 
 
 def _rectangle(xy, w, h):
-    from matplotlib.patches import Rectangle
+    from matplotlib.patches import Rectangle  # optional dependency (see _figure), loaded once _figure succeeded
 
     return Rectangle(xy, w, h, fill=False, edgecolor="red", linewidth=1.0)
 
@@ -925,8 +907,6 @@ def plot_rank_entropy(stats: Mapping[str, Any] | Sequence[Mapping[str, Any]], pa
     layers = [stats] if isinstance(stats, Mapping) else list(stats)
     if not layers:
         raise ValueError("stats is empty: nothing to plot")
-    import numpy as np
-
     colours = {"softmax": "tab:blue", "linear": "tab:orange", "mhla": "tab:green"}
     n_layers = len(layers)
     fig = _figure(min(16.0, 4.0 + 1.1 * n_layers) * 1.6, 3.6)

@@ -3,12 +3,23 @@ text-to-image (SanaPipeline) and text-to-video (WanPipeline, written as mp4)."""
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Sequence
 
+import diffusers
+import numpy as np
 import torch
+from diffusers.utils import export_to_video, make_image_grid
+from PIL import features
+
+from mhla_diffusers.checkpoint import format as checkpoint_format
+from mhla_diffusers.checkpoint.authors import NATIVE_SIZE_KEY
+from mhla_diffusers.checkpoint.io import atomic_output
 
 __all__ = [
     "GenerationError",
@@ -34,19 +45,16 @@ class GenerationError(ValueError):
 
 def _prepare(checkpoint, pipe, steps: int, dtype: str, device: str | None):
     """Validate the common generation arguments; load the pipeline unless given. Returns ``(pipe, device)``."""
-    from mhla_diffusers.checkpoint.format import load_mhla_pipeline
-
     if steps < 1:
         raise GenerationError(f"steps must be >= 1; got {steps}")
     if dtype not in _DTYPES:
         raise GenerationError(f"dtype must be one of {sorted(_DTYPES)}; got {dtype!r}")
     device = check_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if pipe is None:
-        pipe = load_mhla_pipeline(checkpoint, torch_dtype=_DTYPES[dtype])
+        # through the module: tests replace checkpoint_format.load_mhla_pipeline to prove nothing is loaded
+        pipe = checkpoint_format.load_mhla_pipeline(checkpoint, torch_dtype=_DTYPES[dtype])
     else:  # a pipeline the caller loaded: diffusers' own from_pretrained of a converted folder has no MHLA
-        from mhla_diffusers.checkpoint.format import warn_if_stock_loaded
-
-        warn_if_stock_loaded(pipe, "this pipeline generates with the stock attention")
+        checkpoint_format.warn_if_stock_loaded(pipe, "this pipeline generates with the stock attention")
     return pipe, device
 
 
@@ -67,7 +75,8 @@ def check_device(device: str) -> str:
             why = "this torch is a CPU-only build" if torch.version.cuda is None else "no CUDA GPU was found"
             raise GenerationError(f"device {device!r}: CUDA is not available ({why}); use --device cpu")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise GenerationError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA device(s), 0 to {torch.cuda.device_count() - 1}")
+            count = torch.cuda.device_count()
+            raise GenerationError(f"device {device!r}: there are {count} CUDA device(s), 0 to {count - 1}")
         return device
     try:
         torch.empty(0, device=dev)
@@ -144,8 +153,6 @@ def _run(pipe, device, seed: int, **call_kwargs):
 
 
 def _takes_prompt(pipe) -> bool:
-    import inspect
-
     return "prompt" in inspect.signature(pipe.__call__).parameters
 
 
@@ -213,8 +220,6 @@ def generate_text_images(
 
 def is_video_pipeline(pipe) -> bool:
     """Whether ``pipe`` (a pipeline object or class) generates videos (its call takes ``num_frames``)."""
-    import inspect
-
     call = pipe.__call__ if isinstance(pipe, type) else type(pipe).__call__
     return "num_frames" in inspect.signature(call).parameters
 
@@ -222,9 +227,6 @@ def is_video_pipeline(pipe) -> bool:
 def is_video_checkpoint(checkpoint: str | os.PathLike) -> bool:
     """Whether the pipeline folder ``checkpoint`` holds a video pipeline (read from ``model_index.json``,
     nothing loaded). ``False`` when the folder or its pipeline class is unknown."""
-    import json
-
-    import diffusers
 
     index = Path(checkpoint) / "model_index.json"
     try:
@@ -273,8 +275,6 @@ def generate_videos(
             count the VAE does not take, bad steps or dtype.
         ValueError: from the pipeline, e.g. a size Wan does not take (multiples of 16 px).
     """
-    import inspect
-
     prompts = [str(p) for p in prompts]
     if not prompts:
         raise GenerationError("give at least one prompt")
@@ -322,8 +322,6 @@ def native_video_size(pipe) -> dict:
     Raises:
         GenerationError: a recorded size that is not three positive integers.
     """
-    from mhla_diffusers.checkpoint.authors import NATIVE_SIZE_KEY
-
     config = getattr(getattr(pipe, "transformer", None), "config", None)
     recorded = config.get(NATIVE_SIZE_KEY) if hasattr(config, "get") else None
     if recorded is None:
@@ -346,9 +344,6 @@ def save_video(frames, path: str | os.PathLike, fps: int = 16) -> Path:
     Raises:
         GenerationError: ``path`` does not end in ``.mp4``, or imageio / imageio-ffmpeg are missing.
     """
-    import importlib.util
-
-    import numpy as np
 
     path = Path(path)
     if path.suffix.lower() != ".mp4":
@@ -356,16 +351,10 @@ def save_video(frames, path: str | os.PathLike, fps: int = 16) -> Path:
     missing = [m for m in ("imageio", "imageio_ffmpeg") if importlib.util.find_spec(m) is None]
     if missing:
         raise GenerationError(f"writing mp4 needs {', '.join(missing)}: pip install imageio imageio-ffmpeg")
-    from diffusers.utils import export_to_video
-
     frames = [np.asarray(f) for f in frames]
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.mp4")
-    try:
+    with atomic_output(path, suffix=".mp4") as tmp:
         export_to_video(frames, str(tmp), fps=fps)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -393,8 +382,6 @@ def image_format(path: str | os.PathLike) -> str:
         what = f"an unknown image suffix {suffix!r}" if suffix else "no suffix"
         raise GenerationError(f"{path.name} has {what}: images are written as {known} (the format follows the suffix)")
     fmt = IMAGE_FORMATS[suffix]
-    from PIL import features
-
     if fmt == "WEBP" and not features.check("webp"):
         raise GenerationError(f"{path.name}: this Pillow build has no WebP support; use .png or .jpg")
     return fmt
@@ -407,8 +394,6 @@ def save_grid(images, path: str | os.PathLike, rows: int | None = None) -> Path:
     Raises:
         GenerationError: a suffix :func:`image_format` does not take (checked before anything is written).
     """
-    from diffusers.utils import make_image_grid
-
     fmt = image_format(path)
 
     rows = rows or 1
@@ -419,11 +404,7 @@ def save_grid(images, path: str | os.PathLike, rows: int | None = None) -> Path:
     grid = make_image_grid(padded, rows=rows, cols=cols)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     options = {"quality": 95} if fmt in ("JPEG", "WEBP") else {}
-    try:
+    with atomic_output(path) as tmp:
         (grid.convert("RGB") if fmt == "JPEG" and grid.mode != "RGB" else grid).save(tmp, format=fmt, **options)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return path

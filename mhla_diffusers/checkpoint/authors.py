@@ -41,6 +41,13 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+from safetensors.torch import load_file
+
+from mhla_diffusers.checkpoint.conversion import _pipeline_around, _single_file_target
+from mhla_diffusers.checkpoint.format import save_mhla_pipeline, save_mhla_transformer
+from mhla_diffusers.models.families import family_of, self_attention_modules
+from mhla_diffusers.models.install import apply_mhla, mhla_spec
 
 __all__ = [
     "AUTHORS_BLOCK_GRID",
@@ -99,8 +106,6 @@ def read_authors_state_dict(path: str | os.PathLike, state_dict_key: str | None 
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
         obj = load_file(str(path))
     elif path.suffix in (".pth", ".pt", ".bin", ".ckpt"):
         try:
@@ -192,6 +197,7 @@ def split_authors_state_dict(
 # -- building the diffusers model ---------------------------------------------------------------------
 def _empty_transformer(cls, load_kwargs: dict):
     """The transformer of the diffusers config, parameters on the meta device (for names and shapes)."""
+    # function-level import: accelerate (heavy) is needed only to build an empty model for the authors' import
     from accelerate import init_empty_weights
 
     config = cls.load_config(load_kwargs["config"], subfolder=load_kwargs.get("subfolder"))
@@ -201,8 +207,6 @@ def _empty_transformer(cls, load_kwargs: dict):
 
 def _to_diffusers_keys(stock: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """``(converted, original name of each converted key)`` through diffusers' own Wan key mapping."""
-    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
-
     names = {id(v): k for k, v in stock.items()}
     converted = convert_wan_transformer_to_diffusers(dict(stock))  # renames keys; pops from the copy
     return converted, {new: names.get(id(v), new) for new, v in converted.items()}
@@ -270,9 +274,6 @@ def install_authors_mhla(
             keys only, a mixing matrix not ``[M, M, 1, 1]`` for the block grid (or differing between
             layers), an output-norm weight not ``[head_dim]``, non-finite values.
     """
-    from mhla_diffusers.models.install import apply_mhla
-    from mhla_diffusers.models.families import family_of, self_attention_modules
-
     family = family_of(transformer)
     if family.name != "wan":
         raise AuthorsCheckpointError(f"the authors' MHLA video model is a Wan model; got a {type(transformer).__name__}")
@@ -350,8 +351,6 @@ def load_authors_wan(
             config of another model family.
         FileNotFoundError: ``src`` or ``config`` does not exist.
     """
-    from mhla_diffusers.checkpoint.conversion import _pipeline_around, _single_file_target
-
     name = "the state dict" if isinstance(src, Mapping) else str(src)
     if isinstance(src, Mapping):
         state = _strip_wrapper_prefix(_unwrap(src, state_dict_key, name))
@@ -397,9 +396,6 @@ def import_authors_wan(
         As :func:`load_authors_wan`; ``ValueError`` when ``out`` would replace ``src``;
         ``FileExistsError`` for a non-empty ``out`` without ``overwrite``.
     """
-    from mhla_diffusers.models.install import mhla_spec
-    from mhla_diffusers.checkpoint.format import save_mhla_pipeline, save_mhla_transformer
-
     src_path, out_path = Path(src).resolve(), Path(out).resolve()
     if src_path == out_path or src_path.is_relative_to(out_path):
         raise ValueError(f"--out {out} would replace the source {src}; write the converted checkpoint elsewhere")

@@ -10,20 +10,27 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 from typing import Sequence
 
+import diffusers
 import torch
+from diffusers import DiffusionPipeline
 
-from mhla_diffusers.models.install import apply_mhla
 from mhla_diffusers.checkpoint.format import (
     MHLACheckpointError,
+    _dtype_kwargs,
+    _transformer_class,
+    import_named_components,
     read_mhla_config,
     save_mhla_pipeline,
     save_mhla_transformer,
     transformer_folder,
 )
 from mhla_diffusers.models.families import FAMILIES, family_of, get_family
+from mhla_diffusers.models.install import apply_mhla, mhla_spec
+from mhla_diffusers.models.provenance import is_hub_id
 
 __all__ = ["convert_checkpoint", "AlreadyConvertedError"]
 
@@ -43,8 +50,6 @@ def stored_dtype(path: str | os.PathLike) -> torch.dtype | None:
     diffusers and transformers load weights as float32 unless told otherwise, so converting "in the
     stored dtype" needs this.
     """
-    import struct
-
     path = Path(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path] if path.suffix == ".safetensors" else []
     counts: dict[torch.dtype, int] = {}
@@ -69,10 +74,6 @@ def _pipeline_dtypes(folder: Path) -> dict:
     return dtypes
 
 
-def _is_hub_id(text: str) -> bool:
-    return not text.startswith((".", "/", "~")) and text.count("/") == 1
-
-
 def _load_single_file(src: Path, config: str | None, family: str | None, torch_dtype: torch.dtype | None):
     """(pipeline or None, transformer) from an original single-file checkpoint and a diffusers config.
 
@@ -80,8 +81,6 @@ def _load_single_file(src: Path, config: str | None, family: str | None, torch_d
     whole pipeline is written), a local transformer folder (the transformer alone is written), or a
     Hub id of a diffusers pipeline (online, or cached).
     """
-    from mhla_diffusers.checkpoint.format import _dtype_kwargs
-
     if (src.parent / "mhla_config.json").is_file():
         raise AlreadyConvertedError(
             f"{src} belongs to an MHLA checkpoint ({src.parent / 'mhla_config.json'}); nothing was written. Convert "
@@ -120,18 +119,14 @@ def _single_file_target(src, config: str, family: str | None):
     Raises:
         ValueError: a Hub id without ``family``. FileNotFoundError: ``config`` is neither.
     """
-    from mhla_diffusers.checkpoint.format import _transformer_class
-
     folder = Path(config)
     if folder.exists():
         transformer_dir = transformer_folder(folder)
         cls = _transformer_class(transformer_dir)
         return cls, {"config": str(transformer_dir)}, (folder if transformer_dir != folder else None)
-    if _is_hub_id(str(config)):
+    if is_hub_id(str(config)):
         if family is None:
             raise ValueError(f"pass family= (--family) to convert {src} with the Hub config {config!r}")
-        import diffusers
-
         cls = getattr(diffusers, get_family(family).model_classes[0])
         return cls, {"config": str(config), "subfolder": "transformer"}, str(config)
     raise FileNotFoundError(f"config {config} does not exist (and does not look like a Hub id 'owner/name')")
@@ -145,11 +140,8 @@ def _pipeline_around(pipeline_folder, model, torch_dtype: torch.dtype | None):
     ``DiffusionPipeline.from_pretrained`` silently ignores a passed component that the pipeline
     class lists as optional (``WanPipeline``'s ``transformer``) and loads the folder's own instead.
     """
-    import diffusers
-    from diffusers import DiffusionPipeline
 
-    from mhla_diffusers.checkpoint.format import _dtype_kwargs
-
+    import_named_components(pipeline_folder)
     name = DiffusionPipeline.load_config(str(pipeline_folder)).get("_class_name")
     pipeline_class = getattr(diffusers, str(name), None)
     if pipeline_class is None:
@@ -165,9 +157,6 @@ def _pipeline_around(pipeline_folder, model, torch_dtype: torch.dtype | None):
 
 def _load_source(src: str, torch_dtype: torch.dtype | None, config: str | None = None, family: str | None = None):
     """(pipeline or None, transformer) from a local pipeline/transformer folder, a Hub id, or a single file."""
-    from diffusers import DiffusionPipeline
-
-    from mhla_diffusers.checkpoint.format import _dtype_kwargs, _transformer_class
 
     path = Path(src)
     if path.is_file():
@@ -186,11 +175,12 @@ def _load_source(src: str, torch_dtype: torch.dtype | None, config: str | None =
                 "with mhla_diffusers.load_mhla_pipeline / load_mhla_transformer."
             )
         if (path / "model_index.json").is_file():
+            import_named_components(path)
             dtype = _pipeline_dtypes(path) if torch_dtype is None else torch_dtype
             return DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(dtype)), None
         dtype = stored_dtype(folder) if torch_dtype is None else torch_dtype
         return None, _transformer_class(folder).from_pretrained(folder, **_dtype_kwargs(dtype))
-    if not _is_hub_id(src):
+    if not is_hub_id(src):
         raise FileNotFoundError(f"{src} does not exist (and does not look like a Hub id 'owner/name')")
     try:
         return DiffusionPipeline.from_pretrained(src, **_dtype_kwargs(torch_dtype)), None
@@ -248,8 +238,6 @@ def convert_checkpoint(
             pipeline with a second transformer (Wan 2.2's ``transformer_2``: not supported yet).
         FileNotFoundError / OSError: ``src`` cannot be found or loaded.
     """
-    from mhla_diffusers.models.install import mhla_spec
-
     if not isinstance(layers, str):
         layers = list(layers)
     if layers == "none" or (not isinstance(layers, str) and not layers):

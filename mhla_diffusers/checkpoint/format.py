@@ -42,21 +42,37 @@ one-liner's first forward, the generation helpers), it warns (:func:`warn_if_sto
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import hashlib
+import importlib
+import inspect
 import json
 import logging
 import os
-import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Iterator
 
+import diffusers
 import torch
+from diffusers import DiffusionPipeline
+from diffusers.configuration_utils import FrozenDict
+from huggingface_hub import try_to_load_from_cache
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 
-from mhla_diffusers.models.install import apply_mhla, materialize_mhla, mhla_spec, pending_mhla_layers
+import mhla_diffusers
+from mhla_diffusers.checkpoint.adapter import load_lora
+from mhla_diffusers.checkpoint.io import atomic_directory
 from mhla_diffusers.models.families import FAMILIES, family_of, self_attention_modules
+from mhla_diffusers.models.install import apply_mhla, materialize_mhla, mhla_spec, pending_mhla_layers
+from mhla_diffusers.models.provenance import (
+    LOADING_CONVERTED,
+    MHLA_CONFIG_NAME,
+    converted_source,
+    warn_if_stock_loaded,
+)
+from mhla_diffusers.ops import available_backends
 
 __all__ = [
     "MHLA_CONFIG_NAME",
@@ -75,7 +91,6 @@ __all__ = [
     "warn_if_stock_loaded",
 ]
 
-MHLA_CONFIG_NAME = "mhla_config.json"
 MHLA_WEIGHTS_NAME = "mhla.safetensors"
 FORMAT_VERSION = 1
 
@@ -85,40 +100,6 @@ class MHLACheckpointError(ValueError):
 
 
 # -- writing --------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def atomic_directory(out_dir: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary folder beside ``out_dir``; on success it replaces ``out_dir`` in one rename.
-
-    Raises:
-        FileExistsError: if ``out_dir`` exists, is not empty and ``overwrite`` is False.
-    """
-    out = Path(out_dir).resolve()
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(
-            f"{out} exists and is not empty; choose another folder or pass overwrite=True (--overwrite on the command "
-            "line), which replaces the folder's whole content"
-        )
-    if overwrite and out.exists() and Path.cwd().resolve().is_relative_to(out):
-        raise ValueError(f"refusing to replace {out}: it contains the current directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it owner-only; the result is an ordinary folder
-    try:
-        yield tmp
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 @contextlib.contextmanager
 def _without_mixing(model: nn.Module) -> Iterator[dict[tuple[str, str], nn.Module]]:
     """Temporarily detach every MHLA submodule (``mhla_mixing``, ``mhla_output_norm``, any ``mhla_*``)
@@ -183,10 +164,6 @@ def _prepare_for_saving(transformer: nn.Module) -> None:
 
 
 def _write_mhla_files(transformer: nn.Module, folder: Path) -> None:
-    from safetensors.torch import save_file
-
-    import mhla_diffusers
-
     _prepare_for_saving(transformer)
     spec = mhla_spec(transformer)
     _mark_config(folder, converted=spec is not None)
@@ -257,15 +234,12 @@ def _loading_converted() -> Iterator[None]:
     logger = logging.getLogger("diffusers.configuration_utils")
     drop = _DropMarkerLog()
     logger.addFilter(drop)
-    token = _LOADING.set(True)
+    token = LOADING_CONVERTED.set(True)
     try:
         yield
     finally:
-        _LOADING.reset(token)
+        LOADING_CONVERTED.reset(token)
         logger.removeFilter(drop)
-
-
-_LOADING = contextvars.ContextVar("mhla_loading_converted", default=False)
 
 
 def _forget_marker(model: nn.Module) -> None:
@@ -273,74 +247,7 @@ def _forget_marker(model: nn.Module) -> None:
     config is the base config and a later save writes the marker only where it belongs."""
     config = getattr(model, "_internal_dict", None)
     if config is not None and CONFIG_MARKER_KEY in config:
-        from diffusers.configuration_utils import FrozenDict
-
         model._internal_dict = FrozenDict({k: v for k, v in config.items() if k != CONFIG_MARKER_KEY})
-
-
-def converted_source(model) -> Path | None:
-    """The converted MHLA checkpoint folder (the one holding ``mhla_config.json``) that a diffusers model
-    or pipeline was loaded from, or ``None``.
-
-    Read from ``model.config["_name_or_path"]``, which diffusers' ``from_pretrained`` records: a local
-    folder (pipeline or transformer), or a Hub id whose files are already in the local cache (nothing
-    is downloaded).
-    """
-    config = getattr(model, "config", None)
-    name = config.get("_name_or_path") if hasattr(config, "get") else None
-    if not name:
-        return None
-    for sub in ("", "transformer"):
-        local = Path(str(name)) / sub / MHLA_CONFIG_NAME
-        try:
-            if local.is_file():
-                return local.parent
-        except OSError:
-            return None
-    if not _is_hub_id(str(name)):
-        return None
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        for filename in (MHLA_CONFIG_NAME, f"transformer/{MHLA_CONFIG_NAME}"):
-            cached = try_to_load_from_cache(str(name), filename)
-            if isinstance(cached, str):
-                return Path(cached).parent
-    except Exception:  # not a repository id after all, an unreadable cache: nothing to say
-        return None
-    return None
-
-
-def _is_hub_id(text: str) -> bool:
-    return not text.startswith((".", "/", "~")) and text.count("/") == 1
-
-
-def warn_if_stock_loaded(model, consequence: str) -> bool:
-    """Warn when ``model`` (a transformer, or a pipeline's ``transformer``) was loaded from a converted
-    MHLA checkpoint but has no MHLA layer: diffusers' own ``from_pretrained`` (or ``remove_mhla``)
-    left the trained mixing matrices out. ``consequence`` says what the caller is about to do with
-    it. Quiet inside our own loaders. Returns whether it warned."""
-    from mhla_diffusers.models.install import attention_modules
-
-    if _LOADING.get():
-        return False
-    transformer = getattr(model, "transformer", model)
-    if not isinstance(transformer, nn.Module):
-        return False
-    if any(getattr(attn, "mhla_mixing", None) is not None for attn in attention_modules(transformer).values()):
-        return False
-    folder = converted_source(transformer) or converted_source(model)
-    if folder is None:
-        return False
-    warnings.warn(
-        f"{type(transformer).__name__} was loaded from {folder}, a converted MHLA checkpoint ({MHLA_CONFIG_NAME}), "
-        f"but has no MHLA layer: diffusers' own from_pretrained (or remove_mhla) leaves the trained mixing matrices "
-        f"out, so {consequence}. Load the checkpoint with mhla_diffusers.load_mhla_transformer or "
-        "mhla_diffusers.load_mhla_pipeline to run it as converted",
-        UserWarning,
-        stacklevel=3,
-    )
-    return True
 
 
 def _pipeline_id2label(pipe) -> dict[str, str] | None:
@@ -348,7 +255,7 @@ def _pipeline_id2label(pipe) -> dict[str, str] | None:
 
     diffusers' ``save_pretrained`` writes only what is registered in the pipeline's config, and
     ``DiTPipeline`` keeps the names it was built or loaded with in ``pipe.labels`` only. In order:
-    ``pipe.config["id2label"]`` (registered, as :func:`~mhla_diffusers.training.loop.export_pipeline`
+    ``pipe.config["id2label"]`` (registered, as :func:`~mhla_diffusers.training.export.export_pipeline`
     does); the ``model_index.json`` the pipeline was loaded from, when its names give exactly
     ``pipe.labels``; else the names rebuilt from ``pipe.labels`` (``name -> id``; the names of one id
     joined with ", ", which ``DiTPipeline`` splits back into the same ``labels``).
@@ -383,8 +290,6 @@ def _source_id2label(name_or_path) -> dict[str, str] | None:
     index = Path(str(name_or_path)) / "model_index.json"
     try:
         if not index.is_file():
-            from huggingface_hub import try_to_load_from_cache
-
             cached = try_to_load_from_cache(str(name_or_path), "model_index.json")
             if not isinstance(cached, str):
                 return None
@@ -416,8 +321,6 @@ def _write_id2label(pipe, folder: Path) -> None:
 
 
 def _sha256(path: Path) -> str:
-    import hashlib
-
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -570,8 +473,6 @@ def _check_config_against_weights(config: dict, folder: Path) -> None:
     Raises:
         MHLACheckpointError: the weights file is missing or unreadable, or a setting differs.
     """
-    from safetensors import SafetensorError, safe_open
-
     path = folder / MHLA_WEIGHTS_NAME
     if not path.is_file():
         raise MHLACheckpointError(f"{path} is missing: the MHLA mixing matrices of this checkpoint are lost")
@@ -607,8 +508,6 @@ def _check_config_against_weights(config: dict, folder: Path) -> None:
 
 def _mhla_keys_in_base(folder: Path) -> list[str]:
     """MHLA keys found in the base ``*.safetensors`` weights of a transformer folder (headers only)."""
-    from safetensors import safe_open
-
     found = []
     for file in sorted(folder.glob("*.safetensors")):
         if file.name == MHLA_WEIGHTS_NAME:
@@ -631,9 +530,6 @@ def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike, expecte
         MHLACheckpointError: file missing or corrupted (digest mismatch included), keys missing or
             unexpected, shapes differ, non-finite values.
     """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     path = Path(folder) / MHLA_WEIGHTS_NAME
     if not path.is_file():
         raise MHLACheckpointError(f"{path} is missing: the MHLA mixing matrices of this checkpoint are lost")
@@ -703,15 +599,13 @@ def _usable_backend(backend: str) -> str:
     ``"triton"`` runs only on CUDA tensors: a checkpoint saved with it and loaded on a machine
     without CUDA (triton installed or not) gets ``"auto"``, not a failure at the first forward.
     """
-    from mhla_diffusers.ops import available_backends
-
     if backend in ("auto", "torch"):
         return backend
     if backend in available_backends() and (backend != "triton" or torch.cuda.is_available()):
         return backend
-    import warnings
-
-    warnings.warn(f"the checkpoint asks for MHLA backend {backend!r}, which is not available here; using 'auto'")
+    warnings.warn(
+        f"the checkpoint asks for MHLA backend {backend!r}, which is not available here; using 'auto'", stacklevel=2
+    )
     return "auto"
 
 
@@ -720,9 +614,38 @@ def _dtype_kwargs(torch_dtype: torch.dtype | None) -> dict:
     return {} if torch_dtype is None else {"dtype": torch_dtype}
 
 
-def _transformer_class(folder: Path):
-    import diffusers
+def import_named_components(pipeline_folder: str | os.PathLike) -> list[str]:
+    """Import the ``mhla_diffusers`` modules that ``pipeline_folder/model_index.json`` names as component
+    libraries (the demo's ``["mhla_diffusers.autoencoder", "SpaceToDepthAutoencoder"]`` vae); returns their names.
 
+    diffusers 0.42 loads a component from a library that is not its own only when the module is
+    already imported, and ``import mhla_diffusers`` stays cheap (it imports no component modules), so
+    every loader of a pipeline folder calls this first. Modules outside ``mhla_diffusers`` are left to
+    diffusers' own rules. A folder without ``model_index.json`` (a Hub id) imports nothing.
+
+    Raises:
+        MHLACheckpointError: ``model_index.json`` names an ``mhla_diffusers`` module that does not exist.
+    """
+    index = Path(pipeline_folder) / "model_index.json"
+    if not index.is_file():
+        return []
+    names = sorted({
+        entry[0]
+        for entry in json.loads(index.read_text()).values()
+        if isinstance(entry, list) and entry and isinstance(entry[0], str) and entry[0].startswith("mhla_diffusers.")
+    })
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            raise MHLACheckpointError(
+                f"{index} names the component library {name!r}, which this mhla_diffusers does not have ({err}); "
+                "upgrade mhla_diffusers or edit model_index.json"
+            ) from err
+    return names
+
+
+def _transformer_class(folder: Path):
     name = json.loads((folder / "config.json").read_text()).get("_class_name")
     if name == "Transformer2DModel":  # the original DiT checkpoints
         name = "DiTTransformer2DModel"
@@ -743,8 +666,6 @@ def _load_saved_lora(model: nn.Module, default_dir: Path, lora) -> None:
     folder = default_dir if lora is True else Path(lora)
     if lora is True and not folder.is_dir():
         return
-    from mhla_diffusers.checkpoint.lora import load_lora
-
     load_lora(model, folder)
 
 
@@ -778,8 +699,6 @@ def _register_id2label(pipe, path: Path) -> None:
     """Keep the ``id2label`` of ``model_index.json`` in ``pipe.config`` (diffusers passes it to the
     pipeline's ``__init__`` only), so that ``pipe.config["id2label"]`` holds the class names and a
     later ``save_pretrained`` writes them again."""
-    import inspect
-
     config = getattr(pipe, "config", None)
     if config is None or config.get("id2label") or "id2label" not in inspect.signature(type(pipe).__init__).parameters:
         return
@@ -806,12 +725,11 @@ def load_mhla_pipeline(
         FileNotFoundError: ``path`` holds no ``model_index.json`` (or no adapter at an explicit ``lora`` path).
         MHLACheckpointError: see :func:`load_mhla_transformer`.
     """
-    from diffusers import DiffusionPipeline
-
     path = Path(path)
     if not (path / "model_index.json").is_file():
         raise FileNotFoundError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
     config = read_mhla_config(path)
+    import_named_components(path)
     with _loading_converted():
         pipe = DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(torch_dtype), **kwargs)
         _forget_marker(pipe.transformer)

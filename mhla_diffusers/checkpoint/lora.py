@@ -1,31 +1,30 @@
-"""LoRA for MHLA fine-tuning through peft: add, merge, unload, save beside a checkpoint, load.
+"""LoRA for MHLA fine-tuning: the adapter functions (``mhla_diffusers.checkpoint.adapter``: add, merge,
+unload, save, load) and the loaders of a converted checkpoint together with its adapter.
 
-- :func:`add_lora` puts LoRA adapters on a transformer's linear layers: ``model.add_adapter``
-  where diffusers offers it (SANA, Wan), ``peft.inject_adapter_in_model`` elsewhere (DiT has no
-  ``add_adapter`` in diffusers 0.42). Both freeze every non-LoRA parameter, the MHLA mixing
-  matrices included (FACTS.md, section 2): :func:`add_lora` makes the mixing matrices trainable
-  again (``train_mixing=True``), since the retrofit is what has to be learned.
-- :func:`merge_lora_` folds ``W + (alpha / r) B A`` into every adapted layer and removes the
-  adapters: the model is then a plain diffusers model (plus MHLA) and saves as a converted
-  checkpoint that :func:`mhla_diffusers.load_mhla_pipeline` reads. A model that still has peft
-  layers must not be saved with ``save_pretrained`` (its ``base_layer`` keys are silently
-  re-initialised by ``from_pretrained``).
-- :func:`save_lora` / :func:`load_lora` keep the adapter beside the checkpoint instead
-  (``<pipeline>/transformer_lora/adapter_config.json`` + ``adapter_model.safetensors``, peft's
-  format); :func:`load_mhla_pipeline_with_lora` / :func:`load_mhla_transformer_with_lora` load
-  a checkpoint and its adapter in one call; ``load_mhla_pipeline`` / ``load_mhla_transformer``
-  apply an adapter found in that default place too (``lora=False`` skips it).
+:func:`load_mhla_pipeline_with_lora` / :func:`load_mhla_transformer_with_lora` load a checkpoint and
+its adapter in one call (``load_mhla_pipeline`` / ``load_mhla_transformer`` apply an adapter found in
+the default place ``transformer_lora/`` too; ``lora=False`` skips it).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Sequence
 
-import torch
-from torch import nn
+from mhla_diffusers.checkpoint.adapter import (
+    DEFAULT_TARGET_MODULES,
+    LORA_DIR_NAME,
+    add_lora,
+    has_lora,
+    load_lora,
+    lora_parameters,
+    lora_state_dict,
+    merge_lora_,
+    mhla_parameters,
+    save_lora,
+    unload_lora_,
+)
+from mhla_diffusers.checkpoint.format import load_mhla_pipeline, load_mhla_transformer, transformer_folder
 
 __all__ = [
     "DEFAULT_TARGET_MODULES",
@@ -43,191 +42,6 @@ __all__ = [
     "load_mhla_transformer_with_lora",
 ]
 
-# Every attention projection (self- and cross-attention); peft matches names by suffix.
-DEFAULT_TARGET_MODULES = ("to_q", "to_k", "to_v", "to_out.0")
-LORA_DIR_NAME = "transformer_lora"
-_CONFIG_FILE = "adapter_config.json"
-_WEIGHTS_FILE = "adapter_model.safetensors"
-_ADAPTER = "default"
-
-
-def add_lora(
-    transformer: nn.Module,
-    *,
-    rank: int = 16,
-    alpha: float | None = None,
-    dropout: float = 0.0,
-    target_modules: Sequence[str] = DEFAULT_TARGET_MODULES,
-    train_mixing: bool = True,
-):
-    """Add LoRA adapters (``peft.LoraConfig``, adapter name ``"default"``) to ``transformer`` in place.
-
-    Afterwards exactly the LoRA matrices (and, with ``train_mixing``, the MHLA parameters: the
-    mixing matrices and Wan's output norms, see :func:`mhla_parameters`) have ``requires_grad=True``. LoRA B starts at zero, so the model's output is unchanged.
-
-    Args:
-        rank: LoRA rank ``r``. alpha: scale numerator (``None``: ``rank``, i.e. scale 1).
-        dropout: LoRA dropout. target_modules: peft ``target_modules`` (module-name suffixes).
-        train_mixing: keep the MHLA parameters trainable.
-
-    Returns:
-        The ``LoraConfig`` used.
-
-    Raises:
-        ValueError: the model already has LoRA adapters, bad rank, or no module matches ``target_modules``.
-    """
-    from peft import LoraConfig, inject_adapter_in_model
-
-    if has_lora(transformer):
-        raise ValueError("the model already has LoRA adapters (merge_lora_ or unload_lora_ first)")
-    if int(rank) != rank or rank < 1:
-        raise ValueError(f"LoRA rank must be a positive integer; got {rank!r}")
-    config = LoraConfig(
-        r=int(rank),
-        lora_alpha=float(rank if alpha is None else alpha),
-        lora_dropout=float(dropout),
-        target_modules=list(target_modules),
-        init_lora_weights=True,
-    )
-    try:
-        if hasattr(transformer, "add_adapter"):
-            transformer.add_adapter(config, adapter_name=_ADAPTER)
-        else:
-            inject_adapter_in_model(config, transformer, adapter_name=_ADAPTER)
-    except ValueError as err:
-        raise ValueError(f"cannot add LoRA with target_modules={list(target_modules)}: {err}") from err
-    for name, p in transformer.named_parameters():
-        p.requires_grad_("lora_" in name)
-    if train_mixing:
-        for p in mhla_parameters(transformer):
-            p.requires_grad_(True)
-    return config
-
-
-def mhla_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters MHLA adds to a model: every parameter of an ``mhla_*`` submodule of an
-    attention layer (the mixing matrices ``mhla_mixing``, Wan's output norms ``mhla_output_norm``)."""
-    return [p for name, p in model.named_parameters() if ".mhla_" in f".{name}"]
-
-
-def _tuner_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, BaseTunerLayer)]
-
-
-def has_lora(model: nn.Module) -> bool:
-    """Whether ``model`` has peft adapter layers."""
-    return bool(_tuner_layers(model))
-
-
-def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The LoRA parameters (``lora_A`` / ``lora_B``) of ``model``, in module order."""
-    return [p for name, p in model.named_parameters() if "lora_" in name]
-
-
-def _replace_with_base(model: nn.Module, merge: bool) -> int:
-    layers = _tuner_layers(model)
-    for name, layer in layers:
-        if merge:
-            layer.merge(safe_merge=True)
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, layer.get_base_layer())
-    # diffusers' PeftAdapterMixin / peft bookkeeping: the model no longer has adapters
-    if getattr(model, "_hf_peft_config_loaded", False):
-        model._hf_peft_config_loaded = False
-    if hasattr(model, "peft_config"):
-        del model.peft_config
-    return len(layers)
-
-
-def merge_lora_(model: nn.Module) -> int:
-    """Merge every LoRA adapter into its base weight (``W += (alpha / r) B A``) and remove the
-    peft layers, in place. Returns the number of layers merged (0 without LoRA).
-
-    Raises:
-        ValueError: from peft's ``safe_merge`` when a merged weight is not finite.
-    """
-    return _replace_with_base(model, merge=True)
-
-
-def unload_lora_(model: nn.Module) -> int:
-    """Remove every LoRA adapter WITHOUT merging (the base weights as they were), in place.
-    Returns the number of layers unloaded."""
-    return _replace_with_base(model, merge=False)
-
-
-def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The LoRA weights in peft's format (``<module>.lora_A.weight`` / ``lora_B.weight``), fp32, on the CPU."""
-    from peft import get_peft_model_state_dict
-
-    state = get_peft_model_state_dict(model, adapter_name=_ADAPTER)
-    return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in state.items()}
-
-
-def _lora_config_of(model: nn.Module):
-    config = getattr(model, "peft_config", None)
-    if isinstance(config, dict) and _ADAPTER in config:
-        return config[_ADAPTER]
-    raise ValueError("the model has no LoRA adapter named 'default' (add_lora adds it)")
-
-
-def save_lora(model: nn.Module, folder: str | os.PathLike) -> Path:
-    """Write the model's LoRA adapter to ``folder`` (``adapter_config.json`` +
-    ``adapter_model.safetensors``, fp32, peft's key format). The folder is created or replaced.
-
-    Raises:
-        ValueError: the model has no LoRA adapter.
-    """
-    from safetensors.torch import save_file
-
-    if not has_lora(model):
-        raise ValueError("the model has no LoRA adapters to save")
-    config = _lora_config_of(model)
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    as_dict = config.to_dict()
-    as_dict = {k: (sorted(v) if isinstance(v, set) else v) for k, v in as_dict.items()}
-    (folder / _CONFIG_FILE).write_text(json.dumps(as_dict, indent=2, sort_keys=True, default=str) + "\n")
-    save_file(lora_state_dict(model), str(folder / _WEIGHTS_FILE), metadata={"format": "pt"})
-    return folder
-
-
-def load_lora(model: nn.Module, folder: str | os.PathLike) -> None:
-    """Add the adapter stored in ``folder`` (by :func:`save_lora`) to ``model`` and load its weights strictly.
-
-    Raises:
-        FileNotFoundError: the folder lacks ``adapter_config.json`` or ``adapter_model.safetensors``.
-        ValueError: a LoRA key of the file has no layer in the model, or a layer of the model has no
-            weights in the file.
-    """
-    from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    folder = Path(folder)
-    for name in (_CONFIG_FILE, _WEIGHTS_FILE):
-        if not (folder / name).is_file():
-            raise FileNotFoundError(f"{folder / name} is missing: not a LoRA folder written by save_lora")
-    raw = json.loads((folder / _CONFIG_FILE).read_text())
-    config = LoraConfig(
-        r=int(raw["r"]),
-        lora_alpha=float(raw["lora_alpha"]),
-        lora_dropout=float(raw.get("lora_dropout", 0.0)),
-        target_modules=raw["target_modules"],
-    )
-    if hasattr(model, "add_adapter"):
-        model.add_adapter(config, adapter_name=_ADAPTER)
-    else:
-        inject_adapter_in_model(config, model, adapter_name=_ADAPTER)
-    tensors = load_file(str(folder / _WEIGHTS_FILE))
-    expected = set(lora_state_dict(model))
-    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-    if missing or unexpected:
-        raise ValueError(f"{folder / _WEIGHTS_FILE} does not match the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    set_peft_model_state_dict(model, tensors, adapter_name=_ADAPTER)
-    model.requires_grad_(False)
-
 
 def load_mhla_transformer_with_lora(path: str | os.PathLike, lora_dir: str | os.PathLike | None = None, **kwargs):
     """:func:`mhla_diffusers.load_mhla_transformer` plus the LoRA adapter saved beside it.
@@ -237,8 +51,6 @@ def load_mhla_transformer_with_lora(path: str | os.PathLike, lora_dir: str | os.
         lora_dir: the adapter folder (default: ``<path>/transformer_lora`` for a pipeline folder,
             ``<path>/../transformer_lora`` for a transformer folder).
     """
-    from mhla_diffusers.checkpoint.format import load_mhla_transformer, transformer_folder
-
     folder = transformer_folder(path)
     return load_mhla_transformer(path, lora=lora_dir or folder.parent / LORA_DIR_NAME, **kwargs)
 
@@ -246,8 +58,6 @@ def load_mhla_transformer_with_lora(path: str | os.PathLike, lora_dir: str | os.
 def load_mhla_pipeline_with_lora(path: str | os.PathLike, lora_dir: str | os.PathLike | None = None, **kwargs):
     """:func:`mhla_diffusers.load_mhla_pipeline` plus the LoRA adapter saved beside it
     (``<path>/transformer_lora`` unless ``lora_dir`` is given)."""
-    from mhla_diffusers.checkpoint.format import load_mhla_pipeline
-
     pipe = load_mhla_pipeline(path, lora=lora_dir or Path(path) / LORA_DIR_NAME, **kwargs)
     pipe.transformer.eval()
     return pipe

@@ -30,6 +30,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from diffusers.models.attention_processor import AttnProcessor2_0, SanaLinearAttnProcessor2_0
+from diffusers.models.transformers.sana_transformer import SanaAttnProcessor2_0
+from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from torch import nn
 
 from mhla_diffusers.ops.rotary import InterleavedRotary
@@ -39,6 +42,7 @@ __all__ = [
     "FAMILIES",
     "WanRotary",
     "attention_family",
+    "attention_modules",
     "family_of",
     "find_family",
     "get_family",
@@ -225,26 +229,18 @@ class WanRotary(InterleavedRotary):
 
 
 def _wan_attn_processor():
-    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
-
     return WanAttnProcessor()
 
 
 def _attn_processor_2_0():
-    from diffusers.models.attention_processor import AttnProcessor2_0
-
     return AttnProcessor2_0()
 
 
 def _sana_linear_attn_processor():
-    from diffusers.models.attention_processor import SanaLinearAttnProcessor2_0
-
     return SanaLinearAttnProcessor2_0()
 
 
 def _sana_attn_processor():
-    from diffusers.models.transformers.sana_transformer import SanaAttnProcessor2_0
-
     return SanaAttnProcessor2_0()
 
 
@@ -382,3 +378,13 @@ def self_attention_modules(model: nn.Module, family: Family | None = None) -> li
             found.append((int(match.group(1)), name, module))
     found.sort(key=lambda item: item[0])
     return [(name, module) for _, name, module in found]
+
+
+def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """All diffusers attention modules of ``model`` (those with ``set_processor``), keyed as diffusers
+    keys ``attn_processors``: ``"<module path>.processor"``."""
+    return {
+        f"{name}.processor": module
+        for name, module in model.named_modules()
+        if hasattr(module, "set_processor") and hasattr(module, "processor")
+    }

@@ -31,10 +31,11 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-from mhla_diffusers.models.families import _family_of_type
+from mhla_diffusers.models.families import _family_of_type, family_of
 from mhla_diffusers.ops.layout import normalize_grid
 
 __all__ = [
+    "GridReader",
     "install_grid_hooks",
     "remove_grid_hooks",
     "has_grid_hooks",
@@ -44,6 +45,12 @@ __all__ = [
 ]
 
 _global_handle = None
+
+
+class GridReader:
+    """Base class of the attention processors that read the token grid these hooks publish
+    (:class:`~mhla_diffusers.MHLAProcessor`): a model runs MHLA, and gets hooked, when one of its
+    attention layers holds one. Defined here so that this module needs no processor class."""
 
 
 class _Frame:
@@ -197,8 +204,6 @@ def install_grid_hooks(model: nn.Module) -> bool:
     Raises:
         ValueError: if ``model`` is not a supported transformer.
     """
-    from mhla_diffusers.models.families import family_of
-
     family = family_of(model)
     if has_grid_hooks(model):
         return False
@@ -242,9 +247,7 @@ def _runs_mhla(model: nn.Module) -> bool:
 
     Under torch.compile the answer is a constant of the graph: a later processor change is caught by
     the guards of the forward itself, which calls every processor."""
-    from mhla_diffusers.models.processor import MHLAProcessor
-
-    return any(isinstance(getattr(module, "processor", None), MHLAProcessor) for module in model.modules())
+    return any(isinstance(getattr(module, "processor", None), GridReader) for module in model.modules())
 
 
 # Under torch.compile: one graph break, on the one-liner's first call only; under fullgraph=True an error

@@ -6,10 +6,19 @@ from typing import Mapping, Sequence
 
 from torch import nn
 
-from mhla_diffusers.models.families import family_of, find_family, self_attention_modules, stock_processor
+from mhla_diffusers.models.families import attention_modules, family_of, self_attention_modules, stock_processor
 from mhla_diffusers.models.grid import install_grid_hooks, remove_grid_hooks
 from mhla_diffusers.models.hybrid import select_layers
-from mhla_diffusers.models.processor import _CHECKED_BY, _SOURCE_CHECKED, _WARNED, MHLAProcessor, _layer_requires_grad, remove_load_hook
+from mhla_diffusers.models.processor import (
+    _CHECKED_BY,
+    _SOURCE_CHECKED,
+    _WARNED,
+    MHLAProcessor,
+    materialize_mhla,
+    pending_mhla_layers,
+    remove_load_hook,
+)
+from mhla_diffusers.models.provenance import warn_fresh_mixing
 
 __all__ = [
     "apply_mhla",
@@ -21,16 +30,6 @@ __all__ = [
     "pending_mhla_layers",
     "materialize_mhla",
 ]
-
-
-def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """All diffusers attention modules of ``model`` (those with ``set_processor``), keyed as diffusers
-    keys ``attn_processors``: ``"<module path>.processor"``."""
-    return {
-        f"{name}.processor": module
-        for name, module in model.named_modules()
-        if hasattr(module, "set_processor") and hasattr(module, "processor")
-    }
 
 
 def apply_mhla(
@@ -102,7 +101,7 @@ def apply_mhla(
     already = [modules[i][0] for i in chosen if getattr(modules[i][1], "mhla_mixing", None) is not None]
     if already:
         raise ValueError(f"MHLA is already installed on {already}; call mhla_diffusers.remove_mhla(transformer) first")
-    _warn_if_stock_loaded(transformer)
+    warn_fresh_mixing(transformer)
     names = []
     for i in chosen:
         name, attn = modules[i]
@@ -112,14 +111,6 @@ def apply_mhla(
         names.append(name)
     install_grid_hooks(transformer)
     return names
-
-
-def _warn_if_stock_loaded(model: nn.Module) -> None:
-    """MHLA is about to get fresh matrices on a model that diffusers' own ``from_pretrained`` loaded
-    from a converted checkpoint: say so (see :func:`mhla_diffusers.checkpoint.format.warn_if_stock_loaded`)."""
-    from mhla_diffusers.checkpoint.format import warn_if_stock_loaded
-
-    warn_if_stock_loaded(model, "MHLA installed now gets fresh locality-init mixing matrices, not the checkpoint's trained ones")
 
 
 def remove_mhla(transformer: nn.Module) -> list[str]:
@@ -174,7 +165,7 @@ def set_attn_processor(model: nn.Module, processor) -> None:
     if uses_mhla:
         family = family_of(model)
         reference = family.reference_grid(model.config)
-        _warn_if_stock_loaded(model)
+        warn_fresh_mixing(model)
         for name, attn in self_attention_modules(model, family):
             proc = mapping.get(f"{name}.processor")
             if isinstance(proc, MHLAProcessor):
@@ -195,64 +186,6 @@ def is_mhla_model(model: nn.Module) -> bool:
     if any(getattr(attn, "mhla_mixing", None) is not None for attn in attention_modules(model).values()):
         return True
     return bool(pending_mhla_layers(model))
-
-
-def pending_mhla_layers(model: nn.Module) -> list[str]:
-    """Names of the self-attention layers that run an :class:`MHLAProcessor` but have no mixing matrix yet.
-
-    diffusers' own ``model.set_attn_processor(MHLAProcessor())`` (the bare one-liner) installs the
-    processor only; each layer's matrix is created at its first forward. ``[]`` for a model that is
-    not a supported transformer.
-    """
-    family = find_family(model)
-    if family is None:
-        return []
-    return [
-        name
-        for name, attn in self_attention_modules(model, family)
-        if isinstance(getattr(attn, "processor", None), MHLAProcessor) and getattr(attn, "mhla_mixing", None) is None
-    ]
-
-
-def materialize_mhla(transformer: nn.Module) -> list[str]:
-    """Create now the mixing matrices (and output norms) that the first forward would create for
-    the layers of :func:`pending_mhla_layers`: same block grid (the processor's, resolved on the
-    family's reference grid), locality init, fp32 on the layer's device, ``requires_grad`` as the
-    layer's own projection weights (a frozen model stays frozen; unfreeze them with
-    ``p.requires_grad_(True)`` for ``p`` in ``mhla_diffusers.mixing_parameters(model)`` to train them).
-
-    Call it right after diffusers' own ``set_attn_processor(MHLAProcessor())`` (the bare one-liner),
-    before building an optimizer or EMA, loading a state dict, ``torch.compile`` or
-    ``torch.export``: otherwise the matrices appear only at the first forward (with a warning).
-
-    Returns:
-        Names of the layers that got their matrices (``[]`` when none was pending).
-
-    Raises:
-        ValueError: ``transformer`` is not a supported transformer but has MHLA processors, or a
-            processor's settings do not fit the model (e.g. a preset the family lacks).
-    """
-    family = find_family(transformer)
-    if family is None:
-        if any(isinstance(getattr(a, "processor", None), MHLAProcessor) for a in attention_modules(transformer).values()):
-            family_of(transformer)  # raises, naming the supported classes
-        return []
-    for attn in attention_modules(transformer).values():  # the stock processors the cross-attention layers call
-        proc = getattr(attn, "processor", None)
-        if isinstance(proc, MHLAProcessor):
-            proc._stock_processor(family)
-    pending = set(pending_mhla_layers(transformer))
-    if not pending:
-        return []
-    reference = family.reference_grid(transformer.config)
-    _warn_if_stock_loaded(transformer)
-    done = []
-    for name, attn in self_attention_modules(transformer, family):
-        if name in pending:
-            attn.processor.attach(attn, reference, family=family, requires_grad=_layer_requires_grad(attn))
-            done.append(name)
-    install_grid_hooks(transformer)
-    return done
 
 
 def mhla_spec(transformer: nn.Module) -> dict | None:

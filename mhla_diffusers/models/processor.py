@@ -10,25 +10,43 @@ from __future__ import annotations
 
 import math
 import warnings
-
 from functools import lru_cache
 from typing import Sequence
 
 import torch
+from diffusers.models.attention_processor import AttnProcessor2_0
 from torch import nn
 
-from mhla_diffusers.models.grid import current_grid, current_model, ensure_global_hook
-from mhla_diffusers.ops.layout import BlockLayout, choose_block_grid, normalize_grid
-from mhla_diffusers.ops.mixing import MixingMatrix
+from mhla_diffusers.models.families import (
+    attention_family,
+    attention_modules,
+    block_grid_preset_names,
+    family_of,
+    find_family,
+    get_family,
+    self_attention_modules,
+)
+from mhla_diffusers.models.grid import (
+    GridReader,
+    _exit,
+    current_grid,
+    current_model,
+    ensure_global_hook,
+    install_grid_hooks,
+)
+from mhla_diffusers.models.provenance import warn_fresh_mixing
 from mhla_diffusers.ops import available_backends, mhla_attention
+from mhla_diffusers.ops.layout import BlockLayout, choose_block_grid, get_layout, normalize_grid
+from mhla_diffusers.ops.mixing import MixingMatrix
 
-__all__ = ["MHLAProcessor", "OutputRMSNorm", "get_layout", "occupied_layout"]
-
-
-@lru_cache(maxsize=128)
-def get_layout(grid: tuple[int, int, int], block_grid: tuple[int, int, int]) -> BlockLayout:
-    """Cached :class:`BlockLayout` (its index tensors are cached per device inside)."""
-    return BlockLayout(grid, block_grid)
+__all__ = [
+    "MHLAProcessor",
+    "OutputRMSNorm",
+    "get_layout",
+    "occupied_layout",
+    "pending_mhla_layers",
+    "materialize_mhla",
+]
 
 
 @lru_cache(maxsize=128)
@@ -85,7 +103,7 @@ class OutputRMSNorm(nn.Module):
         return f"heads={self.weight.shape[0]}, head_dim={self.weight.shape[1]}, eps={self.eps}"
 
 
-class MHLAProcessor(nn.Module):
+class MHLAProcessor(GridReader, nn.Module):
     """Attention processor that runs MHLA on self-attention layers (MHLA paper, Sec. 3.2).
 
     Install with ``mhla_diffusers.apply_mhla(transformer, ...)`` (self-attention layers only,
@@ -194,8 +212,6 @@ class MHLAProcessor(nn.Module):
         output_norm: bool | None = None,
         feature_eps: float = 0.0,
     ):
-        from mhla_diffusers.models.families import block_grid_preset_names, get_family
-
         super().__init__()
         if num_blocks is not None and (isinstance(num_blocks, bool) or int(num_blocks) != num_blocks or num_blocks < 1):
             raise ValueError(f"num_blocks must be a positive integer or None; got {num_blocks!r}")
@@ -422,14 +438,10 @@ class MHLAProcessor(nn.Module):
                 "this attention layer has no MHLA mixing matrix yet and no supported transformer is running; "
                 "install MHLA with mhla_diffusers.apply_mhla(transformer) (creates the matrices before training)"
             )
-        from mhla_diffusers.models.families import family_of
-
         running = family_of(model)
         if not model.__dict__.get(_SOURCE_CHECKED):  # once per model, before its first matrix exists
-            from mhla_diffusers.models.install import _warn_if_stock_loaded
-
             model.__dict__[_SOURCE_CHECKED] = True
-            _warn_if_stock_loaded(model)
+            warn_fresh_mixing(model)
         mixing = self.attach(
             attn, running.reference_grid(model.config), family=running, requires_grad=_layer_requires_grad(attn)
         )
@@ -438,8 +450,6 @@ class MHLAProcessor(nn.Module):
 
     def _check_running_layer(self, attn, family) -> None:
         """:meth:`check_layer` at a forward, on the running model's native grid; remembered per layer."""
-        from mhla_diffusers.models.families import find_family
-
         model = current_model()
         running = None if model is None else find_family(model)
         reference = None if running is None else running.reference_grid(model.config)
@@ -498,8 +508,6 @@ class MHLAProcessor(nn.Module):
     def _family(self, attn=None):
         """The family whose stock behaviour this call follows: explicit, else the running model's, else
         the attention module class's (``WanAttention``), else ``None``."""
-        from mhla_diffusers.models.families import attention_family, find_family
-
         model = current_model()
         running = None if model is None else find_family(model)
         if self.family is None:
@@ -657,8 +665,6 @@ _NOT_MATERIALIZED = (
 @torch.compiler.disable(reason=_NOT_MATERIALIZED.format(what="torch.compile(fullgraph=True)"))
 def _materialize_eagerly(processor: "MHLAProcessor", attn) -> MixingMatrix:
     """The running model's pending MHLA layers get their matrices now (outside the traced graph)."""
-    from mhla_diffusers.models.install import materialize_mhla
-
     model = current_model()
     if model is not None:
         materialize_mhla(model)
@@ -669,8 +675,6 @@ def _materialize_eagerly(processor: "MHLAProcessor", attn) -> MixingMatrix:
 
 def _close_frame(model: nn.Module | None) -> None:
     """Remove ``model``'s innermost grid frame (what its always_call forward hook does)."""
-    from mhla_diffusers.models.grid import _exit
-
     if model is not None:
         _exit(model, None, None)
 
@@ -728,8 +732,6 @@ class _PendingMixingLoader:
         processor = getattr(attn, "processor", None)
         if key not in state_dict or getattr(attn, "mhla_mixing", None) is not None or not isinstance(processor, MHLAProcessor):
             return
-        from mhla_diffusers.models.families import attention_family
-
         family = processor.family or attention_family(attn)
         block_grid = processor._explicit_block_grid(None, family)
         if block_grid is not None:
@@ -797,6 +799,63 @@ def _qk_norm(attn, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor
 
 
 def _default_stock_processor():
-    from diffusers.models.attention_processor import AttnProcessor2_0
-
     return AttnProcessor2_0()
+
+
+# -- matrices created before the first forward ---------------------------------------------------
+def pending_mhla_layers(model: nn.Module) -> list[str]:
+    """Names of the self-attention layers that run an :class:`MHLAProcessor` but have no mixing matrix yet.
+
+    diffusers' own ``model.set_attn_processor(MHLAProcessor())`` (the bare one-liner) installs the
+    processor only; each layer's matrix is created at its first forward. ``[]`` for a model that is
+    not a supported transformer.
+    """
+    family = find_family(model)
+    if family is None:
+        return []
+    return [
+        name
+        for name, attn in self_attention_modules(model, family)
+        if isinstance(getattr(attn, "processor", None), MHLAProcessor) and getattr(attn, "mhla_mixing", None) is None
+    ]
+
+
+def materialize_mhla(transformer: nn.Module) -> list[str]:
+    """Create now the mixing matrices (and output norms) that the first forward would create for
+    the layers of :func:`pending_mhla_layers`: same block grid (the processor's, resolved on the
+    family's reference grid), locality init, fp32 on the layer's device, ``requires_grad`` as the
+    layer's own projection weights (a frozen model stays frozen; unfreeze them with
+    ``p.requires_grad_(True)`` for ``p`` in ``mhla_diffusers.mixing_parameters(model)`` to train them).
+
+    Call it right after diffusers' own ``set_attn_processor(MHLAProcessor())`` (the bare one-liner),
+    before building an optimizer or EMA, loading a state dict, ``torch.compile`` or
+    ``torch.export``: otherwise the matrices appear only at the first forward (with a warning).
+
+    Returns:
+        Names of the layers that got their matrices (``[]`` when none was pending).
+
+    Raises:
+        ValueError: ``transformer`` is not a supported transformer but has MHLA processors, or a
+            processor's settings do not fit the model (e.g. a preset the family lacks).
+    """
+    family = find_family(transformer)
+    if family is None:
+        if any(isinstance(getattr(a, "processor", None), MHLAProcessor) for a in attention_modules(transformer).values()):
+            family_of(transformer)  # raises, naming the supported classes
+        return []
+    for attn in attention_modules(transformer).values():  # the stock processors the cross-attention layers call
+        proc = getattr(attn, "processor", None)
+        if isinstance(proc, MHLAProcessor):
+            proc._stock_processor(family)
+    pending = set(pending_mhla_layers(transformer))
+    if not pending:
+        return []
+    reference = family.reference_grid(transformer.config)
+    warn_fresh_mixing(transformer)
+    done = []
+    for name, attn in self_attention_modules(transformer, family):
+        if name in pending:
+            attn.processor.attach(attn, reference, family=family, requires_grad=_layer_requires_grad(attn))
+            done.append(name)
+    install_grid_hooks(transformer)
+    return done

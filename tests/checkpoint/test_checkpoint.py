@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import dit_inputs, randomize_mixing_, realign_, run_dit, tiny_dit, tiny_dit_pipeline
 from safetensors.torch import load_file, save_file
 
 import mhla_diffusers
-from helpers import dit_inputs, randomize_mixing_, realign_, run_dit, tiny_dit, tiny_dit_pipeline
 from mhla_diffusers import (
     MHLACheckpointError,
     apply_mhla,
@@ -486,8 +486,8 @@ def test_plain_save_pretrained_of_an_mhla_model_is_refused_on_load(tmp_path):
 
 
 def test_overwrite_never_replaces_the_source_or_the_working_directory(tmp_path, monkeypatch):
-    from mhla_diffusers.checkpoint.format import atomic_directory
     from mhla_diffusers.checkpoint.conversion import convert_checkpoint
+    from mhla_diffusers.checkpoint.io import atomic_directory
 
     src = tmp_path / "work" / "base"
     tiny_dit(num_layers=2).save_pretrained(src)

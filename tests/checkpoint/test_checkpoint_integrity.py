@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import dit_inputs, randomize_mixing_, realign_, run_dit, tiny_dit, tiny_dit_pipeline
+from helpers_sana import run_sana, sana_inputs, sana_self_attn, tiny_sana
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from helpers import dit_inputs, randomize_mixing_, realign_, run_dit, tiny_dit, tiny_dit_pipeline
-from helpers_sana import run_sana, sana_inputs, sana_self_attn, tiny_sana
 from mhla_diffusers import (
     MHLACheckpointError,
     MHLAProcessor,

@@ -15,10 +15,9 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
-
 from helpers import run_main
 from helpers_wan import original_wan_state_dict, tiny_t5_tokenizer, tiny_umt5, tiny_wan, tiny_wan_vae
+from safetensors.torch import save_file
 
 HEADS, HEAD_DIM, LAYERS = 2, 16, 3
 MHLA_LAYERS = [1, 2]  # their hybrid pattern on three layers: softmax kept on layer 0

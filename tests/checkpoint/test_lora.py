@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mhla_diffusers
-from mhla_diffusers.checkpoint import lora
+from mhla_diffusers.checkpoint import adapter, lora
 from mhla_diffusers.training import loop as training
 from mhla_diffusers.training.loop import load_config
 
@@ -57,7 +57,7 @@ def test_merge_unload_save_load(index, tmp_path):
     assert (adapted - base).abs().max() > 1e-3
     lora.save_lora(model, tmp_path / "adapter")
     merged = copy.deepcopy(model)
-    assert lora.merge_lora_(merged) == len(lora._tuner_layers(model))
+    assert lora.merge_lora_(merged) == len(adapter._tuner_layers(model))
     assert not lora.has_lora(merged) and not any("lora_" in k or "base_layer" in k for k in merged.state_dict())
     torch.testing.assert_close(run(merged, inputs), adapted, rtol=1e-5, atol=1e-5)
     unloaded = copy.deepcopy(model)
@@ -119,7 +119,6 @@ def test_exported_folder_computes_what_the_trained_model_computes(tmp_path, mode
 def test_trainer_lora_run_trains_only_adapters_and_mixing(tmp_path):
     from diffusers import DDPMScheduler, DiTTransformer2DModel
     from safetensors.torch import load_file
-
     from test_train import TINY_DIT, tiny_config
 
     torch.manual_seed(0)  # a saved base, so that the frozen weights can be compared after training

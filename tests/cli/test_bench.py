@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from helpers import load_script
-
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +15,9 @@ def bench():
 
 def test_quick_run_writes_json_markdown_and_plot(bench, tmp_path):
     out = tmp_path / "res"
-    report = bench.main(["--quick", "--sizes", "16", "64", "--shapes", "ref", "dit", "--reps", "1", "--gemm-size", "128", "--out", str(out)])
+    report = bench.main(
+        ["--quick", "--sizes", "16", "64", "--shapes", "ref", "dit", "--reps", "1", "--gemm-size", "128", "--out", str(out)]
+    )
 
     data = json.loads((out / "bench_ops.json").read_text())
     assert data["machine"]["threads"] == 1

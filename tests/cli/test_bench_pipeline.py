@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from helpers import load_script
-
 
 
 @pytest.fixture(scope="module")

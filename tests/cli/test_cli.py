@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import run_main, tiny_dit_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import load_script, run_main, tiny_dit_pipeline
 
 

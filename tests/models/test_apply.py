@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers import AttnCapture, dit_inputs, no_grid_frames, randomize_mixing_, run_dit, self_attn, stock_copy, tiny_dit
+
 from mhla_diffusers import (
     MHLAProcessor,
     apply_mhla,

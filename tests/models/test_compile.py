@@ -26,12 +26,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo as dynamo
+from helpers import dit_inputs, tiny_dit
+from helpers_wan import tiny_wan, wan_inputs
 
 import mhla_diffusers
 from mhla_diffusers import BlockLayout, InterleavedRotary, MHLAProcessor, mhla_attention
 from mhla_diffusers.ops import compiled
-from helpers import dit_inputs, tiny_dit
-from helpers_wan import tiny_wan, wan_inputs
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import AttnCapture, dit_inputs, load_script, randomize_mixing_, tiny_dit
+
 from mhla_diffusers import BlockLayout, apply_mhla, mhla_attention, mhla_attention_reference, mixing_init
 from mhla_diffusers import diagnostics as D
 

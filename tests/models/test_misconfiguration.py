@@ -19,11 +19,11 @@ import warnings
 
 import pytest
 import torch
-
-import mhla_diffusers
 from helpers import dit_inputs, load_script, no_grid_frames, run_dit, self_attn, tiny_dit, tiny_dit_pipeline
 from helpers_sana import run_sana, sana_inputs, sana_self_attn, tiny_sana
 from helpers_wan import run_wan, tiny_wan, wan_inputs, wan_self_attn
+
+import mhla_diffusers
 from mhla_diffusers import (
     MHLAProcessor,
     apply_mhla,

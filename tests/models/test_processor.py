@@ -14,9 +14,8 @@ import importlib
 
 import pytest
 import torch
-
-import mhla_diffusers
 from helpers import AttnCapture, dit_inputs, no_grid_frames, randomize_mixing_, run_dit, self_attn, stock_copy, tiny_dit
+
 from mhla_diffusers import (
     BlockLayout,
     MHLAProcessor,

@@ -30,9 +30,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
-import mhla_diffusers
 from helpers import AttnCapture, no_grid_frames, randomize_mixing_, realign_, run_main
 from helpers_sana import (
     SANA_600M,
@@ -45,6 +42,9 @@ from helpers_sana import (
     tiny_sana,
     tiny_sana_pipeline,
 )
+from safetensors.torch import load_file, save_file
+
+import mhla_diffusers
 from mhla_diffusers import (
     BlockLayout,
     MHLAProcessor,
@@ -197,7 +197,8 @@ def test_one_block_equals_stock_fp16_clip_included():
     """fp16 model, N(0, 30^2) latents: the one-liner at M = 1 gives the stock model's output, every attn1
     output within the stock processor's own fp16 error. Then layer 0's to_out is scaled so that its
     output overflows fp16: MHLA clips exactly the entries the stock processor clips, to exactly +-65504
-    (but for entries within 8 fp16 ulps of a rounding boundary: ``_same_clipping``) (the rest of that model then overflows in the residual stream, stock and MHLA alike: not compared)."""
+    (but for entries within 8 fp16 ulps of a rounding boundary: ``_same_clipping``) (the rest of that model then
+    overflows in the residual stream, stock and MHLA alike: not compared)."""
     model = tiny_sana(num_layers=2).half()
     stock = stock_copy(model)
     model.set_attn_processor(MHLAProcessor(num_blocks=1))

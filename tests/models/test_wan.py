@@ -33,9 +33,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
-import mhla_diffusers
 from helpers import no_grid_frames, randomize_mixing_, realign_, run_main
 from helpers_wan import (
     WAN_1_3B,
@@ -49,6 +46,9 @@ from helpers_wan import (
     wan_inputs,
     wan_self_attn,
 )
+from safetensors.torch import load_file, save_file
+
+import mhla_diffusers
 from mhla_diffusers import (
     BlockLayout,
     MHLAProcessor,
