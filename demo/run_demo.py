@@ -70,8 +70,8 @@ def main(argv=None) -> int:
     from mhla_diffusers import load_mhla_pipeline
     from mhla_diffusers.checkpoint.conversion import convert_checkpoint
     from mhla_diffusers.generation import generate_class_images, save_grid
+    from mhla_diffusers.training import load_config, plot_loss_curves, read_loss_csv, train
     from mhla_diffusers.training.data import PHOTO_NAMES, PhotoCrops
-    from mhla_diffusers.training.loop import load_config, plot_loss_curves, read_loss_csv, train
 
     base = Path(args.base)
     if not (base / "model_index.json").is_file():

@@ -79,8 +79,7 @@ def main(argv=None) -> int:
 
     from mhla_diffusers import load_mhla_pipeline
     from mhla_diffusers.checkpoint.conversion import convert_checkpoint
-    from mhla_diffusers.training.flow import Objective
-    from mhla_diffusers.training.loop import (
+    from mhla_diffusers.training import (
         TrainingParts,
         build_dataset,
         evaluate_heldout,
@@ -89,6 +88,7 @@ def main(argv=None) -> int:
         read_loss_terms,
         train,
     )
+    from mhla_diffusers.training.flow import Objective
 
     base = Path(args.base)
     if not (base / "model_index.json").is_file():

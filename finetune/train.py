@@ -11,7 +11,7 @@ Objectives: DDPM epsilon (DiT), flow matching (SANA, Wan); distillation from the
 mixing (train.trainable, lora section); EMA (ema section); bf16 / fp16 with fp32 trainable
 parameters; gradient checkpointing; latent caching (data.cache).
 
-Every option lives in the YAML config (see mhla_diffusers.training.loop.DEFAULT_CONFIG for all keys
+Every option lives in the YAML config (see mhla_diffusers.training.config.DEFAULT_CONFIG for all keys
 and their defaults); any key can be overridden on the command line with --set (repeatable), the
 value parsed as YAML:
 
@@ -26,7 +26,7 @@ mhla_diffusers.load_mhla_pipeline; with lora.export=separate, mhla_diffusers.che
 import argparse
 import sys
 
-from mhla_diffusers.training.loop import load_config, train
+from mhla_diffusers.training import load_config, train
 
 
 def parse_args(argv=None):

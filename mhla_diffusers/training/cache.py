@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
 
 __all__ = ["module_fingerprint", "cache_key", "build_cache", "CachedDataset", "is_complete"]
 
@@ -89,9 +91,6 @@ def build_cache(
     Returns:
         ``folder``.
     """
-    from safetensors.torch import save_file
-    from torch.utils.data import DataLoader
-
     folder = Path(folder)
     if is_complete(folder):
         return folder
@@ -103,8 +102,6 @@ def build_cache(
     done = 0
     iterator = loader
     if progress:
-        from tqdm.auto import tqdm
-
         iterator = tqdm(loader, desc="cache", dynamic_ncols=True)
     for batch in iterator:
         with torch.no_grad():
@@ -152,8 +149,6 @@ class CachedDataset(Dataset):
         """No-op: cached items are fixed (the crops of epoch 0)."""
 
     def __getitem__(self, index: int) -> dict:
-        from safetensors.torch import load_file
-
         if not -self.length <= index < self.length:
             raise IndexError(f"index {index} out of range for a cache of {self.length} items")
         index %= self.length

@@ -23,11 +23,11 @@ from __future__ import annotations
 import abc
 import json
 import os
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, ImageSequence
 from torch.utils.data import Dataset
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "VIDEO_EXTENSIONS",
     "IMAGE_EXTENSIONS",
     "MAX_CLASSES",
+    "build_dataset",
 ]
 
 # DiT pipelines use class id 1000 as the "null" (unconditional) label: at most 1000 real classes.
@@ -55,7 +56,7 @@ _FFMPEG_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi")
 def _skimage(name: str) -> Callable[[], np.ndarray]:
     def load() -> np.ndarray:
         try:
-            import skimage.data
+            import skimage.data  # optional (demo extra): only the photo dataset needs it
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ImportError("the photo dataset needs scikit-image: pip install scikit-image") from e
         out = getattr(skimage.data, name)()
@@ -67,7 +68,7 @@ def _skimage(name: str) -> Callable[[], np.ndarray]:
 def _sklearn(index: int) -> Callable[[], np.ndarray]:
     def load() -> np.ndarray:
         try:
-            from sklearn.datasets import load_sample_image
+            from sklearn.datasets import load_sample_image  # optional (demo extra): two of the photos
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ImportError("the photo dataset needs scikit-learn: pip install scikit-learn") from e
         return load_sample_image(("china.jpg", "flower.jpg")[index])
@@ -535,7 +536,7 @@ def read_video_frames(path: str | os.PathLike, start: int = 0, count: int | None
                     frames.append(np.asarray(im.convert("RGB")))
         elif path.lower().endswith(_FFMPEG_EXTENSIONS):
             try:
-                import imageio.v2 as imageio
+                import imageio.v2 as imageio  # optional (video extra): mp4 / webm / ... need ffmpeg
             except ImportError as e:  # pragma: no cover - depends on the environment
                 raise ImportError(f"reading {path} needs imageio and imageio-ffmpeg: pip install imageio imageio-ffmpeg") from e
             reader = imageio.get_reader(path, "ffmpeg")
@@ -549,8 +550,6 @@ def read_video_frames(path: str | os.PathLike, start: int = 0, count: int | None
             finally:
                 reader.close()
         else:
-            from PIL import ImageSequence
-
             with Image.open(path) as im:
                 for i, frame in enumerate(ImageSequence.Iterator(im)):
                     total = i + 1
@@ -574,7 +573,7 @@ def _video_length(path: str) -> int:
     if os.path.isdir(path):
         return sum(1 for f in os.listdir(path) if f.lower().endswith(IMAGE_EXTENSIONS))
     if path.lower().endswith(_FFMPEG_EXTENSIONS):
-        import imageio.v2 as imageio
+        import imageio.v2 as imageio  # optional (video extra); read_video_frames says what to install
 
         reader = imageio.get_reader(path, "ffmpeg")
         try:
@@ -707,3 +706,28 @@ class VideoClips(Dataset):
             clip = clip.flip(-1)
         pixels = clip.to(torch.float32).permute(1, 0, 2, 3) / 127.5 - 1.0  # [3, F, H, W]
         return {"pixel_values": pixels.contiguous(), "caption": self.captions[k]}
+
+
+def build_dataset(data: Mapping[str, Any]):
+    """The dataset of ``config["data"]``: :class:`PhotoCrops` (``kind: photos``),
+    :class:`ImageFolderCrops` (``folder``), :class:`CaptionedImageCrops` (``captions``) or
+    :class:`VideoClips` (``video``).
+
+    Raises:
+        ValueError / FileNotFoundError: from the dataset constructors (bad sizes, empty folder, ...).
+    """
+    if data["kind"] == "video":
+        return VideoClips(
+            data["root"], resolution=data["resolution"], num_frames=data.get("num_frames", 17), frame_stride=data.get("frame_stride", 1),
+            clips_per_video=data["crops_per_image"], seed=data["seed"], hflip=data["hflip"],
+            caption_column=data.get("caption_column", "text"), missing_caption=data.get("missing_caption", "error"),
+        )
+    common = dict(resolution=data["resolution"], short_side=data["short_side"], seed=data["seed"], hflip=data["hflip"])
+    if data["kind"] == "photos":
+        return PhotoCrops(crops_per_photo=data["crops_per_image"], photos=data["photos"], **common)
+    if data["kind"] == "captions":
+        return CaptionedImageCrops(
+            data["root"], crops_per_image=data["crops_per_image"], caption_column=data.get("caption_column", "text"),
+            missing_caption=data.get("missing_caption", "error"), **common,
+        )
+    return ImageFolderCrops(data["root"], crops_per_image=data["crops_per_image"], **common)

@@ -25,6 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mhla_diffusers.checkpoint.format import load_mhla_transformer
+from mhla_diffusers.checkpoint.lora import has_lora, unload_lora_
+from mhla_diffusers.models.families import self_attention_modules
+from mhla_diffusers.models.install import is_mhla_model, remove_mhla
+
 __all__ = ["CONDITIONS", "TRANSFER_LAYERS", "make_teacher", "load_teacher", "transfer_modules", "AttentionRecorder", "attention_transfer_loss", "output_matching_loss"]
 
 CONDITIONS = ("dataset", "random", "null")
@@ -38,9 +43,6 @@ def make_teacher(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Modul
     Call it on the loaded model BEFORE fine-tuning changes its weights: a copy of a converted
     checkpoint is the original model only while its base weights are the original ones.
     """
-    from mhla_diffusers.models.install import is_mhla_model, remove_mhla
-    from mhla_diffusers.checkpoint.lora import has_lora, unload_lora_
-
     teacher = copy.deepcopy(model)
     if has_lora(teacher):
         unload_lora_(teacher)
@@ -58,8 +60,6 @@ def load_teacher(path: str | os.PathLike, dtype: torch.dtype | None = None) -> n
     Raises:
         FileNotFoundError, MHLACheckpointError: from :func:`mhla_diffusers.load_mhla_transformer`.
     """
-    from mhla_diffusers.checkpoint.format import load_mhla_transformer
-
     teacher = load_mhla_transformer(path, torch_dtype=torch.float32)
     teacher.requires_grad_(False).eval()
     if dtype is not None:
@@ -74,8 +74,6 @@ def transfer_modules(model: nn.Module, which: str = "mhla") -> dict[str, nn.Modu
     Raises:
         ValueError: unknown ``which``.
     """
-    from mhla_diffusers.models.families import self_attention_modules
-
     if which not in TRANSFER_LAYERS:
         raise ValueError(f"attention-transfer layers must be one of {TRANSFER_LAYERS}; got {which!r}")
     modules = self_attention_modules(model)

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
 __all__ = ["OBJECTIVES", "TIMESTEP_SAMPLING", "LOSS_WEIGHTING", "Objective", "flow_match_scheduler"]
 
@@ -38,8 +40,6 @@ def flow_match_scheduler(shift: float = 1.0, num_train_timesteps: int = 1000):
     Raises:
         ValueError: ``shift <= 0``.
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
     if not shift > 0:
         raise ValueError(f"the flow-matching shift must be > 0; got {shift!r}")
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=int(num_train_timesteps), shift=float(shift))
@@ -96,8 +96,6 @@ class Objective:
         """One draw per sample, ``[n]``: epsilon ``t`` (long, uniform over ``0 .. T-1``); flow ``u`` in ``(0, 1)`` (float)."""
         if self.kind == "epsilon":
             return torch.randint(0, self.num_train_timesteps, (n,), generator=generator, device=device)
-        from diffusers.training_utils import compute_density_for_timestep_sampling
-
         return compute_density_for_timestep_sampling(
             self.timestep_sampling, n, logit_mean=self.logit_mean, logit_std=self.logit_std,
             mode_scale=self.mode_scale, device=device, generator=generator,
@@ -133,8 +131,6 @@ class Objective:
         target = noise - latents
         weights = None
         if self.loss_weighting != "none":
-            from diffusers.training_utils import compute_loss_weighting_for_sd3
-
             weights = compute_loss_weighting_for_sd3(self.loss_weighting, sigmas).float()
         return noisy.to(latents.dtype), timesteps, target, weights
 

@@ -8,8 +8,8 @@ import torch
 
 import mhla_diffusers
 from mhla_diffusers.checkpoint import adapter, lora
-from mhla_diffusers.training import loop as training
-from mhla_diffusers.training.loop import load_config
+from mhla_diffusers import training
+from mhla_diffusers.training import load_config
 
 
 def _models():

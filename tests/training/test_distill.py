@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mhla_diffusers
-from mhla_diffusers.training import loop as training
+from mhla_diffusers import training
 from mhla_diffusers.training.distill import (
     AttentionRecorder,
     attention_transfer_loss,
@@ -17,7 +17,7 @@ from mhla_diffusers.training.distill import (
     output_matching_loss,
     transfer_modules,
 )
-from mhla_diffusers.training.loop import load_config
+from mhla_diffusers.training import load_config
 
 
 def test_teacher_is_the_frozen_original():

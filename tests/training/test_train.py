@@ -14,8 +14,9 @@ import torch
 import yaml
 
 import mhla_diffusers
-from mhla_diffusers.training import loop as training
-from mhla_diffusers.training.loop import (
+from mhla_diffusers import training
+from mhla_diffusers.training import resume
+from mhla_diffusers.training import (
     apply_overrides,
     build_optimizer,
     load_config,
@@ -258,7 +259,7 @@ def test_a_killed_run_resumes_to_the_same_weights(tmp_path):
                             env=_env(), stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 240
-        while not training._complete_checkpoints(tmp_path / "cut" / "checkpoints"):
+        while not resume._complete_checkpoints(tmp_path / "cut" / "checkpoints"):
             assert proc.poll() is None, (tmp_path / "cut.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "no checkpoint appeared"
             time.sleep(0.005)
@@ -268,7 +269,7 @@ def test_a_killed_run_resumes_to_the_same_weights(tmp_path):
         log.close()
     assert proc.returncode == -signal.SIGKILL
     assert not (tmp_path / "cut" / "final").exists(), "the run finished before the kill: raise max_steps"
-    killed_at = training._complete_checkpoints(tmp_path / "cut" / "checkpoints")[-1][0]
+    killed_at = resume._complete_checkpoints(tmp_path / "cut" / "checkpoints")[-1][0]
     assert 0 < killed_at < extra["max_steps"]
 
     training.train(load_config(cut_cfg, ["train.resume=true"]))

@@ -58,7 +58,8 @@ def test_step_draws_are_shared_by_ranks():
     """Ranks slice one global draw: rank r, sample j == global position j * world + r."""
     from diffusers import DDPMScheduler
 
-    from mhla_diffusers.training.loop import TrainingParts, _step_draws
+    from mhla_diffusers.training import TrainingParts
+    from mhla_diffusers.training.losses import _step_draws
 
     parts = TrainingParts("dit", None, None, DDPMScheduler(), Objective("epsilon", DDPMScheduler()))
     latents = torch.zeros(4, 2, 3, 3)

@@ -21,11 +21,11 @@ import pytest
 import torch
 import yaml
 
-from mhla_diffusers.training import loop as training
+from mhla_diffusers import training
 from mhla_diffusers.ops.layout import BlockLayout
 from mhla_diffusers.ops.mixing import MixingMatrix, mixing_parameters
 from mhla_diffusers.ops import mhla_attention
-from mhla_diffusers.training.loop import load_config, read_grad_norms, read_loss_csv
+from mhla_diffusers.training import load_config, logs, loop, read_grad_norms, read_loss_csv
 
 from helpers import run_main
 from test_train import _final_tensors, _snapshot, tiny_config
@@ -114,7 +114,7 @@ def _spiking(monkeypatch, factor, at_step=None):
             p.register_hook(hook)
         return parts
 
-    monkeypatch.setattr(training, "build_models", build)
+    monkeypatch.setattr(loop, "build_models", build)  # train() looks it up in loop
 
 
 def test_a_spiking_group_leaves_the_other_groups_step_untouched(tmp_path, monkeypatch):
@@ -128,10 +128,10 @@ def test_a_spiking_group_leaves_the_other_groups_step_untouched(tmp_path, monkey
     rest = [k for k in plain if k.startswith("diffusion_pytorch_model")]
     assert len(rest) > 10 and all(torch.equal(plain[k], spike[k]) for k in rest)
 
-    rows = training._read_rows(tmp_path / "spike" / "loss.csv")
+    rows = logs._read_rows(tmp_path / "spike" / "loss.csv")
     norms = rows[0][4]
     assert set(norms) == {"model", "mhla_mixing"} and norms["mhla_mixing"] > 1e12 * norms["model"]
-    plain_norms = training._read_rows(tmp_path / "plain" / "loss.csv")[0][4]
+    plain_norms = logs._read_rows(tmp_path / "plain" / "loss.csv")[0][4]
     assert plain_norms["model"] == norms["model"]
     assert norms["mhla_mixing"] == pytest.approx(1e15 * plain_norms["mhla_mixing"], rel=1e-4)
 
@@ -143,7 +143,7 @@ def test_a_non_finite_gradient_skips_the_step_and_says_so(tmp_path, monkeypatch,
     assert "step 2 skipped: non-finite gradient norm in mhla_mixing" in capsys.readouterr().out
     weights = _final_tensors(tmp_path / "nan")
     assert all(torch.isfinite(w).all() for w in weights.values())
-    rows = training._read_rows(tmp_path / "nan" / "loss.csv")
+    rows = logs._read_rows(tmp_path / "nan" / "loss.csv")
     assert [r[0] for r in rows] == [1, 2, 3] and math.isnan(rows[1][4]["mhla_mixing"])
 
 

@@ -11,9 +11,9 @@ import yaml
 from PIL import Image
 
 import mhla_diffusers
-from mhla_diffusers.training import loop as training
+from mhla_diffusers import training
 from mhla_diffusers.checkpoint.lora import LORA_DIR_NAME, load_mhla_pipeline_with_lora
-from mhla_diffusers.training.loop import load_config, read_loss_terms
+from mhla_diffusers.training import load_config, read_loss_terms
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ import torch
 from PIL import Image
 
 import mhla_diffusers
-from mhla_diffusers.training import loop as training
+from mhla_diffusers import training
 from mhla_diffusers.training.data import VideoClips, read_video_frames
 from mhla_diffusers.checkpoint.lora import load_mhla_pipeline_with_lora
-from mhla_diffusers.training.loop import load_config
+from mhla_diffusers.training import load_config
 
 
 def _write_videos(root):

@@ -1,0 +1,421 @@
+"""The training config: :data:`DEFAULT_CONFIG` (every key, with its default), YAML loading,
+``key.path=value`` overrides and validation.
+
+Validation is a table (:data:`_RULES`: one typed rule per checked key: a choice, an integer bound
+or a number range) plus a few checks that tie keys together (:func:`validate_config`). Every error
+names the key and what to do.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import yaml
+
+from mhla_diffusers.models.families import FAMILIES
+from mhla_diffusers.training.distill import CONDITIONS, TRANSFER_LAYERS
+from mhla_diffusers.training.flow import LOSS_WEIGHTING, OBJECTIVES, TIMESTEP_SAMPLING
+
+__all__ = ["DEFAULT_CONFIG", "TRAINABLE_SETS", "TRAINED_FAMILIES", "load_config", "apply_overrides", "validate_config"]
+
+# The families with a training recipe (mhla_diffusers.training.recipes.RECIPES has one for each).
+TRAINED_FAMILIES = ("dit", "sana", "wan")
+TRAINABLE_SETS = ("full", "lora", "attention", "mixing")
+
+
+# Every key a config may have. Sections whose value is a free dict (passed to a constructor) are
+# listed in _FREE_SECTIONS; "mhla" may be null (no MHLA) or a dict of apply_mhla arguments.
+DEFAULT_CONFIG: dict[str, Any] = {
+    "output_dir": None,
+    "model": {
+        # dit | sana | wan. null: the class of model.pretrained's transformer (dit for model.init).
+        "family": None,
+        # A pipeline folder (plain or MHLA checkpoint, loaded with load_mhla_pipeline) ...
+        "pretrained": None,
+        # ... or (DiT only) a DiTTransformer2DModel config dict to train from scratch.
+        "init": None,
+        # From scratch only: the SpaceToDepthAutoencoder and DDPMScheduler configs. With
+        # `pretrained`, the pipeline's own vae and scheduler config are used.
+        "vae": {"factor": 2, "in_channels": 3, "scaling_factor": 1.8},
+        "noise_scheduler": {
+            "num_train_timesteps": 1000,
+            "beta_schedule": "scaled_linear",
+            "beta_start": 0.00085,
+            "beta_end": 0.012,
+            "clip_sample": False,
+            "prediction_type": "epsilon",
+        },
+        # Text-conditioned families (SANA, Wan): how captions are encoded (the pipeline's encode_prompt).
+        "text": {
+            "max_sequence_length": None,  # null: the pipeline's default (SANA 300, Wan 512)
+            # "default": the pipeline's own (SANA's complex human instruction, as at inference); null: none
+            "complex_human_instruction": "default",
+        },
+    },
+    # null: no MHLA (the base model, or fine-tune a checkpoint as it is). A dict:
+    # arguments of mhla_diffusers.apply_mhla, applied when the loaded model has no MHLA yet.
+    "mhla": None,
+    "objective": {
+        "kind": None,  # epsilon (DiT) | flow (SANA, Wan); null: the family's
+        "shift": None,  # flow: sigma shift; null: the pipeline scheduler's flow_shift (else 1.0)
+        "timestep_sampling": "logit_normal",  # flow: logit_normal | mode | uniform
+        "logit_mean": 0.0,
+        "logit_std": 1.0,
+        "mode_scale": 1.29,
+        "loss_weighting": "none",  # flow: none | sigma_sqrt | cosmap
+    },
+    "distill": {
+        "teacher": None,  # null: no distillation; "original": the loaded model before MHLA; or a folder
+        "data_weight": 1.0,  # weight of the objective's data loss (0: distillation alone)
+        "output_weight": 0.0,  # MSE(student output, teacher output)
+        "attention_weight": 0.0,  # attention transfer: mean over layers of MSE(attention outputs)
+        "condition": "dataset",  # dataset | random (random class labels, DiT) | null (null label / empty caption)
+        "layers": "mhla",  # attention transfer on: mhla (the MHLA layers) | all (every self-attention layer)
+    },
+    "lora": {  # used with train.trainable: lora
+        "rank": 16,
+        "alpha": None,  # null: rank (scale 1)
+        "dropout": 0.0,
+        "target_modules": ["to_q", "to_k", "to_v", "to_out.0"],
+        "export": "merge",  # merge (into the weights) | separate (transformer_lora/ beside the base)
+    },
+    "ema": {
+        "enabled": False,
+        "decay": 0.9999,
+        "update_after_step": 0,
+        "use_warmup": False,
+        "export": False,  # export the EMA weights as the final model
+    },
+    "data": {
+        # photos | folder (root/<class>/<images>) | captions (images + metadata.jsonl / .txt) | video (videos + captions)
+        "kind": "photos",
+        "root": None,  # kind=folder / captions
+        "resolution": 64,  # crop side, pixels (kind=video: also [height, width])
+        "short_side": None,  # resize short side to this before cropping (None: dataset default)
+        "crops_per_image": 64,  # crops of each image (clips of each video) per epoch
+        "num_frames": 17,  # kind=video: frames per clip (Wan: 4k+1)
+        "frame_stride": 1,  # kind=video: every n-th frame
+        "photos": None,  # kind=photos: subset of PHOTO_NAMES (None: all)
+        "hflip": True,
+        "seed": 0,  # crop positions / flips / shuffling
+        "batch_size": 16,  # per process
+        "num_workers": 0,
+        "caption_column": "text",  # kind=captions: the metadata.jsonl key of the caption
+        "missing_caption": "error",  # kind=captions: error | empty
+        "caption_template": "{}",  # text families on class-labelled data: caption = template.format(class name)
+        "cache": False,  # encode latents (and text embeddings) once, to disk (fixes each index's crop)
+        "cache_dir": None,  # null: output_dir/latent_cache
+    },
+    "train": {
+        "max_steps": 1000,  # optimizer steps
+        "trainable": "full",  # full | lora | attention (self-attention modules) | mixing (MHLA parameters only)
+        "train_mixing": True,  # the MHLA parameters (mixing matrices, Wan output norms) train, whatever the set
+        "lr": 1e-4,
+        "mixing_lr": None,  # lr of the MHLA mixing matrices (None: lr)
+        "weight_decay": 0.0,  # not applied to the mixing matrices
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.999,
+        "adam_eps": 1e-8,
+        "lr_scheduler": "constant_with_warmup",  # any name of diffusers.optimization.get_scheduler
+        "warmup_steps": 0,
+        "grad_clip": 1.0,  # max gradient norm of each parameter group (model, lora, mhla_mixing), clipped one by one; 0 or null: off
+        "mixed_precision": "no",  # no | fp16 | bf16 (autocast; trainable parameters stay fp32)
+        "gradient_accumulation_steps": 1,
+        "gradient_checkpointing": False,
+        "class_dropout": 0.1,  # label -> null class (classifier-free guidance; DiT)
+        "caption_dropout": 0.1,  # caption -> "" (classifier-free guidance; text families)
+        "checkpointing_steps": 0,  # accelerate save_state every N steps (0: never)
+        "checkpoints_total_limit": 2,
+        "resume": False,  # resume from the latest complete state in output_dir/checkpoints
+        "seed": 0,  # model init, noise, timesteps, label dropout
+        "log_every": 10,  # tqdm postfix and loss CSV flush, in steps
+        "report_to": None,  # null | tensorboard (needs the tensorboard package)
+        "find_unused_parameters": False,  # DDP
+    },
+    "eval": {
+        "samples": 0,  # > 0: held-out losses on this many fixed crops, before and after training
+        "seed": 12345,  # crops, noise; timesteps evenly spaced
+        "batch_size": 16,
+    },
+    "export": {
+        "sampler": "dpm",  # DiT: dpm | ddim | ddpm : the scheduler of the exported pipeline (SANA keeps its own)
+        "dir": None,  # the final pipeline folder (null: output_dir/final; else a path as given)
+    },
+}
+_FREE_SECTIONS = {("model", "init"), ("model", "vae"), ("model", "noise_scheduler"), ("mhla",)}
+_MHLA_KEYS = {"layers", "num_blocks", "block_grid", "normalize", "eps", "backend", "init", "output_norm"}
+
+
+# -- configuration --------------------------------------------------------------------------------
+def _merge(base: dict, update: Mapping, path: tuple[str, ...] = ()) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        here = path + (str(key),)
+        if key not in base:
+            where = ".".join(path) or "the top level"
+            raise ValueError(f"unknown config key {'.'.join(here)!r}; valid keys at {where}: {sorted(base)}")
+        if here in _FREE_SECTIONS or not isinstance(base[key], dict):
+            out[key] = copy.deepcopy(value)
+        elif value is None:
+            raise ValueError(f"config section {'.'.join(here)!r} cannot be null")
+        elif not isinstance(value, Mapping):
+            raise ValueError(f"config section {'.'.join(here)!r} must be a mapping; got {value!r}")
+        else:
+            out[key] = _merge(base[key], value, here)
+    return out
+
+
+def apply_overrides(config: dict, overrides: Iterable[str]) -> dict:
+    """Apply ``"dotted.key=value"`` overrides (value parsed as YAML: ``10``, ``1e-4``, ``null``, ``[1, 2]``).
+
+    Setting a key inside a null section creates it (``mhla.layers=hybrid`` turns MHLA on).
+
+    Raises:
+        ValueError: malformed override or unknown key.
+    """
+    config = copy.deepcopy(config)
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like section.key=value (e.g. train.max_steps=10)")
+        key, raw = item.split("=", 1)
+        parts = [p for p in key.strip().split(".")]
+        if not all(parts):
+            raise ValueError(f"override {item!r}: empty key component")
+        node = config
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:  # a null section (mhla: null) or a new sub-dict of a free section
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ValueError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        config = _merge(DEFAULT_CONFIG, config)  # rejects unknown keys
+    return config
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> dict:
+    """Defaults (:data:`DEFAULT_CONFIG`) <- the YAML file at ``path`` <- ``overrides``; validated.
+
+    Returns:
+        The complete config dict (every key present).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: unknown keys, a missing ``output_dir``, neither or both of ``model.pretrained``
+            and ``model.init``, bad values (the message names the key and what to do).
+    """
+    config = copy.deepcopy(DEFAULT_CONFIG)
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, Mapping):
+            raise ValueError(f"{path} must hold a YAML mapping (sections model, mhla, objective, distill, lora, ema, data, train, eval, export; output_dir)")
+        config = _merge(config, loaded)
+    config = apply_overrides(config, overrides)
+    validate_config(config)
+    return config
+
+
+
+# -- validation: one typed rule per checked key ---------------------------------------------------
+@dataclass(frozen=True)
+class Choice:
+    """One of ``choices`` (or null when ``nullable``)."""
+
+    choices: tuple
+    nullable: bool = False
+
+    def check(self, name: str, value: Any) -> Any:
+        """``value``, or the choice YAML 1.1 read as this boolean; raises ``ValueError`` otherwise."""
+        if isinstance(value, bool):
+            # YAML 1.1 reads no / off / yes / on as booleans (`mixed_precision: no` arrives as False):
+            # the one choice that YAML reads as this boolean is what was written.
+            spelled = [c for c in self.choices if isinstance(c, str) and yaml.safe_load(c) is value]
+            if len(spelled) == 1:
+                value = spelled[0]
+        if (value is None and self.nullable) or (not isinstance(value, bool) and value in self.choices):
+            return value
+        raise ValueError(f"{name} must be one of {list(self.choices)}{' or null' if self.nullable else ''}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class Integer:
+    """An integer (not a boolean) ``>= minimum`` (1: "a positive integer"), or null when ``nullable``."""
+
+    minimum: int
+    nullable: bool = False
+
+    def check(self, name: str, value: Any) -> Any:
+        """``value`` unchanged; raises ``ValueError`` when it breaks the rule."""
+        if value is None and self.nullable:
+            return value
+        if isinstance(value, int) and not isinstance(value, bool) and value >= self.minimum:
+            return value
+        wanted = "a positive integer" if self.minimum == 1 else f"an integer >= {self.minimum}"
+        raise ValueError(f"{name} must be {wanted}{' or null' if self.nullable else ''}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class Number:
+    """A number (numeric strings accepted: PyYAML reads ``1e-4`` as a string) for which ``valid``
+    holds (``bound`` says it in words: ``"> 0"``, ``"in [0, 1)"``); null when ``nullable``."""
+
+    valid: Callable[[float], bool] = lambda v: True
+    bound: str = ""
+    nullable: bool = False
+
+    def check(self, name: str, value: Any) -> Any:
+        """``float(value)`` (or None); raises ``ValueError`` when it is not a number or out of bounds."""
+        if value is None and self.nullable:
+            return None
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a number; got {value!r}") from None
+        if not self.valid(value):
+            raise ValueError(f"{name} must be {self.bound}{' or null' if self.nullable else ''}; got {value!r}")
+        return value
+
+
+_ANY = Number()
+_NON_NEGATIVE = Number(lambda v: v >= 0, ">= 0")
+_PROBABILITY = Number(lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+
+# Checked in this order by validate_config; a rule's check may normalise the value (numbers to float,
+# YAML booleans back to the choice written).
+_RULES: dict[str, Choice | Integer | Number] = {
+    "data.kind": Choice(("photos", "folder", "captions", "video")),
+    "data.missing_caption": Choice(("error", "empty")),
+    "data.num_frames": Integer(1),
+    "data.frame_stride": Integer(1),
+    "data.batch_size": Integer(1),
+    "train.max_steps": Integer(1),
+    "train.gradient_accumulation_steps": Integer(1),
+    "train.log_every": Integer(1),
+    "lora.rank": Integer(1),
+    "model.text.max_sequence_length": Integer(1, nullable=True),
+    "train.warmup_steps": Integer(0),
+    "train.checkpointing_steps": Integer(0),
+    "ema.update_after_step": Integer(0),
+    "train.lr": Number(lambda v: v > 0, "> 0"),
+    "train.mixing_lr": Number(lambda v: v >= 0, ">= 0", nullable=True),
+    "train.weight_decay": _ANY,
+    "train.adam_beta1": _ANY,
+    "train.adam_beta2": _ANY,
+    "train.adam_eps": _ANY,
+    "train.grad_clip": Number(nullable=True),
+    "train.class_dropout": _PROBABILITY,
+    "train.caption_dropout": _PROBABILITY,
+    "train.mixed_precision": Choice(("no", "fp16", "bf16")),
+    "train.trainable": Choice(TRAINABLE_SETS),
+    "train.report_to": Choice(("tensorboard",), nullable=True),
+    "export.sampler": Choice(("dpm", "ddim", "ddpm")),
+    "objective.kind": Choice(OBJECTIVES, nullable=True),
+    "objective.timestep_sampling": Choice(TIMESTEP_SAMPLING),
+    "objective.loss_weighting": Choice(LOSS_WEIGHTING),
+    "objective.shift": Number(lambda v: v > 0, "> 0", nullable=True),
+    "objective.logit_mean": _ANY,
+    "objective.logit_std": _ANY,
+    "objective.mode_scale": _ANY,
+    "distill.condition": Choice(CONDITIONS),
+    "distill.layers": Choice(TRANSFER_LAYERS),
+    "distill.data_weight": _NON_NEGATIVE,
+    "distill.output_weight": _NON_NEGATIVE,
+    "distill.attention_weight": _NON_NEGATIVE,
+    "lora.export": Choice(("merge", "separate")),
+    "lora.alpha": Number(nullable=True),
+    "lora.dropout": _PROBABILITY,
+    "ema.decay": Number(lambda v: 0.0 < v < 1.0, "in (0, 1)"),
+}
+
+
+def validate_config(config: dict) -> None:
+    """Check a merged config in place (numeric strings become floats, YAML booleans the choice written).
+
+    Raises:
+        ValueError: naming the offending key and what to do.
+    """
+    if not config.get("output_dir"):
+        raise ValueError("output_dir is not set: add `output_dir: <folder>` to the YAML or pass --set output_dir=<folder>")
+    _check_model(config["model"])
+    _check_mhla(config["mhla"])
+    for name, rule in _RULES.items():
+        *path, key = name.split(".")
+        section = config
+        for part in path:
+            section = section[part]
+        section[key] = rule.check(name, section[key])
+    _check_data(config["data"])
+    if config["train"]["report_to"] == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError("train.report_to=tensorboard needs the tensorboard package: pip install tensorboard (or set report_to: null)")
+    _check_distill(config["distill"])
+    targets = config["lora"]["target_modules"]
+    if not isinstance(targets, list) or not targets or not all(isinstance(s, str) for s in targets):
+        raise ValueError(f"lora.target_modules must be a non-empty list of module-name suffixes; got {targets!r}")
+
+
+def _check_model(m: Mapping) -> None:
+    """``model``: exactly one of pretrained / init, a family with a recipe, the text options."""
+    if (m["pretrained"] is None) == (m["init"] is None):
+        raise ValueError(
+            "set exactly one of model.pretrained (a pipeline folder) and model.init "
+            "(a DiTTransformer2DModel config dict to train from scratch)"
+        )
+    if m["init"] is not None and not isinstance(m["init"], Mapping):
+        raise ValueError(f"model.init must be a mapping of DiTTransformer2DModel arguments; got {m['init']!r}")
+    if m["family"] is not None and m["family"] not in TRAINED_FAMILIES:
+        known = sorted(FAMILIES)
+        raise ValueError(f"model.family must be one of {sorted(TRAINED_FAMILIES)} (MHLA knows {known}) or null; got {m['family']!r}")
+    if m["init"] is not None and m["family"] not in (None, "dit"):
+        raise ValueError(f"model.init (training from scratch) is supported for DiT only; family {m['family']!r} needs model.pretrained")
+    chi = m["text"]["complex_human_instruction"]
+    if not (chi is None or chi == "default" or (isinstance(chi, list) and all(isinstance(s, str) for s in chi))):
+        raise ValueError(f"model.text.complex_human_instruction must be 'default', null or a list of strings; got {chi!r}")
+
+
+def _check_mhla(mh: Any) -> None:
+    """``mhla``: null or a mapping of :func:`mhla_diffusers.apply_mhla` arguments."""
+    if mh is None:
+        return
+    if not isinstance(mh, Mapping):
+        raise ValueError(f"mhla must be null or a mapping with keys {sorted(_MHLA_KEYS)}; got {mh!r}")
+    unknown = set(mh) - _MHLA_KEYS
+    if unknown:
+        raise ValueError(f"unknown mhla keys {sorted(unknown)}; valid: {sorted(_MHLA_KEYS)}")
+
+
+def _check_data(d: Mapping) -> None:
+    """``data``: a root for folder kinds, the caption template, the crop size (``[h, w]`` for videos)."""
+    if d["kind"] in ("folder", "captions", "video") and not d["root"]:
+        raise ValueError(f"data.kind={d['kind']} needs data.root (the image folder)")
+    if not isinstance(d["caption_template"], str) or "{}" not in d["caption_template"]:
+        raise ValueError(f"data.caption_template must be a string containing {{}}; got {d['caption_template']!r}")
+    r = d["resolution"]
+    if d["kind"] == "video":
+        if not (isinstance(r, int) or (isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r))):
+            raise ValueError(f"data.resolution must be an integer or [height, width] for videos; got {r!r}")
+    elif not isinstance(r, int):
+        raise ValueError(f"data.resolution must be an integer (square crops of images); got {r!r}")
+
+
+def _check_distill(ds: Mapping) -> None:
+    """``distill``: the loss weights against the teacher (none: the data loss alone)."""
+    if ds["teacher"] is None:
+        if ds["output_weight"] or ds["attention_weight"]:
+            raise ValueError("distill.output_weight / attention_weight need a teacher: set distill.teacher (original or a folder)")
+        if ds["data_weight"] <= 0:
+            raise ValueError("distill.data_weight must be > 0 without a teacher (nothing else to train on)")
+    elif not isinstance(ds["teacher"], str):
+        raise ValueError(f"distill.teacher must be null, 'original' or a folder path; got {ds['teacher']!r}")
+    elif ds["data_weight"] + ds["output_weight"] + ds["attention_weight"] <= 0:
+        raise ValueError("distill: all loss weights are 0 (data_weight, output_weight, attention_weight)")
+    if ds["condition"] == "random" and ds["data_weight"] > 0:
+        raise ValueError("distill.condition=random draws random class labels, which the data loss cannot use: set distill.data_weight=0")

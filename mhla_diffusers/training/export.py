@@ -1,0 +1,91 @@
+"""The final model as a complete pipeline in the converted-checkpoint format, written atomically."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping
+
+import torch
+from diffusers import DDIMScheduler, DDPMScheduler, DiTPipeline, DPMSolverMultistepScheduler
+
+from mhla_diffusers.checkpoint.format import save_mhla_pipeline
+from mhla_diffusers.checkpoint.io import atomic_directory
+from mhla_diffusers.checkpoint.lora import LORA_DIR_NAME, has_lora, merge_lora_, save_lora, unload_lora_
+
+if TYPE_CHECKING:  # annotations only: recipes imports export_pipeline from here
+    from mhla_diffusers.training.recipes import TrainingParts
+
+__all__ = ["export_pipeline", "export_model"]
+
+
+# -- export ----------------------------------------------------------------------------------------
+def export_pipeline(
+    transformer: torch.nn.Module,
+    vae: torch.nn.Module,
+    noise_scheduler,
+    out_dir: str | os.PathLike,
+    *,
+    sampler: str = "dpm",
+    id2label: Mapping[int, str] | None = None,
+    overwrite: bool = True,
+) -> Path:
+    """Write a complete ``DiTPipeline`` folder (atomic, via :func:`mhla_diffusers.save_mhla_pipeline`).
+
+    The sampling scheduler is built from the training ``noise_scheduler``'s config:
+    ``DPMSolverMultistepScheduler`` (``sampler="dpm"``), ``DDIMScheduler`` (``"ddim"``) or the
+    ``DDPMScheduler`` itself. ``id2label`` is stored in ``model_index.json``, from where
+    ``DiTPipeline.from_pretrained`` restores ``pipe.labels``. A transformer with MHLA is written as
+    a converted checkpoint (base weights + ``mhla_config.json`` + ``mhla.safetensors``).
+
+    Raises:
+        ValueError: unknown ``sampler``. FileExistsError: ``out_dir`` not empty and not ``overwrite``.
+    """
+    classes = {"dpm": DPMSolverMultistepScheduler, "ddim": DDIMScheduler, "ddpm": DDPMScheduler}
+    if sampler not in classes:
+        raise ValueError(f"sampler must be one of {sorted(classes)}; got {sampler!r}")
+    scheduler = classes[sampler].from_config(noise_scheduler.config)
+    labels = {int(k): str(v) for k, v in id2label.items()} if id2label else None
+    pipe = DiTPipeline(transformer=transformer, vae=vae, scheduler=scheduler, id2label=labels)
+    if labels:
+        pipe.register_to_config(id2label={str(k): v for k, v in sorted(labels.items())})
+    return save_mhla_pipeline(pipe, out_dir, overwrite=overwrite)
+
+
+def export_model(
+    parts: TrainingParts,
+    model: torch.nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    sampler: str = "dpm",
+    id2label: Mapping[int, str] | None = None,
+    lora_export: str = "merge",
+) -> Path:
+    """Write the trained model as the family's complete pipeline in the converted-checkpoint format,
+    atomically (a staging folder renamed into place; an existing ``out_dir`` is replaced).
+
+    A model with LoRA adapters is changed IN PLACE: ``lora_export="merge"`` merges them into the
+    weights (:func:`mhla_diffusers.checkpoint.lora.merge_lora_`; the folder then loads with
+    :func:`mhla_diffusers.load_mhla_pipeline` and computes what the adapted model computed);
+    ``"separate"`` writes the adapter to ``<out_dir>/transformer_lora/`` and the base weights
+    unmerged (load both with :func:`mhla_diffusers.checkpoint.lora.load_mhla_pipeline_with_lora`).
+
+    Raises:
+        ValueError: unknown ``lora_export``.
+    """
+    if lora_export not in ("merge", "separate"):
+        raise ValueError(f"lora_export must be 'merge' or 'separate'; got {lora_export!r}")
+    out = Path(out_dir)
+    with atomic_directory(out, overwrite=True) as staging, tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.lora-") as tmp:
+        separate = has_lora(model) and lora_export == "separate"
+        if separate:
+            save_lora(model, Path(tmp) / LORA_DIR_NAME)
+            unload_lora_(model)
+        elif has_lora(model):
+            merge_lora_(model)
+        parts.recipe.write(model, parts, staging, sampler=sampler, id2label=id2label)
+        if separate:
+            shutil.move(str(Path(tmp) / LORA_DIR_NAME), str(staging / LORA_DIR_NAME))
+    return out

@@ -1,0 +1,163 @@
+"""The training loss: the family objective's data loss plus the distillation terms, with the random
+draws of a step made for the global batch (:func:`training_loss`); DiT's plain epsilon loss
+(:func:`diffusion_loss`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from mhla_diffusers.training.distill import attention_transfer_loss, output_matching_loss
+
+if TYPE_CHECKING:  # annotations only: recipes imports the modules that import this one
+    from mhla_diffusers.training.recipes import TrainingParts
+
+__all__ = ["training_loss", "diffusion_loss"]
+
+
+# -- the loss --------------------------------------------------------------------------------------
+def _step_draws(parts: TrainingParts, latents: torch.Tensor, generator, *, rank: int, world_size: int, dropout: float,
+                condition: str, num_classes: int | None):
+    """The random draws of one micro-batch, made for the GLOBAL micro-batch (``world_size`` x the local
+    one) from one generator and sliced: sample ``j`` of rank ``r`` takes global position ``j * world + r``,
+    the position ``DistributedSampler`` gives it. The same global batch thus gets the same noise,
+    timesteps and dropout whatever the number of processes (and, for one process, the draws of the
+    original single-process trainer)."""
+    b, device = latents.shape[0], latents.device
+    g = b * world_size
+    noise = torch.randn((g,) + tuple(latents.shape[1:]), generator=generator, device=device, dtype=latents.dtype)
+    draw = parts.objective.draw(g, generator, device)
+    drop = torch.rand(g, generator=generator, device=device) < dropout
+    random_labels = None
+    if condition == "random":
+        random_labels = torch.randint(0, int(num_classes), (g,), generator=generator, device=device)
+    sel = torch.arange(b, device=device) * world_size + rank
+    return noise[sel], draw[sel], drop[sel], None if random_labels is None else random_labels[sel]
+
+
+def training_loss(
+    parts: TrainingParts,
+    model: torch.nn.Module,
+    batch: Mapping[str, Any],
+    *,
+    generator: torch.Generator | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    dropout: float = 0.0,
+    condition: str = "dataset",
+    data_weight: float = 1.0,
+    output_weight: float = 0.0,
+    attention_weight: float = 0.0,
+    recorders: tuple | None = None,
+    num_classes: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of one micro-batch: ``data_weight * data + output_weight * output + attention_weight * attention``.
+
+    - data: the family's objective (:class:`~mhla_diffusers.training.flow.Objective`: epsilon MSE for DiT,
+      flow matching ``||v_theta(x_t) - (noise - x0)||^2`` with its loss weighting for SANA);
+    - output: ``MSE(student, teacher)`` on the same ``x_t``, timestep and condition;
+    - attention: attention transfer, the mean over layers of the MSE between the recorded
+      self-attention outputs of student and teacher (``recorders``).
+
+    Args:
+        parts: from :func:`build_models` (``parts.teacher`` is used when a distillation weight is > 0).
+        model: the student (``parts.transformer``, possibly wrapped by accelerate / DDP).
+        batch: on the training device: ``pixel_values`` or cached ``latents``, and ``class_labels``,
+            ``caption`` or cached text embeddings.
+        generator: the step's generator (noise, timesteps, dropout, random labels); see
+            :func:`_step_draws` for how ranks share one global draw.
+        rank, world_size: this process among the data-parallel processes.
+        dropout: probability of replacing a sample's condition by the null label / empty caption.
+        condition: ``"dataset"``, ``"random"`` (random class ids in ``[0, num_classes)``) or ``"null"``.
+        recorders: ``(student_recorder, teacher_recorder)``
+            (:class:`~mhla_diffusers.training.distill.AttentionRecorder`), needed when ``attention_weight > 0``.
+
+    Returns:
+        ``(loss, terms)``: the scalar fp32 loss and its unweighted terms ``{"data", "output", "attention"}``
+        (those with a weight > 0).
+    """
+    recipe = parts.recipe
+    latents = recipe.latents(parts, batch, generator)
+    noise, draw, drop, random_labels = _step_draws(
+        parts, latents, generator, rank=rank, world_size=world_size, dropout=dropout, condition=condition, num_classes=num_classes,
+    )
+    noisy, timesteps, target, weights = parts.objective.inputs(latents, noise, draw)
+    cond = recipe.condition(parts, batch, drop, condition, random_labels)
+    student_rec, teacher_rec = recorders if recorders is not None else (None, None)
+    if attention_weight > 0 and student_rec is None:
+        raise ValueError("attention_weight > 0 needs recorders=(student, teacher) AttentionRecorders")
+    if attention_weight > 0:
+        with student_rec:
+            pred = recipe.predict(model, noisy, timesteps, cond)
+    else:
+        pred = recipe.predict(model, noisy, timesteps, cond)
+    terms: dict[str, torch.Tensor] = {}
+    if data_weight > 0:
+        terms["data"] = parts.objective.loss(pred, target, weights)
+    if output_weight > 0 or attention_weight > 0:
+        if parts.teacher is None:
+            raise ValueError("distillation weights > 0 need parts.teacher (distill.teacher)")
+        with torch.no_grad():
+            if attention_weight > 0:
+                with teacher_rec:
+                    teacher_pred = recipe.predict(parts.teacher, noisy, timesteps, cond)
+            else:
+                teacher_pred = recipe.predict(parts.teacher, noisy, timesteps, cond)
+        if output_weight > 0:
+            terms["output"] = output_matching_loss(pred, teacher_pred)
+        if attention_weight > 0:
+            terms["attention"] = attention_transfer_loss(student_rec.outputs, teacher_rec.outputs, list(student_rec.modules))
+    weights_by_term = {"data": data_weight, "output": output_weight, "attention": attention_weight}
+    loss = sum(weights_by_term[k] * v for k, v in terms.items())
+    return loss, terms
+
+
+def diffusion_loss(
+    transformer: torch.nn.Module,
+    vae: torch.nn.Module,
+    noise_scheduler,
+    batch: Mapping[str, torch.Tensor],
+    *,
+    generator: torch.Generator | None = None,
+    class_dropout: float = 0.1,
+    null_class: int = 1000,
+) -> torch.Tensor:
+    """DDPM epsilon-prediction loss of one batch: ``mean ||eps - eps_theta(x_t, t, y)||^2``.
+
+    ``x_0 = vae.encode(pixels).latent_dist.sample() * scaling_factor``; ``t ~ U{0..T-1}``;
+    ``x_t = noise_scheduler.add_noise(x_0, eps, t)``; with probability ``class_dropout`` a label is
+    replaced by ``null_class`` (classifier-free guidance, as DiT trains). For a transformer with
+    learned sigma (``out_channels == 2 * in_channels``) only the epsilon half is trained.
+
+    Args:
+        transformer: ``DiTTransformer2DModel`` (possibly wrapped by accelerate / DDP).
+        vae: any diffusers-style autoencoder (frozen; encoded without grad).
+        noise_scheduler: a ``DDPMScheduler`` (``add_noise``, ``config.num_train_timesteps``).
+        batch: ``pixel_values`` float ``[B, 3, H, W]`` in ``[-1, 1]``, ``class_labels`` long ``[B]``;
+            on the training device.
+        generator: draws ``t``, ``eps`` and the dropout (on the batch's device); ``None``: global RNG.
+        class_dropout: probability of dropping a label.
+        null_class: the unconditional label (``num_embeds_ada_norm``; 1000 for DiT).
+
+    Returns:
+        Scalar fp32 loss.
+    """
+    pixels = batch["pixel_values"]
+    labels = batch["class_labels"]
+    device = pixels.device
+    with torch.no_grad():
+        latents = vae.encode(pixels.to(vae.dtype)).latent_dist.sample() * vae.config.scaling_factor
+    latents = latents.float()
+    b = latents.shape[0]
+    noise = torch.randn(latents.shape, generator=generator, device=device, dtype=latents.dtype)
+    t = torch.randint(0, noise_scheduler.config.num_train_timesteps, (b,), generator=generator, device=device)
+    drop = torch.rand(b, generator=generator, device=device) < class_dropout
+    labels = torch.where(drop, torch.full_like(labels, null_class), labels)
+    noisy = noise_scheduler.add_noise(latents, noise, t)
+    pred = transformer(noisy, timestep=t, class_labels=labels).sample
+    channels = latents.shape[1]
+    if pred.shape[1] == 2 * channels:
+        pred = pred[:, :channels]
+    return F.mse_loss(pred.float(), noise, reduction="mean")

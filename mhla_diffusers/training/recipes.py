@@ -1,0 +1,506 @@
+"""What differs per model family: one small recipe class each (:class:`DiTRecipe`,
+:class:`SanaRecipe`, :class:`WanRecipe`), and :func:`build_models`, which loads the family's models
+into :class:`TrainingParts` (MHLA applied if asked, the teacher, the trainable set)."""
+
+from __future__ import annotations
+
+import abc
+import inspect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from diffusers import DDPMScheduler, DiTTransformer2DModel
+from diffusers.models.embeddings import LabelEmbedding
+
+from mhla_diffusers.autoencoder import SpaceToDepthAutoencoder
+from mhla_diffusers.checkpoint.format import load_mhla_pipeline, save_mhla_pipeline, transformer_folder
+from mhla_diffusers.models.families import FAMILIES
+from mhla_diffusers.models.install import apply_mhla, is_mhla_model
+from mhla_diffusers.training.config import TRAINED_FAMILIES
+from mhla_diffusers.training.distill import load_teacher, make_teacher
+from mhla_diffusers.training.export import export_pipeline
+from mhla_diffusers.training.flow import Objective, flow_match_scheduler
+from mhla_diffusers.training.optim import set_trainable
+
+__all__ = [
+    "TrainingParts", "DiTRecipe", "SanaRecipe", "WanRecipe", "RECIPES", "get_recipe", "resolve_family", "build_models",
+    "check_resolution", "vae_scale_factor", "disable_internal_label_dropout",
+]
+
+
+def resolve_family(config: dict) -> str:
+    """The model family of a config: ``model.family``, else the class of ``model.pretrained``'s
+    transformer, else ``"dit"`` (training from scratch).
+
+    Raises:
+        ValueError: the pretrained transformer's class belongs to no family with a training recipe,
+            or contradicts ``model.family``.
+    """
+    m = config["model"]
+    found = None
+    if m["pretrained"] is not None:
+        try:
+            folder = transformer_folder(m["pretrained"])
+            name = json.loads((folder / "config.json").read_text()).get("_class_name")
+        except (FileNotFoundError, json.JSONDecodeError):
+            name = None  # the loader reports a missing / broken folder with its own message
+        if name == "Transformer2DModel":
+            name = "DiTTransformer2DModel"
+        found = next((f.name for f in FAMILIES.values() if name in f.model_classes), None)
+        if name is not None and found is None:
+            raise ValueError(f"{m['pretrained']}: transformer class {name!r} belongs to no supported family")
+        if found is not None and found not in RECIPES:
+            raise ValueError(f"{m['pretrained']} is a {found} model; this trainer has recipes for {sorted(RECIPES)}")
+    family = m["family"] or found or "dit"
+    if found is not None and m["family"] is not None and found != m["family"]:
+        raise ValueError(f"model.family is {m['family']!r} but {m['pretrained']} holds a {found} transformer")
+    return family
+
+
+# -- what differs per family ---------------------------------------------------------------------
+@dataclass
+class TrainingParts:
+    """Everything :func:`train` builds besides the optimizer: models, objective, teacher, options.
+
+    Attributes:
+        family: ``"dit"`` / ``"sana"`` / ``"wan"``.
+        transformer: the model being trained (fp32, train mode, MHLA installed if asked).
+        vae: the frozen autoencoder.
+        noise_scheduler: DiT: the ``DDPMScheduler`` (its config also defines the exported sampler);
+            flow families: the ``FlowMatchEulerDiscreteScheduler`` sigma table.
+        objective: the :class:`~mhla_diffusers.training.flow.Objective` trained.
+        pipeline: text families: the loaded pipeline (``encode_prompt``, export), else ``None``.
+        id2label: DiT: the pretrained pipeline's labels (the dataset's replace them in :func:`train`).
+        mhla_applied: names of the attention modules converted by this run (``[]`` if none).
+        teacher: the frozen distillation teacher, or ``None``.
+        text: ``model.text`` options (max_sequence_length, complex_human_instruction).
+        null_condition: text families: the empty caption's encoding (caption dropout on cached data).
+    """
+
+    family: str
+    transformer: torch.nn.Module
+    vae: torch.nn.Module
+    noise_scheduler: Any
+    objective: Objective
+    pipeline: Any = None
+    id2label: dict | None = None
+    mhla_applied: list = field(default_factory=list)
+    teacher: torch.nn.Module | None = None
+    text: dict = field(default_factory=dict)
+    null_condition: dict | None = None
+
+    @property
+    def recipe(self) -> "_Recipe":
+        """The family's recipe."""
+        return get_recipe(self.family)
+
+
+def _encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``vae.encode(pixels)`` -> fp32 latents times ``scaling_factor`` (KL: a posterior sample; DC-AE: ``.latent``)."""
+    out = vae.encode(pixels.to(vae.dtype))
+    if hasattr(out, "latent_dist"):
+        z = out.latent_dist.sample(generator=generator)
+    elif hasattr(out, "latent"):
+        z = out.latent
+    else:
+        z = out[0]
+    return z.float() * vae.config.scaling_factor
+
+
+class _Recipe(abc.ABC):
+    """The per-family part of training (one small subclass per family)."""
+
+    family = ""
+    objective = ""
+    text_conditioned = False
+
+    @abc.abstractmethod
+    def load(self, config: dict) -> TrainingParts:
+        """Load the pipeline / transformer / VAE / encoders named by ``config`` (MHLA installed as configured)."""
+
+    def dropout(self, config: dict) -> float:
+        """Probability of dropping a sample's condition (classifier-free guidance)."""
+        return float(config["train"]["caption_dropout" if self.text_conditioned else "class_dropout"])
+
+    def prepare(self, parts: TrainingParts, dataset, config: dict) -> list:
+        """Check the data against the model; returns ``[(module, attribute, value)]`` to restore before export."""
+        return []
+
+    def latents(self, parts: TrainingParts, batch: Mapping, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The clean latents of a batch: cached ``latents``, or the frozen vae on ``pixel_values``."""
+        if "latents" in batch:
+            return batch["latents"].float()
+        with torch.no_grad():
+            return _encode_latents(parts.vae, batch["pixel_values"], generator)
+
+    @abc.abstractmethod
+    def condition(self, parts, batch, drop, mode="dataset", random_labels=None) -> dict:
+        """The transformer's conditioning kwargs for ``batch`` (labels or text embeddings), ``drop`` [B] bool marking dropped conditions."""
+
+    @abc.abstractmethod
+    def predict(self, model, noisy, timesteps, cond) -> torch.Tensor:
+        """The model's prediction for noisy latents ``noisy`` at ``timesteps`` (epsilon or flow velocity, by objective)."""
+
+    @abc.abstractmethod
+    def cache_encode(self, parts: TrainingParts, batch: Mapping, device) -> dict:
+        """What a latent cache stores for ``batch``: latents and, for text families, the text embeddings."""
+
+    def encoders(self, parts: TrainingParts) -> list:
+        """The frozen encoders whose outputs a latent cache stores (fingerprinted in its key)."""
+        return [parts.vae]
+
+    @abc.abstractmethod
+    def write(self, model, parts: TrainingParts, out_dir: Path, *, sampler: str, id2label) -> None:
+        """Write the trained model as a ready diffusers pipeline (converted-checkpoint format) into ``out_dir``."""
+
+
+class DiTRecipe(_Recipe):
+    """Class-conditional DiT (``DiTTransformer2DModel`` + ``DiTPipeline``): DDPM epsilon prediction,
+    label dropout to the null class ``num_embeds_ada_norm`` (1000), exported with a DPM / DDIM / DDPM sampler."""
+
+    family = "dit"
+    objective = "epsilon"
+
+    def load(self, config: dict) -> TrainingParts:
+        """Load ``model.pretrained`` (a DiTPipeline folder) or build ``model.init`` from scratch."""
+        m = config["model"]
+        id2label = None
+        if m["pretrained"] is not None:
+            pipe = load_mhla_pipeline(m["pretrained"], torch_dtype=torch.float32)
+            transformer, vae = pipe.transformer, pipe.vae
+            noise_scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
+            raw = pipe.config.get("id2label") if hasattr(pipe, "config") else None
+            if raw:
+                id2label = {int(k): str(v) for k, v in dict(raw).items()}
+        else:
+            try:
+                transformer = DiTTransformer2DModel(**dict(m["init"]))
+            except TypeError as e:
+                raise ValueError(f"model.init is not a valid DiTTransformer2DModel config: {e}") from e
+            try:
+                vae = SpaceToDepthAutoencoder(**dict(m["vae"]))
+            except TypeError as e:
+                raise ValueError(f"model.vae is not a valid SpaceToDepthAutoencoder config: {e}") from e
+            try:
+                noise_scheduler = DDPMScheduler(**dict(m["noise_scheduler"]))
+            except TypeError as e:
+                raise ValueError(f"model.noise_scheduler is not a valid DDPMScheduler config: {e}") from e
+        if type(transformer).__name__ != "DiTTransformer2DModel":
+            raise ValueError(f"family dit expects a DiTTransformer2DModel; {m['pretrained']} holds a {type(transformer).__name__}")
+        if getattr(noise_scheduler.config, "prediction_type", "epsilon") != "epsilon":
+            raise ValueError(f"only epsilon prediction is supported; the scheduler says {noise_scheduler.config.prediction_type!r}")
+        if transformer.config.get("num_embeds_ada_norm") is None:
+            raise ValueError("the transformer must be class-conditional (num_embeds_ada_norm set; DiTPipeline needs 1000)")
+        return TrainingParts(
+            family=self.family, transformer=transformer, vae=vae, noise_scheduler=noise_scheduler,
+            objective=Objective("epsilon", noise_scheduler), id2label=id2label,
+        )
+
+    def prepare(self, parts, dataset, config):
+        """Resolution vs ``sample_size``, class count vs the null label; diffusers' own label dropout off."""
+        check_resolution(parts.transformer, parts.vae, int(config["data"]["resolution"]))
+        null_class = int(parts.transformer.config.num_embeds_ada_norm)
+        labels = getattr(dataset, "id2label", None) or {}
+        if len(labels) > null_class:
+            raise ValueError(f"{len(labels)} classes but the model has {null_class} (num_embeds_ada_norm)")
+        restore = [(m, "dropout_prob", p) for m, p in disable_internal_label_dropout(parts.transformer)]
+        if parts.teacher is not None:
+            disable_internal_label_dropout(parts.teacher)
+        return restore
+
+    def condition(self, parts, batch, drop, mode="dataset", random_labels=None):
+        """``{"class_labels"}``: the batch's (``mode="dataset"``), ``random_labels`` (``"random"``) or
+        the null class (``"null"``); dropped samples get the null class."""
+        null_class = int(parts.transformer.config.num_embeds_ada_norm)
+        labels = batch["class_labels"]
+        if mode == "random":
+            labels = random_labels
+        elif mode == "null":
+            labels = torch.full_like(labels, null_class)
+        return {"class_labels": torch.where(drop.to(labels.device), torch.full_like(labels, null_class), labels)}
+
+    def predict(self, model, noisy, timesteps, cond):
+        """The epsilon half of the output (learned-sigma models predict ``2 C`` channels)."""
+        pred = model(noisy, timestep=timesteps, class_labels=cond["class_labels"]).sample
+        return pred[:, : noisy.shape[1]]
+
+    def cache_encode(self, parts, batch, device):
+        """``{"latents", "class_labels"}`` of a batch."""
+        return {"latents": _encode_latents(parts.vae, batch["pixel_values"].to(device)), "class_labels": batch["class_labels"]}
+
+    def write(self, model, parts, out_dir, *, sampler, id2label):
+        """A complete ``DiTPipeline`` (see :func:`export_pipeline`)."""
+        export_pipeline(model, parts.vae, parts.noise_scheduler, out_dir, sampler=sampler, id2label=id2label, overwrite=True)
+
+
+def _call_default(pipe, name: str):
+    """The default of ``name`` in the pipeline's ``__call__`` (what inference uses), or ``None``."""
+    param = inspect.signature(type(pipe).__call__).parameters.get(name)
+    return None if param is None or param.default is inspect.Parameter.empty else param.default
+
+
+class _TextRecipe(_Recipe):
+    """Shared by the text-conditioned flow-matching families (SANA, Wan): the pipeline's own
+    ``encode_prompt``, caption dropout to the empty caption, export as the same pipeline."""
+
+    objective = "flow"
+    text_conditioned = True
+    transformer_class = ""
+    # encode_text's outputs -> the transformer's keyword arguments
+    condition_keys: dict[str, str] = {}
+
+    def load(self, config: dict) -> TrainingParts:
+        """Load ``model.pretrained`` (a pipeline folder, plain or converted) and the flow objective;
+        the flow shift defaults to the pipeline scheduler's ``flow_shift``."""
+        m = config["model"]
+        pipe = load_mhla_pipeline(m["pretrained"], torch_dtype=torch.float32)
+        if type(pipe.transformer).__name__ != self.transformer_class or not hasattr(pipe, "encode_prompt"):
+            raise ValueError(f"family {self.family} expects a pipeline with a {self.transformer_class}; "
+                             f"{m['pretrained']} holds {type(pipe).__name__} / {type(pipe.transformer).__name__}")
+        for module in (pipe.vae, pipe.text_encoder):
+            module.requires_grad_(False).eval()
+        sched = pipe.scheduler.config
+        shift = config["objective"]["shift"] or sched.get("flow_shift") or sched.get("shift") or 1.0
+        table = flow_match_scheduler(float(shift), int(sched.get("num_train_timesteps", 1000)))
+        o = config["objective"]
+        objective = Objective(
+            "flow", table, timestep_sampling=o["timestep_sampling"], logit_mean=o["logit_mean"], logit_std=o["logit_std"],
+            mode_scale=o["mode_scale"], loss_weighting=o["loss_weighting"],
+        )
+        text = dict(m["text"])
+        if text["max_sequence_length"] is None:
+            text["max_sequence_length"] = _call_default(pipe, "max_sequence_length") or 300
+        return TrainingParts(
+            family=self.family, transformer=pipe.transformer, vae=pipe.vae, noise_scheduler=table,
+            objective=objective, pipeline=pipe, text=text,
+        )
+
+    def prepare(self, parts, dataset, config):
+        """Encode the empty caption once (caption dropout on cached embeddings)."""
+        parts.null_condition = self.encode_text(parts, [""], parts.pipeline.text_encoder.device)
+        return []
+
+    @abc.abstractmethod
+    def encode_text(self, parts, captions: Sequence[str], device) -> dict:
+        """Encode ``captions`` with the pipeline's own ``encode_prompt``: the transformer's text kwargs."""
+
+    @staticmethod
+    def captions(batch: Mapping, id2label: Mapping | None, template: str = "{}") -> list[str]:
+        """A batch's captions: its ``caption`` strings, or its class names through ``template``."""
+        if "caption" in batch:
+            return [str(c) for c in batch["caption"]]
+        if "class_labels" in batch and id2label:
+            return [template.format(id2label[int(i)]) for i in batch["class_labels"]]
+        raise ValueError("a text-conditioned model needs captions: use data.kind=captions / video, or class-labelled data (photos / folder)")
+
+    def condition(self, parts, batch, drop, mode="dataset", random_labels=None):
+        """The transformer's text inputs; dropped samples (and ``mode="null"``) get the empty caption.
+        ``mode="random"`` is not defined for text (use ``null``)."""
+        if mode == "random":
+            raise ValueError("distill.condition=random needs class labels; use null (empty captions) for text models")
+        device = batch["latents"].device if "latents" in batch else batch["pixel_values"].device
+        n = len(drop)
+        drop = drop.to(device) if mode != "null" else torch.ones(n, dtype=torch.bool, device=device)
+        if "prompt_embeds" in batch:
+            enc = {k: batch[k] for k in self.condition_keys}
+            if bool(drop.any()):
+                for k, v in enc.items():
+                    null = parts.null_condition[k].to(device, v.dtype).expand_as(v)
+                    enc[k] = torch.where(drop.view(-1, *([1] * (v.ndim - 1))), null, v)
+        else:
+            captions = self.captions(batch, parts.id2label, parts.text.get("template", "{}"))
+            captions = ["" if d else c for c, d in zip(captions, drop.tolist())]
+            enc = self.encode_text(parts, captions, device)
+        out = {self.condition_keys[k]: v for k, v in enc.items()}
+        out["encoder_hidden_states"] = out["encoder_hidden_states"].float()
+        return out
+
+    def cache_encode(self, parts, batch, device):
+        """``{"latents", <text embeddings>}`` of a batch."""
+        captions = self.captions(batch, parts.id2label, parts.text.get("template", "{}"))
+        latents = self.latents(parts, {"pixel_values": batch["pixel_values"].to(device)})
+        return {"latents": latents, **self.encode_text(parts, captions, device)}
+
+    def encoders(self, parts):
+        """The vae, the text encoder and the text options (all change what the cache holds)."""
+        return [parts.vae, parts.pipeline.text_encoder, {"text": {k: v for k, v in parts.text.items()}}]
+
+    def write(self, model, parts, out_dir, *, sampler, id2label):
+        """The loaded pipeline with the trained transformer (its own scheduler; ``sampler`` is DiT's)."""
+        components = dict(parts.pipeline.components)
+        components["transformer"] = model
+        save_mhla_pipeline(type(parts.pipeline)(**components), out_dir, overwrite=True)
+
+
+class SanaRecipe(_TextRecipe):
+    """Text-to-image SANA (``SanaTransformer2DModel`` + ``SanaPipeline``): flow matching (target
+    ``noise - x0``), captions encoded by the pipeline's ``encode_prompt`` (Gemma-2, with the
+    complex human instruction as at inference unless ``model.text`` says otherwise), caption dropout
+    to the empty caption; exported as the same pipeline (its text encoder, vae and sampler)."""
+
+    family = "sana"
+    transformer_class = "SanaTransformer2DModel"
+    condition_keys = {"prompt_embeds": "encoder_hidden_states", "prompt_attention_mask": "encoder_attention_mask"}
+
+    def load(self, config: dict) -> TrainingParts:
+        """As :meth:`_TextRecipe.load`; ``complex_human_instruction: default`` becomes the pipeline's own."""
+        parts = super().load(config)
+        if parts.text["complex_human_instruction"] == "default":
+            parts.text["complex_human_instruction"] = _call_default(parts.pipeline, "complex_human_instruction")
+        return parts
+
+    def encode_text(self, parts, captions: Sequence[str], device) -> dict:
+        """``{"prompt_embeds" [B, L, D], "prompt_attention_mask" [B, L]}`` of ``captions`` (no grad)."""
+        with torch.no_grad():
+            embeds, mask, _, _ = parts.pipeline.encode_prompt(
+                list(captions), do_classifier_free_guidance=False, device=device, clean_caption=False,
+                max_sequence_length=int(parts.text["max_sequence_length"]),
+                complex_human_instruction=parts.text["complex_human_instruction"],
+            )
+        return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
+
+    def predict(self, model, noisy, timesteps, cond):
+        """The velocity prediction ``v = noise - x0``."""
+        return model(
+            noisy, encoder_hidden_states=cond["encoder_hidden_states"], encoder_attention_mask=cond["encoder_attention_mask"],
+            timestep=timesteps,
+        ).sample
+
+
+class WanRecipe(_TextRecipe):
+    """Text-to-video Wan 2.1 (``WanTransformer3DModel`` + ``WanPipeline``): flow matching (the
+    authors' recipe: shift 3 from the pipeline's scheduler, logit-normal timesteps), UMT5 captions
+    through ``encode_prompt`` (zero-padded to ``max_sequence_length``, 512 by default), latents of
+    ``AutoencoderKLWan`` normalised with its ``latents_mean`` / ``latents_std`` (the inverse of what
+    ``WanPipeline`` does before decoding). Images (photos, folders) train as one-frame videos."""
+
+    family = "wan"
+    transformer_class = "WanTransformer3DModel"
+    condition_keys = {"prompt_embeds": "encoder_hidden_states"}
+
+    def latents(self, parts, batch, generator=None):
+        """Normalised video latents ``[B, z, F', H/8, W/8]`` (``pixel_values`` ``[B, 3, F, H, W]`` or images ``[B, 3, H, W]``)."""
+        if "latents" in batch:
+            return batch["latents"].float()
+        pixels = batch["pixel_values"]
+        if pixels.ndim == 4:
+            pixels = pixels.unsqueeze(2)
+        vae = parts.vae
+        with torch.no_grad():
+            z = vae.encode(pixels.to(vae.dtype)).latent_dist.sample(generator=generator).float()
+        shape = (1, vae.config.z_dim) + (1,) * (z.ndim - 2)
+        mean = torch.tensor(vae.config.latents_mean, device=z.device, dtype=z.dtype).view(shape)
+        std = torch.tensor(vae.config.latents_std, device=z.device, dtype=z.dtype).view(shape)
+        return (z - mean) / std
+
+    def encode_text(self, parts, captions: Sequence[str], device) -> dict:
+        """``{"prompt_embeds" [B, L, D]}`` (zero rows after each caption's tokens), no grad."""
+        with torch.no_grad():
+            embeds, _ = parts.pipeline.encode_prompt(
+                list(captions), do_classifier_free_guidance=False, device=device,
+                max_sequence_length=int(parts.text["max_sequence_length"]),
+            )
+        return {"prompt_embeds": embeds}
+
+    def predict(self, model, noisy, timesteps, cond):
+        """The velocity prediction ``v = noise - x0``."""
+        return model(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=cond["encoder_hidden_states"]).sample
+
+
+RECIPES: dict[str, _Recipe] = {"dit": DiTRecipe(), "sana": SanaRecipe(), "wan": WanRecipe()}
+assert tuple(RECIPES) == TRAINED_FAMILIES, "config.TRAINED_FAMILIES lists the families with a recipe"
+
+
+def get_recipe(family: str) -> _Recipe:
+    """The training recipe of a model family.
+
+    Raises:
+        ValueError: no recipe for ``family``.
+    """
+    if family not in RECIPES:
+        raise ValueError(f"no training recipe for family {family!r}; available: {sorted(RECIPES)}")
+    return RECIPES[family]
+
+
+# -- models, data, optimizer -----------------------------------------------------------------------
+def build_models(config: dict) -> TrainingParts:
+    """Build what training needs from ``config`` (``model``, ``mhla``, ``objective``, ``distill``,
+    ``lora``, ``train.trainable``).
+
+    Order: load the family's models; copy the teacher (``distill.teacher: original``) before anything
+    changes the weights; apply MHLA (unless the checkpoint has it); cast to fp32; choose the trainable
+    set (:func:`set_trainable`: full, LoRA, attention-only or mixing-only).
+
+    Returns:
+        :class:`TrainingParts` (the transformer in fp32 and train mode; vae / text encoder / teacher
+        frozen in eval mode).
+
+    Raises:
+        ValueError: a bad ``model.init`` / ``model.vae`` / ``model.noise_scheduler`` dict, a model
+            that does not fit its family, an ``objective.kind`` the family does not train, a teacher
+            of another family.
+        FileNotFoundError, MHLACheckpointError: from :func:`mhla_diffusers.load_mhla_pipeline`.
+    """
+    family = resolve_family(config)
+    recipe = get_recipe(family)
+    kind = config["objective"]["kind"]
+    if kind is not None and kind != recipe.objective:
+        raise ValueError(f"objective.kind={kind!r}: the {family} recipe trains {recipe.objective!r} (set objective.kind to it or null)")
+    parts = recipe.load(config)
+    transformer = parts.transformer
+    teacher = config["distill"]["teacher"]
+    if teacher == "original":
+        parts.teacher = make_teacher(transformer)
+    elif teacher:
+        parts.teacher = load_teacher(teacher)
+        if type(parts.teacher) is not type(transformer):
+            raise ValueError(f"distill.teacher {teacher} holds a {type(parts.teacher).__name__}; the student is a {type(transformer).__name__}")
+    if config["mhla"] is not None and not is_mhla_model(transformer):
+        parts.mhla_applied = apply_mhla(transformer, **dict(config["mhla"]))
+    if any(p.dtype != torch.float32 for p in transformer.parameters()):
+        transformer.to(torch.float32)  # trainable parameters in fp32 (autocast does the rest)
+    t = config["train"]
+    set_trainable(transformer, t["trainable"], lora=config["lora"], train_mixing=bool(t["train_mixing"]))
+    transformer.train()
+    parts.vae.requires_grad_(False).eval()
+    parts.text["template"] = config["data"]["caption_template"]
+    return parts
+
+
+def vae_scale_factor(vae) -> int:
+    """Pixels per latent pixel: ``config.factor`` (SpaceToDepthAutoencoder) or ``2 ** (levels - 1)`` (AutoencoderKL)."""
+    if "factor" in vae.config:
+        return int(vae.config.factor)
+    return 2 ** (len(vae.config.block_out_channels) - 1)
+
+
+def check_resolution(transformer, vae, resolution: int) -> None:
+    """Raise ``ValueError`` unless ``resolution / vae_scale_factor == transformer.config.sample_size``.
+
+    DiT's positional embedding and ``DiTPipeline`` are fixed to ``sample_size`` latent pixels.
+    """
+    f = vae_scale_factor(vae)
+    size = transformer.config.sample_size
+    if resolution % f or resolution // f != size:
+        raise ValueError(
+            f"data.resolution={resolution} px gives {resolution / f:g} latent pixels (vae factor {f}), but the "
+            f"transformer's sample_size is {size}: set data.resolution to {size * f}"
+        )
+
+
+def disable_internal_label_dropout(transformer: torch.nn.Module) -> list[tuple[torch.nn.Module, float]]:
+    """Turn off diffusers' own label dropout inside DiT (each block draws its own, from the global RNG).
+
+    :func:`training_loss` drops labels itself, once per sample, from a seeded generator. Returns
+    ``[(module, old_prob)]`` so the caller can restore them (the probability is not in the config
+    or the state dict, so saving is unaffected either way).
+    """
+    changed = []
+    for module in transformer.modules():
+        if isinstance(module, LabelEmbedding) and module.dropout_prob > 0:
+            changed.append((module, module.dropout_prob))
+            module.dropout_prob = 0.0
+    return changed
