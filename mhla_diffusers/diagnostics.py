@@ -606,7 +606,7 @@ def diagnostic_inputs(
     # function-level import: the photo dataset and the VAE's factor live with training, which imports
     # accelerate and the training recipes; only real-image inputs need them, not `import diagnostics`
     from mhla_diffusers.training.data import PHOTO_NAMES, PhotoCrops
-    from mhla_diffusers.training.loop import vae_scale_factor
+    from mhla_diffusers.training.recipes import vae_scale_factor
 
     if int(num_samples) != num_samples or num_samples < 1:
         raise ValueError(f"num_samples must be a positive integer; got {num_samples!r}")

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import mhla_diffusers
-from mhla_diffusers.checkpoint import adapter, lora
 from mhla_diffusers import training
+from mhla_diffusers.checkpoint import adapter, lora
 from mhla_diffusers.training import load_config
 
 
