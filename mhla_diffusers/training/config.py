@@ -217,7 +217,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] 
             raise FileNotFoundError(f"config file {path} does not exist")
         loaded = yaml.safe_load(path.read_text()) or {}
         if not isinstance(loaded, Mapping):
-            raise ValueError(f"{path} must hold a YAML mapping (sections model, mhla, objective, distill, lora, ema, data, train, eval, export; output_dir)")
+            raise ValueError(
+                f"{path} must hold a YAML mapping "
+                "(sections model, mhla, objective, distill, lora, ema, data, train, eval, export; output_dir)"
+            )
         config = _merge(config, loaded)
     config = apply_overrides(config, overrides)
     validate_config(config)

@@ -1,8 +1,8 @@
 """Image datasets for fine-tuning: real photos shipped in wheels, class folders, captioned folders.
 
 The class-labelled datasets return ``{"pixel_values": float32 [3, S, S] in [-1, 1], "class_labels": int64 []}``
-(the captioned one ``{"pixel_values", "caption": str}``) from random square crops (with random horizontal flips) of photos first downscaled so that their
-short side is ``short_side`` pixels. The randomness of item ``i`` is a pure function of
+(the captioned one ``{"pixel_values", "caption": str}``) from random square crops (with random horizontal flips)
+of photos first downscaled so that their short side is ``short_side`` pixels. The randomness of item ``i`` is a pure function of
 ``(seed, epoch, i)``: the same seed and epoch give the same crops whatever the worker layout, and
 :meth:`set_epoch` gives new crops every epoch (call it, as with ``DistributedSampler``).
 
@@ -668,7 +668,8 @@ class VideoClips(Dataset):
         return {
             "class": type(self).__name__, "size": list(self.size), "num_frames": self.num_frames, "stride": self.frame_stride,
             "clips_per_video": self.clips_per_video, "seed": self.seed, "hflip": self.hflip,
-            "sources": [[v, *(_file_stats([v])[0][1:] if os.path.isfile(v) else [_video_length(v)])] for v in self.videos] + [self.captions],
+            "sources": [[v, *(_file_stats([v])[0][1:] if os.path.isfile(v) else [_video_length(v)])] for v in self.videos]
+            + [self.captions],
         }
 
     def __getitem__(self, index: int) -> dict:

@@ -30,7 +30,10 @@ from mhla_diffusers.checkpoint.lora import has_lora, unload_lora_
 from mhla_diffusers.models.families import self_attention_modules
 from mhla_diffusers.models.install import is_mhla_model, remove_mhla
 
-__all__ = ["CONDITIONS", "TRANSFER_LAYERS", "make_teacher", "load_teacher", "transfer_modules", "AttentionRecorder", "attention_transfer_loss", "output_matching_loss"]
+__all__ = [
+    "CONDITIONS", "TRANSFER_LAYERS", "make_teacher", "load_teacher", "transfer_modules", "AttentionRecorder", "attention_transfer_loss",
+    "output_matching_loss",
+]
 
 CONDITIONS = ("dataset", "random", "null")
 TRANSFER_LAYERS = ("mhla", "all")
@@ -124,7 +127,9 @@ def output_matching_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.
     return F.mse_loss(student.float(), teacher.detach().float(), reduction="mean")
 
 
-def attention_transfer_loss(student: dict[str, torch.Tensor], teacher: dict[str, torch.Tensor], names: Iterable[str] | None = None) -> torch.Tensor:
+def attention_transfer_loss(
+    student: dict[str, torch.Tensor], teacher: dict[str, torch.Tensor], names: Iterable[str] | None = None
+) -> torch.Tensor:
     """Mean over layers of the per-layer MSE between recorded attention outputs (fp32).
 
     Args:

@@ -294,7 +294,9 @@ class _TextRecipe(_Recipe):
             return [str(c) for c in batch["caption"]]
         if "class_labels" in batch and id2label:
             return [template.format(id2label[int(i)]) for i in batch["class_labels"]]
-        raise ValueError("a text-conditioned model needs captions: use data.kind=captions / video, or class-labelled data (photos / folder)")
+        raise ValueError(
+            "a text-conditioned model needs captions: use data.kind=captions / video, or class-labelled data (photos / folder)"
+        )
 
     def condition(self, parts, batch, drop, mode="dataset", random_labels=None):
         """The transformer's text inputs; dropped samples (and ``mode="null"``) get the empty caption.
@@ -457,7 +459,9 @@ def build_models(config: dict) -> TrainingParts:
     elif teacher:
         parts.teacher = load_teacher(teacher)
         if type(parts.teacher) is not type(transformer):
-            raise ValueError(f"distill.teacher {teacher} holds a {type(parts.teacher).__name__}; the student is a {type(transformer).__name__}")
+            raise ValueError(
+                f"distill.teacher {teacher} holds a {type(parts.teacher).__name__}; the student is a {type(transformer).__name__}"
+            )
     if config["mhla"] is not None and not is_mhla_model(transformer):
         parts.mhla_applied = apply_mhla(transformer, **dict(config["mhla"]))
     if any(p.dtype != torch.float32 for p in transformer.parameters()):

@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-
 from helpers import realign_
+
 from mhla_diffusers import SpaceToDepthAutoencoder
 from mhla_diffusers.autoencoder import PointLatentDistribution
 

@@ -9,6 +9,7 @@ import torch
 
 import mhla_diffusers
 from mhla_diffusers import training
+from mhla_diffusers.training import load_config
 from mhla_diffusers.training.distill import (
     AttentionRecorder,
     attention_transfer_loss,
@@ -17,7 +18,6 @@ from mhla_diffusers.training.distill import (
     output_matching_loss,
     transfer_modules,
 )
-from mhla_diffusers.training import load_config
 
 
 def test_teacher_is_the_frozen_original():
@@ -77,9 +77,9 @@ def test_distillation_alone_needs_no_labels_and_closes_the_gap(tmp_path):
     """Attention transfer + output matching on unlabelled images (one folder, random class labels),
     training the mixing matrices only: the held-out distance to the teacher's output halves in 12 steps."""
     from PIL import Image
+    from test_train import tiny_config
 
     from mhla_diffusers.training.data import load_photo
-    from test_train import tiny_config
 
     for i in range(3):
         (tmp_path / "images" / "all").mkdir(parents=True, exist_ok=True)

@@ -15,13 +15,13 @@ import yaml
 
 import mhla_diffusers
 from mhla_diffusers import training
-from mhla_diffusers.training import resume
 from mhla_diffusers.training import (
     apply_overrides,
     build_optimizer,
     load_config,
     plot_loss_curves,
     read_loss_csv,
+    resume,
     write_loss_csv,
 )
 
@@ -71,7 +71,8 @@ def test_train_from_scratch_writes_everything(tmp_path):
     from diffusers import DDPMScheduler
 
     eval_set = training.build_dataset({**load_config(tiny_config(tmp_path / "run"))["data"], "seed": 12345})
-    again = training.evaluate_loss(pipe.transformer, pipe.vae, DDPMScheduler.from_config(pipe.scheduler.config), eval_set, num_samples=6, batch_size=4)
+    scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
+    again = training.evaluate_loss(pipe.transformer, pipe.vae, scheduler, eval_set, num_samples=6, batch_size=4)
     assert again == pytest.approx(summary["eval_loss"], rel=1e-5)  # deterministic, same set
     assert type(pipe.vae).__name__ == "SpaceToDepthAutoencoder"
     assert type(pipe.scheduler).__name__ == "DPMSolverMultistepScheduler"

@@ -20,16 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
-from mhla_diffusers import training
-from mhla_diffusers.ops.layout import BlockLayout
-from mhla_diffusers.ops.mixing import MixingMatrix, mixing_parameters
-from mhla_diffusers.ops import mhla_attention
-from mhla_diffusers.training import load_config, logs, loop, read_grad_norms, read_loss_csv
-
 from helpers import run_main
 from test_train import _final_tensors, _snapshot, tiny_config
 from test_train_sana import sana_base, sana_config  # noqa: F401 (sana_base: a module fixture)
+
+from mhla_diffusers import training
+from mhla_diffusers.ops import mhla_attention
+from mhla_diffusers.ops.layout import BlockLayout
+from mhla_diffusers.ops.mixing import MixingMatrix, mixing_parameters
+from mhla_diffusers.training import load_config, logs, loop, read_grad_norms, read_loss_csv
 
 ROOT = Path(__file__).resolve().parents[2]
 MHLA = {"layers": "all", "num_blocks": 4}
@@ -256,7 +255,7 @@ def test_train_cli_config_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert code == 2 and "holds no complete checkpoint" in err and len(err.strip().splitlines()) == 1
 
 
-def test_sana_boundary_spike_no_longer_voids_the_step(tmp_path, sana_base):
+def test_sana_boundary_spike_no_longer_voids_the_step(tmp_path, sana_base):  # noqa: F811 (the fixture)
     """The real thing: a tiny SANA (eps = 1e-15) with MHLA; its first step has a mixing-gradient spike
     (mixing entries at 0 from the locality init carry a query's only attention mass). The rest of the
     model now takes the step it takes when the mixing matrices do not train at all (before: a

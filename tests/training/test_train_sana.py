@@ -88,7 +88,7 @@ def test_sana_captions_and_caption_dropout(tmp_path, sana_base):
 def _caption_folder(root):
     root.mkdir()
     rows = []
-    for i, (name, color) in enumerate([("red", (230, 20, 20)), ("green", (20, 200, 20)), ("blue", (20, 20, 230))]):
+    for name, color in [("red", (230, 20, 20)), ("green", (20, 200, 20)), ("blue", (20, 20, 230))]:
         Image.new("RGB", (20, 18), color).save(root / f"{name}.png")
         rows.append({"file_name": f"{name}.png", "text": f"a {name} square"})
     (root / "metadata.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")

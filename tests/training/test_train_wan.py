@@ -11,9 +11,9 @@ from PIL import Image
 
 import mhla_diffusers
 from mhla_diffusers import training
-from mhla_diffusers.training.data import VideoClips, read_video_frames
 from mhla_diffusers.checkpoint.lora import load_mhla_pipeline_with_lora
 from mhla_diffusers.training import load_config
+from mhla_diffusers.training.data import VideoClips, read_video_frames
 
 
 def _write_videos(root):
@@ -79,7 +79,8 @@ def test_video_clips(wan_setup):
 def test_wan_flow_matching_with_distillation_on_videos(tmp_path, wan_setup):
     base, videos = wan_setup
     summary = training.train(wan_config(tmp_path / "run", base, videos, "distill.teacher=original", "distill.output_weight=1.0",
-                                        "distill.attention_weight=1.0", "eval.samples=2", "eval.batch_size=2", "train.gradient_checkpointing=true"))
+                                        "distill.attention_weight=1.0", "eval.samples=2", "eval.batch_size=2",
+                                        "train.gradient_checkpointing=true"))
     assert summary["family"] == "wan" and summary["objective"] == "flow" and summary["mhla_layers"] == 2
     assert all(math.isfinite(summary[k]) for k in ("final_loss", "eval_loss", "eval_distill"))
     parts = training.build_models(wan_config(tmp_path / "x", base, videos))
