@@ -8,6 +8,7 @@ Reuse from any test module::
 from __future__ import annotations
 
 import copy
+import logging
 import re
 from contextlib import contextmanager
 
@@ -215,3 +216,21 @@ def run_main(path: str, *args, capsys) -> tuple[int, str]:
     """``load_script(path).main(args)`` -> ``(exit code, captured stderr)``."""
     code = load_script(path).main([str(a) for a in args])
     return code, capsys.readouterr().err
+
+
+class WarningLog(logging.Handler):
+    """Collects diffusers' log records (its root logger does not propagate to pytest's caplog)."""
+
+    def __init__(self):
+        super().__init__(level=logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        logging.getLogger("diffusers").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("diffusers").removeHandler(self)

@@ -13,7 +13,6 @@ absolute at this size) from the same weights in fresh memory. Unrealigned output
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import dit_inputs, randomize_mixing_, realign_, run_dit, tiny_dit, tiny_dit_pipeline
+from helpers import WarningLog, dit_inputs, randomize_mixing_, realign_, run_dit, tiny_dit, tiny_dit_pipeline
 from safetensors.torch import load_file, save_file
 
 import mhla_diffusers
@@ -48,24 +47,6 @@ def generate(pipe):
 
 def mhla_state(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items() if "mhla" in k}
-
-
-class WarningLog(logging.Handler):
-    """Collects diffusers' log records (its root logger does not propagate to pytest's caplog)."""
-
-    def __init__(self):
-        super().__init__(level=logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-    def __enter__(self):
-        logging.getLogger("diffusers").addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        logging.getLogger("diffusers").removeHandler(self)
 
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,7 @@ def test_load_lora_is_strict(tmp_path):
 def test_exported_folder_computes_what_the_trained_model_computes(tmp_path, mode):
     """The trainer's export (export_model) of a LoRA + MHLA DiT loads with the ordinary loaders and
     gives the in-memory model's outputs (merged: up to float rounding of W + BA)."""
-    from test_train import TINY_DIT, tiny_config
+    from helpers_train import TINY_DIT, tiny_config
 
     config = load_config(tiny_config(tmp_path / "run", mhla={"layers": "all", "num_blocks": 4}),
                          ["train.trainable=lora", "lora.rank=4", f"lora.export={mode}"])
@@ -118,8 +118,8 @@ def test_exported_folder_computes_what_the_trained_model_computes(tmp_path, mode
 
 def test_trainer_lora_run_trains_only_adapters_and_mixing(tmp_path):
     from diffusers import DDPMScheduler, DiTTransformer2DModel
+    from helpers_train import TINY_DIT, tiny_config
     from safetensors.torch import load_file
-    from test_train import TINY_DIT, tiny_config
 
     torch.manual_seed(0)  # a saved base, so that the frozen weights can be compared after training
     base = DiTTransformer2DModel(**TINY_DIT)

@@ -14,12 +14,20 @@
 from __future__ import annotations
 
 import json
-import logging
 import warnings
 
 import pytest
 import torch
-from helpers import dit_inputs, load_script, no_grid_frames, run_dit, self_attn, tiny_dit, tiny_dit_pipeline
+from helpers import (
+    WarningLog,
+    dit_inputs,
+    load_script,
+    no_grid_frames,
+    run_dit,
+    self_attn,
+    tiny_dit,
+    tiny_dit_pipeline,
+)
 from helpers_sana import run_sana, sana_inputs, sana_self_attn, tiny_sana
 from helpers_wan import run_wan, tiny_wan, wan_inputs, wan_self_attn
 
@@ -267,20 +275,6 @@ def test_export_before_the_matrices_exist_names_materialize_mhla():
 
 
 # -- 4. a converted folder loaded by diffusers' own from_pretrained ----------------------------------
-class _DiffusersLog(logging.Handler):
-    def __init__(self):
-        super().__init__(level=logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-    def __enter__(self):
-        logging.getLogger("diffusers").addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        logging.getLogger("diffusers").removeHandler(self)
 
 
 def test_stock_loaded_converted_transformer_is_never_silent(tmp_path):
@@ -290,7 +284,7 @@ def test_stock_loaded_converted_transformer_is_never_silent(tmp_path):
     apply_mhla(model, num_blocks=4)
     folder = save_mhla_transformer(model, tmp_path / "converted")
 
-    with _DiffusersLog() as log:
+    with WarningLog() as log:
         plain = DiTTransformer2DModel.from_pretrained(folder)
     assert any("load_mhla_transformer" in m and "WITHOUT MHLA" in m for m in log.messages), log.messages
     with pytest.warns(UserWarning, match=r"loaded from .*converted MHLA checkpoint.*fresh locality-init.*load_mhla_transformer"):
@@ -301,7 +295,7 @@ def test_stock_loaded_converted_transformer_is_never_silent(tmp_path):
     with pytest.warns(UserWarning, match="converted MHLA checkpoint"):
         run_dit(plain, dit_inputs(batch=1))
 
-    with _DiffusersLog() as log, warnings.catch_warnings():
+    with WarningLog() as log, warnings.catch_warnings():
         warnings.simplefilter("error")
         loaded = load_mhla_transformer(folder)  # ours: quiet, and the marker is not in the model's config
     assert log.messages == [] and CONFIG_MARKER_KEY not in loaded.config
@@ -335,13 +329,13 @@ def test_stock_loaded_converted_pipeline_warns_in_the_generation_helpers(tmp_pat
     pipe = tiny_dit_pipeline(num_layers=2)
     apply_mhla(pipe.transformer, num_blocks=4)
     folder = save_mhla_pipeline(pipe, tmp_path / "converted")
-    with _DiffusersLog() as log:
+    with WarningLog() as log:
         stock = DiffusionPipeline.from_pretrained(folder)
     assert any("load_mhla_pipeline" in m for m in log.messages), log.messages
     with pytest.warns(UserWarning, match=r"converted MHLA checkpoint.*generates with the stock attention"):
         generate_class_images(folder, [1], steps=1, pipe=stock, device="cpu")
 
-    with _DiffusersLog() as log, warnings.catch_warnings():
+    with WarningLog() as log, warnings.catch_warnings():
         warnings.simplefilter("error")
         ours = load_mhla_pipeline(folder)
         generate_class_images(folder, [1], steps=1, pipe=ours, device="cpu")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers_train import TINY_DIT, tiny_config  # noqa: E402,F401  (shared with tests/checkpoint)
 
 import mhla_diffusers
 from mhla_diffusers import training
@@ -26,29 +27,6 @@ from mhla_diffusers.training import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY_DIT = dict(
-    num_attention_heads=2, attention_head_dim=8, in_channels=12, out_channels=12,
-    num_layers=2, sample_size=8, patch_size=2, num_embeds_ada_norm=1000,
-)
-
-
-def tiny_config(out, **sections):
-    config = {
-        "output_dir": str(out),
-        "model": {"init": TINY_DIT, "vae": {"factor": 2, "scaling_factor": 1.8}},
-        "data": {"resolution": 16, "crops_per_image": 2, "batch_size": 4, "photos": ["cat", "coffee", "flower"]},
-        "train": {"max_steps": 3, "lr": 1e-3, "log_every": 1},
-    }
-    for name, value in sections.items():
-        if isinstance(value, dict) and isinstance(config.get(name), dict):
-            config[name] = {**config[name], **value}
-        else:
-            config[name] = value
-    path = Path(out).parent / f"{Path(out).name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
 def generate(folder, n=2):
     pipe = mhla_diffusers.load_mhla_pipeline(folder)
     pipe.set_progress_bar_config(disable=True)
