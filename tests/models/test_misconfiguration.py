@@ -23,6 +23,7 @@ from helpers import (
     dit_inputs,
     load_script,
     no_grid_frames,
+    realign_,
     run_dit,
     self_attn,
     tiny_dit,
@@ -299,7 +300,8 @@ def test_stock_loaded_converted_transformer_is_never_silent(tmp_path):
         warnings.simplefilter("error")
         loaded = load_mhla_transformer(folder)  # ours: quiet, and the marker is not in the model's config
     assert log.messages == [] and CONFIG_MARKER_KEY not in loaded.config
-    assert torch.equal(run_dit(loaded, dit_inputs(batch=1)), run_dit(model, dit_inputs(batch=1)))
+    # weights out of the mmapped file sit at other alignments: realigned, the GEMMs are the same computation
+    assert torch.equal(run_dit(realign_(loaded), dit_inputs(batch=1)), run_dit(model, dit_inputs(batch=1)))
 
 
 def test_marker_is_written_only_for_mhla_models_and_old_checkpoints_load(tmp_path):
@@ -318,7 +320,8 @@ def test_marker_is_written_only_for_mhla_models_and_old_checkpoints_load(tmp_pat
     del config[CONFIG_MARKER_KEY]
     (folder / "config.json").write_text(json.dumps(config))
     loaded = load_mhla_transformer(folder)
-    assert torch.equal(run_dit(loaded, dit_inputs(batch=1)), run_dit(model, dit_inputs(batch=1)))
+    # weights out of the mmapped file sit at other alignments: realigned, the GEMMs are the same computation
+    assert torch.equal(run_dit(realign_(loaded), dit_inputs(batch=1)), run_dit(model, dit_inputs(batch=1)))
 
 
 def test_stock_loaded_converted_pipeline_warns_in_the_generation_helpers(tmp_path):
