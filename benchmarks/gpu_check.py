@@ -132,15 +132,6 @@ def parse_args(argv=None):
 # Correctness
 
 
-def _rel_err(actual, expected, scale=None):
-    actual, expected = actual.double(), expected.double()
-    if expected.numel() == 0:
-        return 0.0
-    denom = max(expected.abs().max().item(), scale or 0.0)
-    err = (actual - expected).abs().max().item()
-    return err / denom if denom > 0 else err
-
-
 def _random_rotary(n, d, gen, device):
     """An InterleavedRotary with random angles (tables float32 [n, d / 2] on ``device``)."""
     angles = torch.rand(n, d // 2, generator=gen, dtype=torch.float64) * 2 * math.pi
@@ -245,8 +236,8 @@ def check_correctness(name, batch, heads, grid, block_grid, d, dtype, opts, devi
         scales = [max(0.0 if a is None else a.abs().max().item(), 0.0 if b is None else b.abs().max().item())
                   for a, b in zip(first, second)]
     names = ("out", "dq", "dk", "dv", "dmixing")
-    vs_ref = {nm: _rel_err(a, r, sc) for nm, a, r, sc in zip(names, (out, *grads), (out_r, *grads_r), (None, *scales))}
-    vs_torch = {nm: _rel_err(a, r, sc) for nm, a, r, sc in zip(names, (out, *grads), (out_t, *grads_t), (None, *scales))}
+    vs_ref = {nm: ops.naive.relative_error(a, r, sc) for nm, a, r, sc in zip(names, (out, *grads), (out_r, *grads_r), (None, *scales))}
+    vs_torch = {nm: ops.naive.relative_error(a, r, sc) for nm, a, r, sc in zip(names, (out, *grads), (out_t, *grads_t), (None, *scales))}
     finite = all(bool(torch.isfinite(t).all()) for t in (out, *grads))
     tol = TOL[dtype]
     ok = finite and max(vs_ref.values()) <= tol and max(vs_torch.values()) <= tol

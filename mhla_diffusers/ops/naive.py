@@ -31,7 +31,13 @@ import torch
 
 from mhla_diffusers.ops.layout import BlockLayout
 
-__all__ = ["mhla_attention_reference", "implied_attention", "mhla_attention_blockwise", "blockwise_parts"]
+__all__ = [
+    "mhla_attention_reference",
+    "implied_attention",
+    "mhla_attention_blockwise",
+    "blockwise_parts",
+    "relative_error",
+]
 
 
 def implied_attention(
@@ -180,3 +186,17 @@ def _check(q, k, v, mixing, layout):
     m = layout.num_blocks
     if tuple(mixing.shape) != (m, m):
         raise ValueError(f"mixing must be [{m}, {m}] for {layout}; got {tuple(mixing.shape)}")
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor, scale: float | None = None) -> float:
+    """The error measure of every comparison with these oracles (tests, interpreter check, gpu_check).
+
+    ``max |actual - expected| / max(max |expected|, scale)``, computed in float64; ``0.0`` for empty
+    tensors; the absolute error where the denominator is 0.
+    """
+    if expected.numel() == 0:
+        return 0.0
+    actual, expected = actual.double(), expected.double()
+    denom = max(expected.abs().max().item(), scale or 0.0)
+    err = (actual - expected).abs().max().item()
+    return err / denom if denom > 0 else err

@@ -19,19 +19,12 @@ import torch
 
 from mhla_diffusers import BlockLayout, available_backends, mhla_attention, mhla_attention_reference, mixing_init
 from mhla_diffusers.ops import naive
+from mhla_diffusers.ops.naive import relative_error as rel_err
 
 # Relative-error tolerances per input dtype. Low precision: inputs are rounded to the dtype, the
 # operator accumulates in fp32 and rounds the output (and each gradient) once more to the dtype,
 # so the error is a few ulps of the dtype (bf16 ulp 2^-8, fp16 ulp 2^-11).
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor, scale: float | None = None) -> float:
-    """max |actual - expected| / max(max |expected|, scale)."""
-    actual, expected = actual.double(), expected.double()
-    denom = max(expected.abs().max().item() if expected.numel() else 0.0, scale or 0.0)
-    err = (actual - expected).abs().max().item() if expected.numel() else 0.0
-    return err / denom if denom > 0 else err
 
 
 def make_inputs(batch, heads, n, d, dv=None, dtype=torch.float32, scale=1.0):

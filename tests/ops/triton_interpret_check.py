@@ -216,15 +216,6 @@ def _inputs(c, layout, torch):
     return q, k, v, mixing.to(mixdt)
 
 
-def _rel_err(actual, expected, scale=None):
-    actual, expected = actual.double(), expected.double()
-    if expected.numel() == 0:
-        return 0.0
-    denom = max(expected.abs().max().item(), scale or 0.0)
-    err = (actual - expected).abs().max().item()
-    return err / denom if denom > 0 else err
-
-
 def run_case(c, torch, ops, layout_cls):
     layout = layout_cls(c["grid"], c["block_grid"])
     q, k, v, mixing = _inputs(c, layout, torch)
@@ -278,8 +269,8 @@ def run_case(c, torch, ops, layout_cls):
                 scales[i] = max(0.0 if a is None else a.abs().max().item(), 0.0 if b is None else b.abs().max().item())
 
     names = ("dq", "dk", "dv", "dmixing")
-    vs_ref = {"out": _rel_err(out, out_r)}
-    vs_torch = {"out": _rel_err(out, out_t, None)}
+    vs_ref = {"out": ops.naive.relative_error(out, out_r)}
+    vs_torch = {"out": ops.naive.relative_error(out, out_t, None)}
     finite = {"out": bool(torch.isfinite(out).all())}
     dtypes_ok = out.dtype == q.dtype and tuple(out.shape) == (*q.shape[:3], c["dv"])
     for name, x, g, rg, tg, sc in zip(names, (q, k, v, mixing), dgrads, rgrads, tgrads, scales):
@@ -287,8 +278,8 @@ def run_case(c, torch, ops, layout_cls):
             continue
         dtypes_ok &= g.dtype == x.dtype and g.shape == x.shape
         finite[name] = bool(torch.isfinite(g).all())
-        vs_ref[name] = _rel_err(g, rg, sc) if rg is not None else 0.0
-        vs_torch[name] = _rel_err(g, tg, sc)
+        vs_ref[name] = ops.naive.relative_error(g, rg, sc) if rg is not None else 0.0
+        vs_torch[name] = ops.naive.relative_error(g, tg, sc)
     tols = [TOL[c["dtype"]], TOL[c["kv_dtype"] or c["dtype"]]]
     if c["mix_dtype"]:
         tols.append(TOL.get(c["mix_dtype"], 1e-5))
