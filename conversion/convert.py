@@ -9,8 +9,13 @@
     python conversion/convert.py --family wan --src Wan-AI/Wan2.1-T2V-1.3B-Diffusers --out wan-mhla --layers hybrid
     python conversion/convert.py --family wan --src Wan2.1-T2V-1.3B/diffusion_pytorch_model.safetensors \
         --config ./Wan2.1-T2V-1.3B-Diffusers --out wan-mhla --block-grid authors --no-normalize --dtype bf16
+    python conversion/convert.py --family wan --src Wan-AI/Wan2.2-T2V-A14B-Diffusers --out wan22-mhla --layers hybrid \
+        --layers-2 all
     python conversion/convert.py --family wan --from authors --src MHLA/model.safetensors \
         --config ./Wan2.1-T2V-1.3B-Diffusers --out wan-mhla-authors
+
+A Wan 2.2 A14B pipeline (two experts: transformer for high noise, transformer_2 for low noise) has both
+converted with the same settings; --layers-2 gives transformer_2 its own layer selection (none: keep it stock).
 
 --from authors imports the authors' released Wan MHLA weights (DAGroup-PKU/MHLA): layers, blocks,
 normaliser, feature epsilon, output norm are theirs, read from the file (mhla_diffusers.checkpoint.authors);
@@ -41,6 +46,10 @@ def parse_layers(text: str):
             f"no layers selected ({text!r}): give 'all', 'hybrid' or comma-separated indices such as 1,2,4"
         )
     return layers
+
+
+def parse_layers_2(text: str):
+    return "none" if text == "none" else parse_layers(text)
 
 
 def parse_block_grid(text: str):
@@ -84,6 +93,11 @@ def main(argv=None) -> int:
         "--layers", type=parse_layers, default=None,
         help="all (default) | hybrid | comma-separated indices (negative ones count from the end: write --layers=-1,-2, "
         "with '=')",
+    )
+    parser.add_argument(
+        "--layers-2", type=parse_layers_2, default=None,
+        help="Wan 2.2 A14B only: layer selection of the second expert (transformer_2): all | hybrid | none | indices "
+        "(default: as --layers)",
     )
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
@@ -137,6 +151,7 @@ def main(argv=None) -> int:
             overwrite=args.overwrite,
             config=args.config,
             output_norm=args.output_norm,
+            layers_2=args.layers_2,
         )
     except AlreadyConvertedError as err:
         print(f"convert.py: {err}", file=sys.stderr)
@@ -156,6 +171,7 @@ def _import_authors(args) -> int:
         "--no-normalize": args.no_normalize,
         "--output-norm / --no-output-norm": args.output_norm is not None,
         "--eps": args.eps is not None,
+        "--layers-2": args.layers_2 is not None,
     }
     fixed = [flag for flag, on in given.items() if on]
     problem = None

@@ -1,5 +1,7 @@
 """Generation helpers over the stock diffusers pipelines: class-conditional (DiTPipeline),
-text-to-image (SanaPipeline) and text-to-video (WanPipeline, written as mp4)."""
+text-to-image (SanaPipeline), text-to-video (WanPipeline: Wan 2.1, Wan 2.2 A14B with its two experts,
+TI2V-5B) and image-to-video (WanImageToVideoPipeline: Wan 2.1 I2V, Wan 2.2 I2V A14B, and TI2V-5B given a
+first frame), videos written as mp4."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from PIL import features
 from mhla_diffusers.checkpoint import format as checkpoint_format
 from mhla_diffusers.checkpoint.authors import NATIVE_SIZE_KEY
 from mhla_diffusers.checkpoint.io import atomic_output
+from mhla_diffusers.models.families import wan_native_video
 
 __all__ = [
     "GenerationError",
@@ -31,6 +34,8 @@ __all__ = [
     "is_video_pipeline",
     "is_video_checkpoint",
     "native_video_size",
+    "image_to_video_pipeline",
+    "load_first_frame",
     "image_format",
     "save_grid",
     "save_video",
@@ -251,8 +256,11 @@ def generate_videos(
     dtype: str = "fp32",
     device: str | None = None,
     pipe=None,
+    image=None,
 ):
-    """Generate one video per prompt with the checkpoint's own text-to-video pipeline (``WanPipeline``).
+    """Generate one video per prompt with the checkpoint's own video pipeline: text-to-video
+    (``WanPipeline``; Wan 2.2 A14B runs its two experts as diffusers does, switched at ``boundary_ratio``) or,
+    with ``image``, image-to-video from that first frame (:func:`image_to_video_pipeline`).
 
     Args:
         checkpoint: pipeline folder (plain or MHLA-converted); ignored when ``pipe`` is given.
@@ -266,13 +274,16 @@ def generate_videos(
         steps: denoising steps. guidance_scale: CFG scale (1 = off; Wan runs cond and uncond as two calls).
         dtype: ``"fp32" | "bf16" | "fp16"``. device: default CUDA when available, else CPU.
         pipe: an already loaded pipeline (skips loading).
+        image: the first frame: a path (any format PIL reads) or a ``PIL.Image``; resized by the pipeline to
+            ``height x width``. Needed by image-to-video checkpoints, refused by those that cannot take one.
 
     Returns:
         A list (one per prompt) of float32 arrays ``[frames, height, width, 3]`` in ``[0, 1]``.
 
     Raises:
-        GenerationError: not a text-to-video pipeline (or an image-to-video one), no prompts, a frame
-            count the VAE does not take, bad steps or dtype.
+        GenerationError: not a video pipeline, an image-to-video checkpoint without ``image`` or a
+            text-to-video one with it (:func:`image_to_video_pipeline`), an image file that is missing or
+            unreadable, no prompts, a frame count the VAE does not take, bad steps or dtype.
         ValueError: from the pipeline, e.g. a size Wan does not take (multiples of 16 px).
     """
     prompts = [str(p) for p in prompts]
@@ -287,9 +298,15 @@ def generate_videos(
     height = native["height"] if height is None else height
     width = native["width"] if width is None else width
     frames = native["frames"] if frames is None else frames
-    image = inspect.signature(type(pipe).__call__).parameters.get("image")
-    if image is not None and image.default is inspect.Parameter.empty:
-        raise GenerationError(f"{type(pipe).__name__} needs an input image; generate.py covers text-to-video only")
+    extra = {}
+    if image is not None:
+        first_frame = load_first_frame(image)  # before anything runs: a bad path costs no compute
+        pipe = image_to_video_pipeline(pipe, checkpoint)
+        extra["image"] = first_frame
+    elif _needs_image(pipe):
+        raise GenerationError(
+            f"{checkpoint} holds a {type(pipe).__name__}, an image-to-video model: give the first frame (--image first_frame.png)"
+        )
     factor = int(getattr(pipe, "vae_scale_factor_temporal", 1))
     if frames < 1 or (frames - 1) % factor:
         low = max(1, (frames - 1) // factor * factor + 1)
@@ -307,25 +324,97 @@ def generate_videos(
         num_inference_steps=steps,
         guidance_scale=guidance_scale,
         output_type="np",
+        **extra,
     )
     return [video for video in result.frames]
 
 
-WAN_NATIVE_SIZE = {"height": 480, "width": 832, "frames": 81}
+def _needs_image(pipe) -> bool:
+    image = inspect.signature(type(pipe).__call__).parameters.get("image")
+    return image is not None and image.default is inspect.Parameter.empty
+
+
+def load_first_frame(image):
+    """The first frame of an image-to-video request as an RGB ``PIL.Image``: ``image`` is a path (any format
+    PIL reads: png, jpg, webp, ...) or a ``PIL.Image``.
+
+    Raises:
+        GenerationError: a path that does not exist, is not a file, or that PIL cannot read as an image.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    path = Path(image)
+    if not path.is_file():
+        what = "not a file" if path.exists() else "no such file"
+        raise GenerationError(f"--image {image}: {what}; give the first frame as an image file")
+    try:
+        with Image.open(path) as img:
+            return img.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as err:
+        raise GenerationError(f"--image {image} is not an image this Pillow can read ({type(err).__name__}); use png or jpg") from None
+
+
+def image_to_video_pipeline(pipe, checkpoint="the pipeline"):
+    """The image-to-video form of a Wan video pipeline, sharing its components (nothing is copied):
+
+    * a ``WanImageToVideoPipeline`` (Wan 2.1 I2V with its CLIP image encoder; Wan 2.2 I2V A14B, two experts
+      taking 36 latent channels: noise, mask, first-frame latent) is returned as it is;
+    * a ``WanPipeline`` with ``expand_timesteps`` (Wan 2.2 TI2V-5B: one model for text- and image-to-video, the
+      first frame's latent kept clean through per-token timesteps) becomes ``WanImageToVideoPipeline`` over the
+      same components and config (``boundary_ratio``, ``expand_timesteps``), as diffusers runs TI2V-5B's I2V.
+
+    Raises:
+        GenerationError: a pipeline that cannot take an image (a text-to-video ``WanPipeline``: Wan 2.1 T2V,
+            Wan 2.2 T2V A14B), or an image-to-video one missing what its transformer needs (Wan 2.1 I2V
+            without its image encoder).
+    """
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+
+    config = getattr(pipe, "config", {})
+    name = type(pipe).__name__
+    if isinstance(pipe, WanImageToVideoPipeline):
+        transformers = checkpoint_format.pipeline_transformers(pipe)
+        needs_encoder = any(t.config.get("image_dim") for t in transformers.values())
+        if needs_encoder and (pipe.image_encoder is None or pipe.image_processor is None):
+            raise GenerationError(
+                f"{checkpoint}: its transformer reads CLIP image features (image_dim set) but the pipeline has no "
+                "image_encoder / image_processor; use the complete Wan image-to-video checkpoint"
+            )
+        return pipe
+    if isinstance(pipe, WanPipeline) and config.get("expand_timesteps"):
+        i2v = WanImageToVideoPipeline(
+            **pipe.components, boundary_ratio=config.get("boundary_ratio"), expand_timesteps=True
+        )
+        i2v.set_progress_bar_config(**getattr(pipe, "_progress_bar_config", {}))
+        return i2v
+    raise GenerationError(
+        f"{checkpoint} holds a {name} that cannot take an image (text-to-video only); --image needs an image-to-video "
+        "checkpoint: Wan 2.1 I2V, Wan 2.2 I2V A14B (WanImageToVideoPipeline) or Wan 2.2 TI2V-5B"
+    )
+
+
+# The keys of a native video size (pixels, frames); the values per Wan variant are in models/families.py.
+WAN_NATIVE_SIZE = wan_native_video({})
 
 
 def native_video_size(pipe) -> dict:
     """``{"height", "width", "frames"}`` a video pipeline's transformer was trained at: the size recorded in
     its config (``_mhla_native_size``, written by :func:`~mhla_diffusers.checkpoint.authors.import_authors_wan`: the
-    authors' MHLA model, 480 x 800 px, 81 frames), else Wan 2.1's 480 x 832 px, 81 frames.
+    authors' MHLA model, 480 x 800 px, 81 frames), else the Wan variant's own
+    (:func:`~mhla_diffusers.models.families.wan_native_video`: Wan 2.1 and 2.2 A14B 480 x 832 px, 81 frames;
+    Wan 2.2 TI2V-5B 704 x 1280 px, 121 frames).
 
     Raises:
         GenerationError: a recorded size that is not three positive integers.
     """
-    config = getattr(getattr(pipe, "transformer", None), "config", None)
+    transformers = checkpoint_format.pipeline_transformers(pipe) if hasattr(pipe, "components") else {}
+    transformer = next(iter(transformers.values()), getattr(pipe, "transformer", None))
+    config = getattr(transformer, "config", None)
     recorded = config.get(NATIVE_SIZE_KEY) if hasattr(config, "get") else None
     if recorded is None:
-        return dict(WAN_NATIVE_SIZE)
+        return wan_native_video(config if hasattr(config, "get") else {})
     if not isinstance(recorded, Mapping) or sorted(recorded) != sorted(WAN_NATIVE_SIZE) or not all(
         isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in recorded.values()
     ):

@@ -4,13 +4,15 @@
     python pipelines/generate.py --checkpoint dit-mhla --class-labels 1 2 3 4 --steps 25 --seed 0 --out grid.png
     python pipelines/generate.py --checkpoint sana-mhla --prompt "a cat on a red chair" --height 1024 --width 512 --out cat.png
     python pipelines/generate.py --checkpoint wan-mhla --prompt "a cat walking in the snow" --frames 81 --out clip.mp4
+    python pipelines/generate.py --checkpoint wan-i2v-mhla --prompt "the cat turns its head" --image first_frame.png --out clip.mp4
 
 --class-labels for class-conditional pipelines (DiT): integers or, when the pipeline knows them
 (id2label), class names. --prompt for text-to-image pipelines (SANA): one image per prompt. Images
 go into one grid, saved in the format the --out suffix names: .png, .jpg / .jpeg or .webp (any other
 suffix, .mp4 included, is refused with exit code 2 before anything is generated). For text-to-video
 pipelines (Wan, recognised from the checkpoint, or --frames given): one mp4 per prompt (clip.mp4, or
-clip_0.mp4, clip_1.mp4, ... for several prompts).
+clip_0.mp4, clip_1.mp4, ... for several prompts). --image: image-to-video from that first frame (Wan 2.1 I2V,
+Wan 2.2 I2V A14B, Wan 2.2 TI2V-5B); a checkpoint that cannot take an image is refused with exit code 2.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ def main(argv=None) -> int:
         help="--prompt only: width in px (default: native; Wan 832, the authors' imported MHLA model 800)",
     )
     parser.add_argument("--frames", type=int, default=None, help="video: number of frames, 4k+1 for Wan (default: native, 81)")
+    parser.add_argument(
+        "--image", default=None,
+        help="video: the first frame (png, jpg, ...) for image-to-video checkpoints (Wan I2V, Wan 2.2 TI2V-5B)",
+    )
     parser.add_argument("--fps", type=int, default=16, help="video: frames per second of the mp4 (default 16, Wan's)")
     parser.add_argument(
         "--no-resolution-binning",
@@ -94,13 +100,18 @@ def main(argv=None) -> int:
         common["guidance_scale"] = args.guidance_scale
     try:
         _check_out_folder(args.out)  # before any compute: the file must be writable where it is asked for
-        if args.prompt is not None and (args.frames is not None or is_video_checkpoint(args.checkpoint)):
+        if args.image is not None and args.prompt is None:
+            raise GenerationError("--image (image-to-video) needs --prompt")
+        video = args.frames is not None or args.image is not None or is_video_checkpoint(args.checkpoint)
+        if args.prompt is not None and video:
             if args.no_resolution_binning or args.rows is not None:
                 raise GenerationError("--no-resolution-binning and --rows only apply to image generation")
             if not args.out.lower().endswith(".mp4"):
                 raise GenerationError(f"videos are written as mp4: --out must end in .mp4; got {args.out}")
             size = {k: v for k, v in (("height", args.height), ("width", args.width), ("frames", args.frames)) if v is not None}
-            videos = generate_videos(args.checkpoint, args.prompt, negative_prompt=args.negative_prompt, **size, **common)
+            videos = generate_videos(
+                args.checkpoint, args.prompt, negative_prompt=args.negative_prompt, image=args.image, **size, **common
+            )
             outs = [args.out] if len(videos) == 1 else [f"{args.out[:-4]}_{i}.mp4" for i in range(len(videos))]
             for video, out in zip(videos, outs):
                 save_video(video, out, fps=args.fps)

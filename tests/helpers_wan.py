@@ -28,6 +28,10 @@ __all__ = [
     "tiny_umt5",
     "tiny_t5_tokenizer",
     "tiny_wan_pipeline",
+    "tiny_wan22_vae",
+    "tiny_clip_image_encoder",
+    "tiny_wan_i2v_pipeline",
+    "tiny_wan22_pipeline",
     "original_wan_state_dict",
     "random_wan",
     "stock_copy",
@@ -224,6 +228,91 @@ def tiny_wan_pipeline(num_layers: int = 3, seed: int = 0):
         transformer=tiny_wan(num_layers=num_layers, seed=seed),
         scheduler=scheduler,
     )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_wan22_vae(seed: int = 0):
+    """The Wan 2.2 TI2V-5B autoencoder in small: ``AutoencoderKLWan`` with z_dim 48, a 2 x 2 pixel patchify
+    (``patch_size=2``, ``in_channels=12``), residual blocks; spatial factor 16, temporal factor 4."""
+    from diffusers import AutoencoderKLWan
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vae = AutoencoderKLWan(
+            base_dim=3, z_dim=48, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
+            latents_mean=[0.0] * 48, latents_std=[1.0] * 48, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+            scale_factor_spatial=16, scale_factor_temporal=4, temperal_downsample=[False, True, True],
+        )
+    return vae.eval()
+
+
+def tiny_clip_image_encoder(hidden: int = 16, seed: int = 0):
+    """``(CLIPVisionModel, CLIPImageProcessor)`` in small (8 x 8 px input, patch 2: 17 image tokens of width
+    ``hidden``), Wan 2.1 image-to-video's image encoder (the pipeline reads ``hidden_states[-2]``)."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    config = CLIPVisionConfig(
+        hidden_size=hidden, projection_dim=hidden, num_hidden_layers=2, num_attention_heads=2, image_size=8,
+        intermediate_size=2 * hidden, patch_size=2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        encoder = CLIPVisionModel(config)
+    return encoder.eval(), CLIPImageProcessor(crop_size=8, size=8)
+
+
+def _flow_unipc():
+    from diffusers import UniPCMultistepScheduler
+
+    return UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0
+    )
+
+
+def tiny_wan_i2v_pipeline(num_layers: int = 2, seed: int = 0):
+    """A Wan 2.1 ``WanImageToVideoPipeline``: the image-to-video transformer (in_channels 36 = 16 noise + 4 mask
+    + 16 first-frame latent; ``image_dim`` 16 with the image branch ``add_k_proj`` / ``add_v_proj`` in every
+    cross-attention) and a tiny CLIP image encoder. 64 x 64 px, 5 frames: 2 x 4 x 4 tokens."""
+    from diffusers import WanImageToVideoPipeline
+
+    encoder, processor = tiny_clip_image_encoder(hidden=16, seed=seed)
+    pipe = WanImageToVideoPipeline(
+        tokenizer=tiny_t5_tokenizer(), text_encoder=tiny_umt5(seed=seed), vae=tiny_wan_vae(seed=seed),
+        transformer=tiny_wan(num_layers=num_layers, in_channels=36, out_channels=16, image_dim=16, seed=seed),
+        scheduler=_flow_unipc(), image_encoder=encoder, image_processor=processor,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def tiny_wan22_pipeline(kind: str = "t2v", num_layers: int = 2, seed: int = 0, boundary_ratio: float = 0.875):
+    """Wan 2.2 in small, built as diffusers builds the real ones:
+
+    * ``"t2v"``: A14B text-to-video, a ``WanPipeline`` with two experts ``transformer`` (high noise:
+      timesteps >= ``boundary_ratio * 1000``) and ``transformer_2`` (low noise), different weights;
+    * ``"i2v"``: A14B image-to-video, a ``WanImageToVideoPipeline`` with two experts taking 36 input
+      channels (no image encoder: the first frame enters as a latent only);
+    * ``"ti2v"``: TI2V-5B, a ``WanPipeline`` with one transformer of 48 channels, the z_dim 48 VAE
+      (:func:`tiny_wan22_vae`, 16 x spatial) and ``expand_timesteps=True`` (per-token timesteps);
+      ``WanImageToVideoPipeline(**pipe.components, expand_timesteps=True)`` is its image-to-video form.
+    """
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+
+    common = dict(tokenizer=tiny_t5_tokenizer(), text_encoder=tiny_umt5(seed=seed), scheduler=_flow_unipc())
+    if kind == "t2v":
+        experts = [tiny_wan(num_layers=num_layers, seed=seed + i) for i in (0, 1)]
+        pipe = WanPipeline(vae=tiny_wan_vae(seed=seed), transformer=experts[0], transformer_2=experts[1],
+                           boundary_ratio=boundary_ratio, **common)
+    elif kind == "i2v":
+        experts = [tiny_wan(num_layers=num_layers, in_channels=36, out_channels=16, seed=seed + i) for i in (0, 1)]
+        pipe = WanImageToVideoPipeline(vae=tiny_wan_vae(seed=seed), transformer=experts[0], transformer_2=experts[1],
+                                       boundary_ratio=boundary_ratio, **common)
+    elif kind == "ti2v":
+        pipe = WanPipeline(vae=tiny_wan22_vae(seed=seed), transformer=tiny_wan(num_layers=num_layers, in_channels=48, seed=seed),
+                           expand_timesteps=True, **common)
+    else:
+        raise ValueError(f"kind must be t2v, i2v or ti2v; got {kind!r}")
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

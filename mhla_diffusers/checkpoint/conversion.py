@@ -168,6 +168,8 @@ def _load_source(src: str, torch_dtype: torch.dtype | None, config: str | None =
     if path.exists():
         folder = transformer_folder(path)
         mhla = read_mhla_config(folder)
+        if mhla is None and (path / "transformer_2" / "config.json").is_file():
+            mhla = read_mhla_config(path / "transformer_2")  # Wan 2.2: MHLA on the second expert only
         if mhla is not None:
             raise AlreadyConvertedError(
                 f"{src} is already an MHLA checkpoint (layers {mhla['layers']}, block grid {mhla['block_grid']}); "
@@ -205,6 +207,7 @@ def convert_checkpoint(
     overwrite: bool = False,
     config: str | os.PathLike | None = None,
     output_norm: bool | None = None,
+    layers_2: str | Sequence[int] | None = None,
 ) -> dict:
     """Load a pretrained checkpoint, install MHLA, write it as a converted checkpoint.
 
@@ -223,6 +226,9 @@ def convert_checkpoint(
         layers, num_blocks, block_grid, normalize, eps, output_norm: see
             :func:`~mhla_diffusers.apply_mhla` (``block_grid`` may name a preset: Wan ``"paper"``,
             ``"authors"``).
+        layers_2: a pipeline with a second transformer (Wan 2.2 A14B: ``transformer`` for high noise,
+            ``transformer_2`` for low noise) converts both, with the same settings; ``layers_2`` is the
+            layer selection of ``transformer_2`` (``None``: ``layers``; ``"none"``: leave it stock).
         torch_dtype: dtype to load (and save) the base weights in (for a pipeline: every component);
             ``None`` keeps the stored dtype of each local component (read from the safetensors
             headers); Hub ids and pickled single files then load as float32 (diffusers' default).
@@ -235,7 +241,7 @@ def convert_checkpoint(
         ValueError: unknown family, family mismatch, bad layer or block options (no layer selected:
             an empty list, ``"none"``, ``"hybrid"`` on a one-layer model), a single file
             without ``config`` (or ``config`` without a single file), a file of another model, a
-            pipeline with a second transformer (Wan 2.2's ``transformer_2``: not supported yet).
+            ``layers_2`` for a source without a second transformer.
         FileNotFoundError / OSError: ``src`` cannot be found or loaded.
     """
     if not isinstance(layers, str):
@@ -252,24 +258,33 @@ def convert_checkpoint(
         raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
     pipe, transformer = _load_source(str(src), torch_dtype, None if config is None else str(config), family)
     model = pipe.transformer if pipe is not None else transformer
-    found = family_of(model)
+    found = family_of(model if model is not None else pipe.transformer_2)
     if family is not None and found.name != family:
         raise ValueError(f"--family {family} was given but {src} holds a {type(model).__name__} ({found.name})")
-    if pipe is not None and getattr(pipe, "transformer_2", None) is not None:
-        raise ValueError(
-            f"{src} has a second transformer (transformer_2, Wan 2.2's two-expert design); this release converts "
-            "pipelines with one transformer. Convert each transformer folder on its own."
-        )
-    apply_mhla(
-        model, layers, num_blocks=num_blocks, block_grid=block_grid, normalize=normalize, eps=eps, output_norm=output_norm
-    )
-    spec = mhla_spec(model)
-    if spec is None:  # e.g. "hybrid" on a model with a single self-attention layer
-        raise ValueError(
-            f"no layers selected: layers={layers!r} picks none of the self-attention layers of {src}; nothing was written"
-        )
+    second = getattr(pipe, "transformer_2", None) if pipe is not None else None
+    if layers_2 is not None and second is None:
+        raise ValueError(f"layers_2 (--layers-2) selects layers of a second transformer (Wan 2.2's transformer_2); {src} has none")
+    settings = dict(num_blocks=num_blocks, block_grid=block_grid, normalize=normalize, eps=eps, output_norm=output_norm)
+    if model is not None:
+        _convert_one(model, layers, settings, src)
+    if second is not None and layers_2 != "none":
+        _convert_one(second, layers if layers_2 is None else layers_2, settings, f"{src} (transformer_2)")
+    spec = mhla_spec(model) if model is not None else {}
+    if second is not None:
+        spec = {**spec, "transformer_2": mhla_spec(second)}
     if pipe is not None:
         save_mhla_pipeline(pipe, out, overwrite=overwrite)
     else:
         save_mhla_transformer(model, out, overwrite=overwrite)
     return {**spec, "out": str(out)}
+
+
+def _convert_one(model, layers, settings: dict, where: str) -> None:
+    """``apply_mhla(model, layers, **settings)``; raises ``ValueError`` when ``layers`` selects none of its layers."""
+    if not isinstance(layers, str):
+        layers = list(layers)
+    if layers == "none" or (not isinstance(layers, str) and not layers):
+        raise ValueError(f"no layers selected for {where} (layers={layers!r}): give 'all', 'hybrid' or a non-empty list of indices")
+    apply_mhla(model, layers, **settings)
+    if mhla_spec(model) is None:  # e.g. "hybrid" on a model with a single self-attention layer
+        raise ValueError(f"no layers selected: layers={layers!r} picks none of the self-attention layers of {where}; nothing was written")

@@ -85,6 +85,8 @@ __all__ = [
     "load_mhla_transformer",
     "load_mhla_pipeline",
     "load_mhla_weights",
+    "pipeline_transformers",
+    "TRANSFORMER_COMPONENTS",
     "transformer_folder",
     "CONFIG_MARKER_KEY",
     "converted_source",
@@ -347,17 +349,35 @@ def save_mhla_transformer(transformer: nn.Module, out_dir: str | os.PathLike, *,
     return Path(out_dir)
 
 
+# The pipeline components that are transformers MHLA may be installed on: Wan 2.2 A14B has two experts,
+# ``transformer`` (high noise) and ``transformer_2`` (low noise); every other pipeline has the first only.
+TRANSFORMER_COMPONENTS = ("transformer", "transformer_2")
+
+
+def pipeline_transformers(pipe) -> dict[str, nn.Module]:
+    """``{component name: transformer}`` of a pipeline, in :data:`TRANSFORMER_COMPONENTS` order, those present
+    only (Wan 2.2 A14B: ``transformer`` and ``transformer_2``; a Wan 2.2 pipeline saved with ``transformer``
+    set to ``None`` has the second only)."""
+    return {name: t for name in TRANSFORMER_COMPONENTS if (t := getattr(pipe, name, None)) is not None}
+
+
 def save_mhla_pipeline(pipe, out_dir: str | os.PathLike, *, overwrite: bool = False, **save_kwargs) -> Path:
-    """Write a diffusers pipeline whose ``transformer`` may have MHLA (atomic); the MHLA files go
-    into ``<out_dir>/transformer/``. The pipeline's ``id2label`` (DiT class names), which
+    """Write a diffusers pipeline whose transformers may have MHLA (atomic); the MHLA files of each go into
+    its own folder (``<out_dir>/transformer/``, and ``<out_dir>/transformer_2/`` for Wan 2.2's second expert,
+    each with its own layers and settings). The pipeline's ``id2label`` (DiT class names), which
     diffusers' ``save_pretrained`` leaves out unless registered in ``pipe.config``, is written
     into ``model_index.json`` (see :func:`_pipeline_id2label`). Raises as :func:`save_mhla_transformer`."""
-    _prepare_for_saving(pipe.transformer)
+    transformers = pipeline_transformers(pipe)
+    for model in transformers.values():
+        _prepare_for_saving(model)
     with atomic_directory(out_dir, overwrite) as tmp:
-        with _without_mixing(pipe.transformer):
+        with contextlib.ExitStack() as stack:
+            for model in transformers.values():
+                stack.enter_context(_without_mixing(model))
             pipe.save_pretrained(tmp, **save_kwargs)
         _write_id2label(pipe, tmp)
-        _write_mhla_files(pipe.transformer, tmp / "transformer")
+        for name, model in transformers.items():
+            _write_mhla_files(model, tmp / name)
     return Path(out_dir)
 
 
@@ -716,7 +736,8 @@ def load_mhla_pipeline(
 ):
     """Load a diffusers pipeline folder whose transformer may be a converted MHLA checkpoint.
 
-    Returns a ready pipeline (its ``transformer`` in eval mode, MHLA installed if recorded, and
+    Returns a ready pipeline (its ``transformer`` in eval mode, MHLA installed if recorded — on each of
+    Wan 2.2's two experts ``transformer`` / ``transformer_2`` as recorded in its own folder —, and
     the LoRA adapter of ``<path>/transformer_lora`` applied when present and ``lora=True``;
     ``lora=False`` skips it, a path loads that adapter folder). A class-conditional pipeline keeps
     the ``id2label`` of ``model_index.json`` in ``pipe.config`` as well as in ``pipe.labels``.
@@ -728,14 +749,19 @@ def load_mhla_pipeline(
     path = Path(path)
     if not (path / "model_index.json").is_file():
         raise FileNotFoundError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
-    config = read_mhla_config(path)
+    configs = {name: read_mhla_config(path / name) for name in TRANSFORMER_COMPONENTS if (path / name / "config.json").is_file()}
+    if not configs:
+        transformer_folder(path)  # raises FileNotFoundError: a pipeline folder without a transformer
     import_named_components(path)
     with _loading_converted():
         pipe = DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(torch_dtype), **kwargs)
-        _forget_marker(pipe.transformer)
         _register_id2label(pipe, path)
-        if config is not None:
-            _install_from_config(pipe.transformer, config, path / "transformer")
-    _load_saved_lora(pipe.transformer, path / "transformer_lora", lora)
-    pipe.transformer.eval()
+        for name, model in pipeline_transformers(pipe).items():
+            _forget_marker(model)
+            if configs.get(name) is not None:
+                _install_from_config(model, configs[name], path / name)
+    if pipe.transformer is not None:
+        _load_saved_lora(pipe.transformer, path / "transformer_lora", lora)
+    for model in pipeline_transformers(pipe).values():
+        model.eval()
     return pipe

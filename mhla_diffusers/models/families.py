@@ -13,7 +13,8 @@ Families:
 * ``sana`` — ``SanaTransformer2DModel``: ReLU linear self-attention (``SanaLinearAttnProcessor2_0``:
   eps 1e-15, q/k norms over all heads before the head split, output cast to the layer input's dtype
   and clipped to +-65504 for fp16 inputs), softmax cross-attention (``SanaAttnProcessor2_0``).
-* ``wan`` — ``WanTransformer3DModel`` (Wan 2.1 text-to-video and image-to-video): ``WanAttention``
+* ``wan`` — ``WanTransformer3DModel`` (Wan 2.1 text-to-video and image-to-video; Wan 2.2: each of the two
+  A14B experts, and TI2V-5B, whose native grid is 31 x 22 x 40): ``WanAttention``
   modules calling ``WanAttnProcessor`` positionally ``(attn, hidden_states, encoder_hidden_states,
   attention_mask, rotary_emb)``; q/k RMSNorm over all heads before the head split; interleaved 3D
   RoPE (:class:`WanRotary`), which MHLA applies after the feature map, in the numerator only; token
@@ -41,6 +42,7 @@ __all__ = [
     "Family",
     "FAMILIES",
     "WanRotary",
+    "wan_native_video",
     "attention_family",
     "attention_modules",
     "family_of",
@@ -178,13 +180,28 @@ def _grid_3d(latent: torch.Tensor, config) -> tuple[int, int, int]:
 
 
 # Wan 2.1's native size: 81 frames at 480 x 832 px, VAE factors 4 (time) and 8 (space): a latent of
-# 21 x 60 x 104, i.e. 21 x 30 x 52 tokens with patch (1, 2, 2).
+# 21 x 60 x 104, i.e. 21 x 30 x 52 tokens with patch (1, 2, 2). Wan 2.2 A14B (T2V, I2V) keeps that VAE.
 WAN_NATIVE_LATENT = (21, 60, 104)
+WAN_NATIVE_VIDEO = {"height": 480, "width": 832, "frames": 81}
+# Wan 2.2 TI2V-5B: its own VAE (z_dim 48, factors 4 and 16), 121 frames at 704 x 1280 px (720p, 24 fps): a
+# latent of 31 x 44 x 80, i.e. 31 x 22 x 40 = 27,280 tokens with patch (1, 2, 2).
+WAN22_TI2V_LATENT_CHANNELS = 48
+WAN22_TI2V_NATIVE_LATENT = (31, 44, 80)
+WAN22_TI2V_NATIVE_VIDEO = {"height": 704, "width": 1280, "frames": 121}
+
+
+def wan_native_video(config) -> dict:
+    """``{"height", "width", "frames"}`` (pixels, frames) a Wan transformer of ``config`` was trained at: Wan 2.2
+    TI2V-5B (``out_channels`` 48, the z_dim 48 VAE) 704 x 1280 px, 121 frames; Wan 2.1 and 2.2 A14B 480 x 832 px,
+    81 frames (the A14B experts also run 720p; 480p is the size both releases share)."""
+    is_ti2v = config.get("out_channels") == WAN22_TI2V_LATENT_CHANNELS
+    return dict(WAN22_TI2V_NATIVE_VIDEO if is_ti2v else WAN_NATIVE_VIDEO)
 
 
 def _reference_grid_wan(config) -> tuple[int, int, int]:
     pt, ph, pw = _patch(config)
-    t, h, w = WAN_NATIVE_LATENT
+    is_ti2v = config.get("out_channels") == WAN22_TI2V_LATENT_CHANNELS
+    t, h, w = WAN22_TI2V_NATIVE_LATENT if is_ti2v else WAN_NATIVE_LATENT
     return (max(1, t // pt), max(1, h // ph), max(1, w // pw))
 
 
@@ -278,7 +295,8 @@ WAN = Family(
     self_attention=r"^blocks\.(\d+)\.attn1$",
     patch_embed="patch_embedding",  # Conv3d(latent [B, C, F, H, W]); tokens f*H*W + h*W + w
     grid_from_latent=_grid_3d,
-    reference_grid=_reference_grid_wan,  # 21 x 30 x 52 (81 frames, 480 x 832 px) for patch (1, 2, 2)
+    # 21 x 30 x 52 (81 frames, 480 x 832 px) for patch (1, 2, 2); Wan 2.2 TI2V-5B 31 x 22 x 40 (121 frames, 704 x 1280)
+    reference_grid=_reference_grid_wan,
     stock_self_processor=_wan_attn_processor,
     cross_attention=r"^blocks\.(\d+)\.attn2$",
     stock_cross_processor=_wan_attn_processor,
