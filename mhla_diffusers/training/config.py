@@ -50,6 +50,10 @@ DEFAULT_CONFIG: dict[str, Any] = {
             "clip_sample": False,
             "prediction_type": "epsilon",
         },
+        # Wan 2.2 A14B (two experts): which one to fine-tune, transformer (high noise: timesteps >=
+        # boundary_ratio * 1000) | transformer_2 (low noise: below); timesteps are drawn in that expert's range.
+        # null: transformer (pipelines with one transformer); a two-expert pipeline must name one.
+        "expert": None,
         # Text-conditioned families (SANA, Wan): how captions are encoded (the pipeline's encode_prompt).
         "text": {
             "max_sequence_length": None,  # null: the pipeline's default (SANA 300, Wan 512)
@@ -148,7 +152,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
     },
 }
 _FREE_SECTIONS = {("model", "init"), ("model", "vae"), ("model", "noise_scheduler"), ("mhla",)}
-_MHLA_KEYS = {"layers", "num_blocks", "block_grid", "normalize", "eps", "backend", "init", "output_norm"}
+_MHLA_KEYS = {
+    "layers", "num_blocks", "block_grid", "normalize", "eps", "backend", "init", "output_norm", "feature_eps", "mixing_clamp",
+}
 
 
 # -- configuration --------------------------------------------------------------------------------
@@ -267,6 +273,19 @@ class Integer:
 
 
 @dataclass(frozen=True)
+class Boolean:
+    """``true`` or ``false`` (YAML booleans; not 0 / 1 or strings), or null when ``nullable``."""
+
+    nullable: bool = False
+
+    def check(self, name: str, value: Any) -> Any:
+        """``value`` unchanged; raises ``ValueError`` unless it is a boolean (or an allowed null)."""
+        if isinstance(value, bool) or (value is None and self.nullable):
+            return value
+        raise ValueError(f"{name} must be true or false{' or null' if self.nullable else ''}; got {value!r}")
+
+
+@dataclass(frozen=True)
 class Number:
     """A number (numeric strings accepted: PyYAML reads ``1e-4`` as a string) for which ``valid``
     holds (``bound`` says it in words: ``"> 0"``, ``"in [0, 1)"``); null when ``nullable``."""
@@ -294,7 +313,8 @@ _PROBABILITY = Number(lambda v: 0.0 <= v < 1.0, "in [0, 1)")
 
 # Checked in this order by validate_config; a rule's check may normalise the value (numbers to float,
 # YAML booleans back to the choice written).
-_RULES: dict[str, Choice | Integer | Number] = {
+_RULES: dict[str, Choice | Integer | Number | Boolean] = {
+    "model.expert": Choice(("transformer", "transformer_2"), nullable=True),
     "data.kind": Choice(("photos", "folder", "captions", "video")),
     "data.missing_caption": Choice(("error", "empty")),
     "data.num_frames": Integer(1),
@@ -339,6 +359,14 @@ _RULES: dict[str, Choice | Integer | Number] = {
     "ema.decay": Number(lambda v: 0.0 < v < 1.0, "in (0, 1)"),
 }
 
+# Rules of the optional keys of the ``mhla`` section (apply_mhla's arguments), checked when present.
+_MHLA_RULES: dict[str, Choice | Integer | Number | Boolean] = {
+    # phi = ReLU(x) + feature_eps (the authors' Wan model: 1e-6); 0 = the paper's ReLU
+    "feature_eps": Number(lambda v: 0.0 <= v < float("inf"), "a finite number >= 0"),
+    # the mixing matrices used clamped to [0, 1] (the paper) or as stored (false: the authors' Wan model)
+    "mixing_clamp": Boolean(),
+}
+
 
 def validate_config(config: dict) -> None:
     """Check a merged config in place (numeric strings become floats, YAML booleans the choice written).
@@ -360,6 +388,11 @@ def validate_config(config: dict) -> None:
     if config["train"]["report_to"] == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("train.report_to=tensorboard needs the tensorboard package: pip install tensorboard (or set report_to: null)")
     _check_distill(config["distill"])
+    if config["model"]["expert"] == "transformer_2" and config["train"]["trainable"] == "lora" and config["lora"]["export"] == "separate":
+        raise ValueError(
+            "lora.export=separate writes the adapter as transformer_lora/, which loads onto the first expert: with "
+            "model.expert=transformer_2 use lora.export=merge"
+        )
     targets = config["lora"]["target_modules"]
     if not isinstance(targets, list) or not targets or not all(isinstance(s, str) for s in targets):
         raise ValueError(f"lora.target_modules must be a non-empty list of module-name suffixes; got {targets!r}")
@@ -393,6 +426,9 @@ def _check_mhla(mh: Any) -> None:
     unknown = set(mh) - _MHLA_KEYS
     if unknown:
         raise ValueError(f"unknown mhla keys {sorted(unknown)}; valid: {sorted(_MHLA_KEYS)}")
+    for key, rule in _MHLA_RULES.items():
+        if key in mh:
+            mh[key] = rule.check(f"mhla.{key}", mh[key])
 
 
 def _check_data(d: Mapping) -> None:

@@ -56,9 +56,15 @@ class Objective:
         logit_mean, logit_std: of the logit-normal density (default 0, 1).
         mode_scale: of the ``"mode"`` density (SD3's 1.29).
         loss_weighting: flow only; ``"none"``, ``"sigma_sqrt"`` (``sigma^-2``) or ``"cosmap"``.
+        timestep_range: flow only; ``(low, high)``: train on the table's timesteps ``t`` with
+            ``low <= t < high`` only (transformer timestep units, ``sigma * T``), the draw ``u`` spread
+            over them in the same order (Wan 2.2 A14B's experts: ``transformer`` on
+            ``[boundary_ratio * T, inf)``, ``transformer_2`` on ``[0, boundary_ratio * T)``, as
+            ``WanPipeline`` switches them). ``None``: every timestep.
 
     Raises:
-        ValueError: unknown ``kind`` / ``timestep_sampling`` / ``loss_weighting``.
+        ValueError: unknown ``kind`` / ``timestep_sampling`` / ``loss_weighting``; a ``timestep_range``
+            for the epsilon objective or one holding no timestep of the table.
     """
 
     def __init__(
@@ -71,6 +77,7 @@ class Objective:
         logit_std: float = 1.0,
         mode_scale: float = 1.29,
         loss_weighting: str = "none",
+        timestep_range: tuple[float, float] | None = None,
     ):
         if kind not in OBJECTIVES:
             raise ValueError(f"objective must be one of {OBJECTIVES}; got {kind!r}")
@@ -84,11 +91,24 @@ class Objective:
         self.timestep_sampling = timestep_sampling
         self.logit_mean, self.logit_std, self.mode_scale = float(logit_mean), float(logit_std), float(mode_scale)
         self.loss_weighting = loss_weighting
+        self.timestep_range = None if timestep_range is None else (float(timestep_range[0]), float(timestep_range[1]))
+        self._first, self._count = 0, self.num_train_timesteps  # the table rows u is spread over
+        if timestep_range is not None:
+            if kind != "flow":
+                raise ValueError("timestep_range is defined for the flow objective only")
+            t = scheduler.timesteps[: self.num_train_timesteps].double()
+            rows = torch.nonzero((t >= self.timestep_range[0]) & (t < self.timestep_range[1])).flatten()
+            if rows.numel() == 0:
+                span = f"{float(t.min()):.1f} to {float(t.max()):.1f}"
+                raise ValueError(f"timestep_range {timestep_range} holds no timestep of the table ({span})")
+            self._first, self._count = int(rows[0]), int(rows.numel())  # the table is monotone: one run of rows
 
     def __repr__(self) -> str:
         extra = "" if self.kind == "epsilon" else (
             f", timestep_sampling={self.timestep_sampling!r}, shift={self.scheduler.config.shift}, loss_weighting={self.loss_weighting!r}"
         )
+        if self.timestep_range is not None:
+            extra += f", timestep_range={self.timestep_range}"
         return f"Objective({self.kind!r}, T={self.num_train_timesteps}{extra})"
 
     # -- the random draw of each sample ---------------------------------------------------------
@@ -123,7 +143,7 @@ class Objective:
         if self.kind == "epsilon":
             t = draw.to(latents.device)
             return self.scheduler.add_noise(latents, noise, t), t, noise, None
-        idx = (draw.to(torch.float64) * self.num_train_timesteps).long().clamp(0, self.num_train_timesteps - 1).cpu()
+        idx = self._first + (draw.to(torch.float64) * self._count).long().clamp(0, self._count - 1).cpu()
         sigmas = self.scheduler.sigmas[idx].to(latents.device, torch.float32)
         timesteps = self.scheduler.timesteps[idx].to(latents.device, torch.float32)
         s = sigmas.view(-1, *([1] * (latents.ndim - 1)))

@@ -16,7 +16,7 @@ from diffusers import DDPMScheduler, DiTTransformer2DModel
 from diffusers.models.embeddings import LabelEmbedding
 
 from mhla_diffusers.autoencoder import SpaceToDepthAutoencoder
-from mhla_diffusers.checkpoint.format import load_mhla_pipeline, save_mhla_pipeline, transformer_folder
+from mhla_diffusers.checkpoint.format import load_mhla_pipeline, pipeline_transformers, save_mhla_pipeline, transformer_folder
 from mhla_diffusers.models.families import FAMILIES
 from mhla_diffusers.models.install import apply_mhla, is_mhla_model
 from mhla_diffusers.training.config import TRAINED_FAMILIES
@@ -27,7 +27,7 @@ from mhla_diffusers.training.optim import set_trainable
 
 __all__ = [
     "TrainingParts", "DiTRecipe", "SanaRecipe", "WanRecipe", "RECIPES", "get_recipe", "resolve_family", "build_models",
-    "check_resolution", "vae_scale_factor", "disable_internal_label_dropout",
+    "check_resolution", "vae_scale_factor", "disable_internal_label_dropout", "select_expert",
 ]
 
 
@@ -78,6 +78,8 @@ class TrainingParts:
         teacher: the frozen distillation teacher, or ``None``.
         text: ``model.text`` options (max_sequence_length, complex_human_instruction).
         null_condition: text families: the empty caption's encoding (caption dropout on cached data).
+        expert: the pipeline component trained (``"transformer"``; Wan 2.2 A14B: ``"transformer"`` or
+            ``"transformer_2"``, see :func:`select_expert`).
     """
 
     family: str
@@ -91,6 +93,7 @@ class TrainingParts:
     teacher: torch.nn.Module | None = None
     text: dict = field(default_factory=dict)
     null_condition: dict | None = None
+    expert: str = "transformer"
 
     @property
     def recipe(self) -> "_Recipe":
@@ -236,6 +239,35 @@ class DiTRecipe(_Recipe):
         export_pipeline(model, parts.vae, parts.noise_scheduler, out_dir, sampler=sampler, id2label=id2label, overwrite=True)
 
 
+def select_expert(pipe, expert: str | None, where="the pipeline") -> tuple[str, tuple[float, float] | None]:
+    """``(component name, timestep range)`` of the transformer to fine-tune in ``pipe`` (``model.expert``).
+
+    Wan 2.2 A14B denoises with two experts, switched at ``boundary = boundary_ratio * num_train_timesteps``
+    (diffusers' ``WanPipeline``): ``transformer`` for timesteps ``t >= boundary`` (high noise),
+    ``transformer_2`` for ``t < boundary`` (low noise); each is trained on its own range. A pipeline with
+    one transformer trains it on every timestep (range ``None``).
+
+    Raises:
+        ValueError: a two-expert pipeline without ``expert``; ``expert`` naming a component the pipeline
+            does not have.
+    """
+    present = pipeline_transformers(pipe)
+    boundary_ratio = getattr(pipe, "config", {}).get("boundary_ratio")
+    if expert is None:
+        if len(present) > 1:
+            raise ValueError(
+                f"{where} has two experts (transformer: timesteps >= {boundary_ratio} x 1000, transformer_2: below): "
+                "set model.expert to transformer or transformer_2"
+            )
+        expert = next(iter(present), "transformer")
+    if expert not in present:
+        raise ValueError(f"model.expert={expert}: {where} has no {expert} (it has {sorted(present) or 'none'})")
+    if len(present) == 1 or boundary_ratio is None:
+        return expert, None
+    boundary = float(boundary_ratio) * int(pipe.scheduler.config.get("num_train_timesteps", 1000))
+    return expert, ((boundary, float("inf")) if expert == "transformer" else (float("-inf"), boundary))
+
+
 def _call_default(pipe, name: str):
     """The default of ``name`` in the pipeline's ``__call__`` (what inference uses), or ``None``."""
     param = inspect.signature(type(pipe).__call__).parameters.get(name)
@@ -257,10 +289,13 @@ class _TextRecipe(_Recipe):
         the flow shift defaults to the pipeline scheduler's ``flow_shift``."""
         m = config["model"]
         pipe = load_mhla_pipeline(m["pretrained"], torch_dtype=torch.float32)
-        if type(pipe.transformer).__name__ != self.transformer_class or not hasattr(pipe, "encode_prompt"):
+        expert, timestep_range = select_expert(pipe, m.get("expert"), m["pretrained"])
+        transformer = getattr(pipe, expert)
+        if type(transformer).__name__ != self.transformer_class or not hasattr(pipe, "encode_prompt"):
             raise ValueError(f"family {self.family} expects a pipeline with a {self.transformer_class}; "
-                             f"{m['pretrained']} holds {type(pipe).__name__} / {type(pipe.transformer).__name__}")
-        for module in (pipe.vae, pipe.text_encoder):
+                             f"{m['pretrained']} holds {type(pipe).__name__} / {type(transformer).__name__}")
+        frozen = [t for name, t in pipeline_transformers(pipe).items() if name != expert]  # the other expert, exported as loaded
+        for module in (pipe.vae, pipe.text_encoder, *frozen):
             module.requires_grad_(False).eval()
         sched = pipe.scheduler.config
         shift = config["objective"]["shift"] or sched.get("flow_shift") or sched.get("shift") or 1.0
@@ -268,14 +303,14 @@ class _TextRecipe(_Recipe):
         o = config["objective"]
         objective = Objective(
             "flow", table, timestep_sampling=o["timestep_sampling"], logit_mean=o["logit_mean"], logit_std=o["logit_std"],
-            mode_scale=o["mode_scale"], loss_weighting=o["loss_weighting"],
+            mode_scale=o["mode_scale"], loss_weighting=o["loss_weighting"], timestep_range=timestep_range,
         )
         text = dict(m["text"])
         if text["max_sequence_length"] is None:
             text["max_sequence_length"] = _call_default(pipe, "max_sequence_length") or 300
         return TrainingParts(
-            family=self.family, transformer=pipe.transformer, vae=pipe.vae, noise_scheduler=table,
-            objective=objective, pipeline=pipe, text=text,
+            family=self.family, transformer=transformer, vae=pipe.vae, noise_scheduler=table,
+            objective=objective, pipeline=pipe, text=text, expert=expert,
         )
 
     def prepare(self, parts, dataset, config):
@@ -333,8 +368,9 @@ class _TextRecipe(_Recipe):
     def write(self, model, parts, out_dir, *, sampler, id2label):
         """The loaded pipeline with the trained transformer (its own scheduler; ``sampler`` is DiT's)."""
         components = dict(parts.pipeline.components)
-        components["transformer"] = model
-        save_mhla_pipeline(type(parts.pipeline)(**components), out_dir, overwrite=True)
+        components[parts.expert] = model
+        config = {k: parts.pipeline.config[k] for k in ("boundary_ratio", "expand_timesteps") if k in parts.pipeline.config}
+        save_mhla_pipeline(type(parts.pipeline)(**components, **config), out_dir, overwrite=True)
 
 
 class SanaRecipe(_TextRecipe):
@@ -382,6 +418,22 @@ class WanRecipe(_TextRecipe):
     family = "wan"
     transformer_class = "WanTransformer3DModel"
     condition_keys = {"prompt_embeds": "encoder_hidden_states"}
+
+    def load(self, config: dict) -> TrainingParts:
+        """As :meth:`_TextRecipe.load` (Wan 2.2 A14B: the expert ``model.expert``, on its timestep range; TI2V-5B
+        trains as text-to-video); refuses image-to-video transformers, whose input also holds the first frame.
+
+        Raises:
+            ValueError: a transformer whose ``in_channels`` is not the VAE's ``z_dim`` (Wan I2V: 36 = 16 + 4 + 16).
+        """
+        parts = super().load(config)
+        z_dim, channels = int(parts.vae.config.z_dim), int(parts.transformer.config.in_channels)
+        if channels != z_dim:
+            raise ValueError(
+                f"{config['model']['pretrained']}: the {parts.expert} takes {channels} input channels, the VAE gives {z_dim}: an "
+                "image-to-video model (noise + mask + first-frame latent); this trainer fine-tunes text-to-video Wan models"
+            )
+        return parts
 
     def latents(self, parts, batch, generator=None):
         """Normalised video latents ``[B, z, F', H/8, W/8]`` (``pixel_values`` ``[B, 3, F, H, W]`` or images ``[B, 3, H, W]``)."""
@@ -452,6 +504,8 @@ def build_models(config: dict) -> TrainingParts:
     if kind is not None and kind != recipe.objective:
         raise ValueError(f"objective.kind={kind!r}: the {family} recipe trains {recipe.objective!r} (set objective.kind to it or null)")
     parts = recipe.load(config)
+    if config["model"].get("expert") not in (None, parts.expert):  # a family whose recipe has no experts (DiT)
+        raise ValueError(f"model.expert={config['model']['expert']}: the {family} pipeline trains its transformer only")
     transformer = parts.transformer
     teacher = config["distill"]["teacher"]
     if teacher == "original":
