@@ -162,8 +162,12 @@ def _shape_changes(changes: Mapping[str, tuple[Any, Any]], config: Mapping, reco
     lora = "lora" in (config["train"]["trainable"], (recorded.get("train") or {}).get("trainable"))
     shaping = _SHAPE_KEYS_MHLA + (_SHAPE_KEYS_LORA if lora else ())
     # "mhla" itself changes when MHLA is turned on or off (a null section against a mapping)
+    # model.expert: which of Wan 2.2's experts is trained (null and unset: the only transformer)
+    expert = changes.get("model.expert", (None, None))
+    other_expert = all(v not in (None, _UNSET) for v in expert)
     return [key for key in changes
-            if key in shaping or key == "mhla" or any(key == k or key.startswith(k + ".") for k in _SHAPE_KEYS)]
+            if key in shaping or key == "mhla" or any(key == k or key.startswith(k + ".") for k in _SHAPE_KEYS)
+            or (key == "model.expert" and other_expert)]
 
 
 def _check_resume_config(out: Path, folder: Path, config: Mapping) -> dict[str, tuple[Any, Any]]:
@@ -173,8 +177,9 @@ def _check_resume_config(out: Path, folder: Path, config: Mapping) -> dict[str, 
     Raises:
         ValueError: a changed setting that shapes the trained parameters (``mhla`` on / off,
             ``mhla.layers``, ``num_blocks``, ``block_grid``, ``output_norm``, ``train.trainable``,
-            ``train.train_mixing``, ``model.family``, ``model.init``, ``lora.rank`` /
-            ``target_modules`` of a LoRA run): the message names each, old and new value.
+            ``train.train_mixing``, ``model.family``, ``model.init``, ``model.expert`` (one Wan 2.2 expert
+            for another), ``lora.rank`` / ``target_modules`` of a LoRA run): the message names each, old and
+            new value.
     """
     recorded, source = _recorded_config(out, folder)
     if recorded is None:

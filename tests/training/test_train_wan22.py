@@ -94,3 +94,17 @@ def test_expert_errors(tmp_path, wan22):
         training.build_models(config(tmp_path / "b", wan22 / "i2v", "model.expert=transformer"))
     parts = training.build_models(config(tmp_path / "c", wan22 / "wan21", "model.expert=transformer"))
     assert parts.objective.timestep_range is None
+
+
+def test_resume_refuses_another_expert():
+    """A checkpoint of one expert does not resume as the other; null / unset (configs from before the key) and
+    ``transformer`` on a one-transformer pipeline are the same run."""
+    from mhla_diffusers.training.resume import _UNSET, _config_changes, _shape_changes
+
+    def shaping(old, new):
+        recorded = {"model": {} if old is _UNSET else {"expert": old}, "train": {"trainable": "full"}}
+        config = {"model": {"expert": new}, "train": {"trainable": "full"}}
+        return _shape_changes(_config_changes(recorded, config), config, recorded)
+
+    assert shaping("transformer", "transformer_2") == ["model.expert"]
+    assert shaping(None, "transformer") == [] and shaping(_UNSET, None) == []
