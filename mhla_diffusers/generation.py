@@ -292,7 +292,8 @@ def generate_videos(
     pipe, device = _prepare(checkpoint, pipe, steps, dtype, device)
     if not is_video_pipeline(pipe) or not _takes_prompt(pipe):
         raise GenerationError(
-            f"{checkpoint} holds a {type(pipe).__name__}, not a text-to-video pipeline; --frames is for WanPipeline checkpoints"
+            f"{checkpoint} holds a {type(pipe).__name__}, not a text-to-video pipeline; --frames and --image are for Wan "
+            "(WanPipeline, WanImageToVideoPipeline) checkpoints"
         )
     native = native_video_size(pipe)
     height = native["height"] if height is None else height

@@ -1,7 +1,9 @@
 """The converted-checkpoint format: save and load MHLA transformers and pipelines.
 
 A converted checkpoint is the base diffusers checkpoint (``save_pretrained``, without any MHLA
-keys; its ``config.json`` carries one extra key, see below) plus, in the transformer's folder:
+keys; its ``config.json`` carries one extra key, see below) plus, in the transformer's folder (in a
+Wan 2.2 A14B pipeline, in each expert's folder, ``transformer/`` and ``transformer_2/``, each with its
+own settings):
 
 * ``mhla_config.json`` — ``format_version``, family, model class, layers, block grid, normalize,
   eps, backend (see :func:`~mhla_diffusers.mhla_spec`);

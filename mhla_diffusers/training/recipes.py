@@ -268,6 +268,21 @@ def select_expert(pipe, expert: str | None, where="the pipeline") -> tuple[str, 
     return expert, ((boundary, float("inf")) if expert == "transformer" else (float("-inf"), boundary))
 
 
+def _expert_folder(path, expert: str):
+    """The folder of ``expert`` in a pipeline folder ``path`` (Wan 2.2: ``<path>/transformer_2`` teaches the
+    low-noise expert); ``path`` itself for the first transformer or a transformer folder.
+
+    Raises:
+        FileNotFoundError: a pipeline folder without that expert.
+    """
+    path = Path(path)
+    if expert == "transformer" or not (path / "model_index.json").is_file():
+        return path
+    if not (path / expert / "config.json").is_file():
+        raise FileNotFoundError(f"distill.teacher {path} has no {expert} (model.expert): give a pipeline with both experts")
+    return path / expert
+
+
 def _call_default(pipe, name: str):
     """The default of ``name`` in the pipeline's ``__call__`` (what inference uses), or ``None``."""
     param = inspect.signature(type(pipe).__call__).parameters.get(name)
@@ -511,7 +526,7 @@ def build_models(config: dict) -> TrainingParts:
     if teacher == "original":
         parts.teacher = make_teacher(transformer)
     elif teacher:
-        parts.teacher = load_teacher(teacher)
+        parts.teacher = load_teacher(_expert_folder(teacher, parts.expert))
         if type(parts.teacher) is not type(transformer):
             raise ValueError(
                 f"distill.teacher {teacher} holds a {type(parts.teacher).__name__}; the student is a {type(transformer).__name__}"

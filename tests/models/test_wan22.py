@@ -24,7 +24,8 @@ from helpers import randomize_mixing_, run_main
 from helpers_wan import tiny_wan22_pipeline, tiny_wan_i2v_pipeline, tiny_wan_pipeline, wan_cross_attn, wan_self_attn
 from PIL import Image
 
-from mhla_diffusers import MHLAProcessor, apply_mhla, load_mhla_pipeline, remove_mhla, save_mhla_pipeline
+from mhla_diffusers import MHLAProcessor, apply_mhla, choose_block_grid, load_mhla_pipeline, remove_mhla, save_mhla_pipeline
+from mhla_diffusers.checkpoint.conversion import convert_checkpoint
 from mhla_diffusers.generation import GenerationError, generate_videos, image_to_video_pipeline, native_video_size
 from mhla_diffusers.models.families import WAN
 from mhla_diffusers.models.grid import current_grid
@@ -193,7 +194,7 @@ def test_text_to_video_checkpoint_refuses_an_image(tmp_path, capsys):
     assert not (tmp_path / "c.mp4").exists()
 
 
-def test_ti2v_expand_timesteps_one_liner_native_size_and_image():
+def test_ti2v_expand_timesteps_one_liner_native_size_convert_and_image(tmp_path):
     pipe = tiny_wan22_pipeline("ti2v")
     config = pipe.transformer.config
     assert WAN.reference_grid(config) == (31, 22, 40)
@@ -210,6 +211,16 @@ def test_ti2v_expand_timesteps_one_liner_native_size_and_image():
     np.testing.assert_allclose(video(pipe, **size), one_liner, rtol=0, atol=1e-5)
     assert np.abs(one_liner - stock).max() > 1e-3
 
+    # conversion with the defaults: M = 105 blocks chosen on TI2V's native 31 x 22 x 40 grid
+    remove_mhla(pipe.transformer)
+    pipe.save_pretrained(tmp_path / "ti2v")
+    spec = convert_checkpoint(tmp_path / "ti2v", tmp_path / "ti2v-mhla", family="wan")
+    assert tuple(spec["block_grid"]) == choose_block_grid((31, 22, 40), 105)
+    loaded = load_mhla_pipeline(tmp_path / "ti2v-mhla")
+    assert loaded.config.expand_timesteps and all(isinstance(a.processor, MHLAProcessor) for a in wan_self_attn(loaded.transformer))
+    assert np.abs(video(loaded, **size) - stock).max() > 1e-3
+
+    apply_mhla(pipe.transformer, block_grid=(1, 2, 2))
     i2v = image_to_video_pipeline(pipe)
     assert type(i2v).__name__ == "WanImageToVideoPipeline" and i2v.config.expand_timesteps and i2v.transformer is pipe.transformer
     with Watch(pipe.transformer) as watch:
