@@ -168,6 +168,10 @@ def test_wan21_image_to_video_cross_attention_stock_convert_generate(tmp_path, c
     with pytest.warns(UserWarning, match="stock attention"):
         np.testing.assert_allclose(video(loaded, image=image_file), stock, rtol=0, atol=1e-5)
 
+    without_encoder = type(pipe)(**{**pipe.components, "image_encoder": None, "image_processor": None})
+    with pytest.raises(GenerationError, match="reads CLIP image features .* no image_encoder"):
+        video(without_encoder, image=image_file)
+
     mp4 = tmp_path / "clip.mp4"
     code, err = run_main("pipelines/generate.py", "--checkpoint", out, "--prompt", "a cat", "--image", image_file,
                          "--height", 64, "--width", 64, "--frames", 5, "--steps", 2, "--device", "cpu", "--out", mp4,
