@@ -121,7 +121,7 @@ def _noised(family, pipe, x0: torch.Tensor, frac: float, generator: torch.Genera
         return (1 - frac) * x0 + frac * eps, torch.tensor([1000.0 * frac])
     alphas = getattr(getattr(pipe, "scheduler", None), "alphas_cumprod", None)
     if alphas is None:
-        alphas = torch.cumprod(1 - torch.linspace(1e-4, 0.02, 1000, dtype=torch.float64), 0)
+        alphas = torch.cumprod(1 - torch.linspace(1e-4, 0.02, 1000, dtype=torch.float32), 0)  # as DDPMScheduler builds it
     t = min(int(frac * len(alphas)), len(alphas) - 1)
     a = float(alphas[t])
     return math.sqrt(a) * x0 + math.sqrt(1 - a) * eps, torch.tensor([t])
