@@ -206,7 +206,9 @@ def _check_calibration_options(
         raise ValueError("layers='auto' needs exactly one of keep_softmax=K (--keep-softmax) or max_attention_cost=F (--attention-budget)")
     given = [name for name, value in made.items() if value is not None]
     if not (isinstance(layers, str) and layers == "auto"):
-        given += [name for name, value in (("calibration", calibration), ("sensitivity", sensitivity)) if value is not None]
+        others = (("keep_softmax", keep_softmax), ("max_attention_cost", max_attention_cost), ("calibration", calibration),
+                  ("sensitivity", sensitivity))
+        given = [name for name, value in others if value is not None] + given
         if given:
             raise ValueError(f"{', '.join(given)} only apply with layers='auto' (--layers auto); got layers={layers!r}")
     elif given and (calibration is not None or sensitivity is not None):

@@ -135,6 +135,8 @@ def _condition(family, transformer, pipe, embeddings, prompts, num_samples, gene
         classes = int(transformer.config.get("num_embeds_ada_norm") or 1000)
         labels = torch.randint(0, classes, (num_samples,), generator=generator)
         return [{"class_labels": labels[i: i + 1]} for i in range(num_samples)]
+    if isinstance(embeddings, (str, os.PathLike)):
+        embeddings = load_calibration_embeddings(embeddings)
     if embeddings is None:
         embeddings = encode_calibration_prompts(pipe if pipe is not None else transformer, prompts)
     elif prompts is not None:
@@ -188,8 +190,6 @@ def calibration_inputs(
         if len(size) != len(shape) - 1 or min(size) < 1:
             raise ValueError(f"latent_size must be {len(shape) - 1} positive integers for a {family.name} model; got {latent_size!r}")
         shape = (shape[0], *size)
-    if isinstance(embeddings, (str, os.PathLike)):
-        embeddings = load_calibration_embeddings(embeddings)
     generator = torch.Generator().manual_seed(int(seed))
     conditions = _condition(family, transformer, pipe, embeddings, prompts, int(num_samples), generator)
     parameter = next(transformer.parameters())

@@ -159,11 +159,13 @@ def _auto_layers(transformer, num_layers, num_blocks, block_grid, normalize, *, 
         )
     if (keep_softmax is None) == (max_attention_cost is None):
         raise ValueError("layers='auto' needs exactly one of keep_softmax=K or max_attention_cost=F")
+    stock, mhla = layer_attention_flops(transformer, num_blocks=num_blocks, block_grid=block_grid)
+    budget = dict(keep_softmax=keep_softmax, max_attention_cost=max_attention_cost, stock_costs=stock, mhla_costs=mhla)
     if sensitivity is None:
+        select_auto([0.0] * num_layers, **budget)  # a request no ranking can meet fails before the measurement
         sensitivity = layer_sensitivity(transformer, calibration, num_blocks=num_blocks, block_grid=block_grid, normalize=normalize)
     scores = scores_list(sensitivity, num_layers)
-    stock, mhla = layer_attention_flops(transformer, num_blocks=num_blocks, block_grid=block_grid)
-    chosen = select_auto(scores, keep_softmax=keep_softmax, max_attention_cost=max_attention_cost, stock_costs=stock, mhla_costs=mhla)
+    chosen = select_auto(scores, **budget)
     record = {"method": "auto"}
     if keep_softmax is not None:
         record["keep_softmax"] = int(keep_softmax)
