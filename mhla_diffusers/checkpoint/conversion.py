@@ -12,7 +12,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import diffusers
 import torch
@@ -28,6 +28,7 @@ from mhla_diffusers.checkpoint.format import (
     save_mhla_transformer,
     transformer_folder,
 )
+from mhla_diffusers.models.calibration import calibration_inputs
 from mhla_diffusers.models.families import FAMILIES, family_of, get_family
 from mhla_diffusers.models.install import apply_mhla, mhla_spec
 from mhla_diffusers.models.provenance import is_hub_id
@@ -191,6 +192,29 @@ def _load_source(src: str, torch_dtype: torch.dtype | None, config: str | None =
         ) from err
 
 
+def _check_calibration_options(
+    layers, keep_softmax, max_attention_cost, calibration, sensitivity, samples, seed, embeddings
+) -> None:
+    """``layers="auto"`` needs one of ``keep_softmax`` / ``max_attention_cost``; calibration settings apply
+    only with it, and those that make calibration inputs only when none are given.
+
+    Raises:
+        ValueError: naming the settings that would otherwise be ignored.
+    """
+    made = {"calibration_samples": samples, "calibration_seed": seed, "calibration_embeddings": embeddings}
+    if isinstance(layers, str) and layers == "auto" and (keep_softmax is None) == (max_attention_cost is None):
+        raise ValueError("layers='auto' needs exactly one of keep_softmax=K (--keep-softmax) or max_attention_cost=F (--attention-budget)")
+    given = [name for name, value in made.items() if value is not None]
+    if not (isinstance(layers, str) and layers == "auto"):
+        others = (("keep_softmax", keep_softmax), ("max_attention_cost", max_attention_cost), ("calibration", calibration),
+                  ("sensitivity", sensitivity))
+        given = [name for name, value in others if value is not None] + given
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with layers='auto' (--layers auto); got layers={layers!r}")
+    elif given and (calibration is not None or sensitivity is not None):
+        raise ValueError(f"{', '.join(given)} make calibration inputs; they do not apply with calibration= or sensitivity= given")
+
+
 def convert_checkpoint(
     src: str | os.PathLike,
     out: str | os.PathLike,
@@ -205,6 +229,13 @@ def convert_checkpoint(
     overwrite: bool = False,
     config: str | os.PathLike | None = None,
     output_norm: bool | None = None,
+    keep_softmax: int | None = None,
+    max_attention_cost: float | None = None,
+    calibration: Iterable[Mapping[str, Any]] | None = None,
+    sensitivity=None,
+    calibration_samples: int | None = None,
+    calibration_seed: int | None = None,
+    calibration_embeddings: str | os.PathLike | Mapping[str, torch.Tensor] | None = None,
 ) -> dict:
     """Load a pretrained checkpoint, install MHLA, write it as a converted checkpoint.
 
@@ -226,6 +257,12 @@ def convert_checkpoint(
         torch_dtype: dtype to load (and save) the base weights in (for a pipeline: every component);
             ``None`` keeps the stored dtype of each local component (read from the safetensors
             headers); Hub ids and pickled single files then load as float32 (diffusers' default).
+        keep_softmax, max_attention_cost, calibration, sensitivity: ``layers="auto"``, see
+            :func:`~mhla_diffusers.apply_mhla`. Without ``calibration`` and ``sensitivity`` the calibration
+            inputs are made from the loaded source by :func:`~mhla_diffusers.calibration_inputs`
+            (``calibration_samples``, default 8; ``calibration_seed``, default 0; SANA / Wan: the
+            pipeline's text encoder, or ``calibration_embeddings``, a file or dict of cached text states).
+            The selection is recorded in ``mhla_config.json`` (``"selection"``).
 
     Returns:
         The MHLA spec written to ``mhla_config.json`` plus ``"out"``.
@@ -238,6 +275,10 @@ def convert_checkpoint(
             pipeline with a second transformer (Wan 2.2's ``transformer_2``: not supported yet).
         FileNotFoundError / OSError: ``src`` cannot be found or loaded.
     """
+    _check_calibration_options(
+        layers, keep_softmax, max_attention_cost, calibration, sensitivity, calibration_samples, calibration_seed,
+        calibration_embeddings,
+    )
     if not isinstance(layers, str):
         layers = list(layers)
     if layers == "none" or (not isinstance(layers, str) and not layers):
@@ -260,8 +301,16 @@ def convert_checkpoint(
             f"{src} has a second transformer (transformer_2, Wan 2.2's two-expert design); this release converts "
             "pipelines with one transformer. Convert each transformer folder on its own."
         )
+    auto = {}
+    if layers == "auto":
+        if calibration is None and sensitivity is None:
+            calibration = calibration_inputs(
+                pipe if pipe is not None else model, num_samples=8 if calibration_samples is None else calibration_samples,
+                seed=calibration_seed or 0, embeddings=calibration_embeddings,
+            )
+        auto = dict(keep_softmax=keep_softmax, max_attention_cost=max_attention_cost, calibration=calibration, sensitivity=sensitivity)
     apply_mhla(
-        model, layers, num_blocks=num_blocks, block_grid=block_grid, normalize=normalize, eps=eps, output_norm=output_norm
+        model, layers, num_blocks=num_blocks, block_grid=block_grid, normalize=normalize, eps=eps, output_norm=output_norm, **auto
     )
     spec = mhla_spec(model)
     if spec is None:  # e.g. "hybrid" on a model with a single self-attention layer
