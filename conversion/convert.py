@@ -7,6 +7,8 @@
     python conversion/convert.py --family sana --src Sana_600M_1024px.pth --config ./Sana_600M_1024px_diffusers \
         --out sana-mhla --dtype bf16
     python conversion/convert.py --family wan --src Wan-AI/Wan2.1-T2V-1.3B-Diffusers --out wan-mhla --layers hybrid
+    python conversion/convert.py --family dit --src demo/base_dit --out /tmp/dit-auto --layers auto --keep-softmax 2
+    python conversion/convert.py --family wan --src Wan-AI/Wan2.1-T2V-1.3B-Diffusers --out wan-auto --layers auto --attention-budget 0.5
     python conversion/convert.py --family wan --src Wan2.1-T2V-1.3B/diffusion_pytorch_model.safetensors \
         --config ./Wan2.1-T2V-1.3B-Diffusers --out wan-mhla --block-grid authors --no-normalize --dtype bf16
     python conversion/convert.py --family wan --src Wan-AI/Wan2.2-T2V-A14B-Diffusers --out wan22-mhla --layers hybrid \
@@ -23,6 +25,9 @@ normaliser, feature epsilon, output norm are theirs, read from the file (mhla_di
 
 Writes the base checkpoint + transformer/mhla_config.json + transformer/mhla.safetensors
 (see mhla_diffusers.checkpoint.format). Exit code 2 for bad input, 3 if the source is already converted.
+--layers auto scores every self-attention layer (mhla_diffusers.layer_sensitivity) on calibration inputs made
+offline from the source (DiT: random class labels; SANA / Wan: generic prompts through the pipeline's own text
+encoder, or --calibration-embeddings) and records the selection and the scores in mhla_config.json.
 """
 
 from __future__ import annotations
@@ -35,12 +40,14 @@ DTYPES = {"keep": None, "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"
 
 
 def parse_layers(text: str):
-    if text in ("all", "hybrid"):
+    if text in ("all", "hybrid", "auto"):
         return text
     try:
         layers = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--layers takes 'all', 'hybrid' or comma-separated indices; got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--layers takes 'all', 'hybrid', 'auto' or comma-separated indices; got {text!r}"
+        ) from None
     if not layers:
         raise argparse.ArgumentTypeError(
             f"no layers selected ({text!r}): give 'all', 'hybrid' or comma-separated indices such as 1,2,4"
@@ -91,8 +98,23 @@ def main(argv=None) -> int:
     parser.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
     parser.add_argument(
         "--layers", type=parse_layers, default=None,
-        help="all (default) | hybrid | comma-separated indices (negative ones count from the end: write --layers=-1,-2, "
-        "with '=')",
+        help="all (default) | hybrid | auto (the layers MHLA damages most keep their attention, measured on calibration "
+        "inputs: with --keep-softmax or --attention-budget) | comma-separated indices (negative ones count from the end: "
+        "write --layers=-1,-2, with '=')",
+    )
+    keep = parser.add_mutually_exclusive_group()
+    keep.add_argument("--keep-softmax", type=int, default=None, metavar="K",
+                      help="--layers auto: keep the stock attention on the K most sensitive layers (0: all MHLA)")
+    keep.add_argument("--attention-budget", type=float, default=None, metavar="F",
+                      help="--layers auto: keep the most sensitive layers whose attention cost stays <= F (0 < F <= 1) "
+                      "of the stock model's (FLOP model at the native resolution)")
+    parser.add_argument("--calibration-samples", type=int, default=None,
+                        help="--layers auto: calibration forwards (default 8; timesteps spread over the noise process)")
+    parser.add_argument("--calibration-seed", type=int, default=None, help="--layers auto: seed of the calibration inputs (0)")
+    parser.add_argument(
+        "--calibration-embeddings", default=None, metavar="FILE",
+        help="--layers auto, sana / wan: cached text-encoder states (safetensors from "
+        "mhla_diffusers.encode_calibration_prompts) instead of the pipeline's text encoder",
     )
     parser.add_argument(
         "--layers-2", type=parse_layers_2, default=None,
@@ -151,6 +173,11 @@ def main(argv=None) -> int:
             overwrite=args.overwrite,
             config=args.config,
             output_norm=args.output_norm,
+            keep_softmax=args.keep_softmax,
+            max_attention_cost=args.attention_budget,
+            calibration_samples=args.calibration_samples,
+            calibration_seed=args.calibration_seed,
+            calibration_embeddings=args.calibration_embeddings,
             layers_2=args.layers_2,
         )
     except AlreadyConvertedError as err:
@@ -171,6 +198,8 @@ def _import_authors(args) -> int:
         "--no-normalize": args.no_normalize,
         "--output-norm / --no-output-norm": args.output_norm is not None,
         "--eps": args.eps is not None,
+        "--keep-softmax / --attention-budget": args.keep_softmax is not None or args.attention_budget is not None,
+        "--calibration-*": any(v is not None for v in (args.calibration_samples, args.calibration_seed, args.calibration_embeddings)),
         "--layers-2": args.layers_2 is not None,
     }
     fixed = [flag for flag, on in given.items() if on]

@@ -36,8 +36,15 @@ _EXPORTS = {
     "available_backends": "mhla_diffusers.ops",
     "token_grid": "mhla_diffusers.models.grid",
     "select_layers": "mhla_diffusers.models.hybrid",
+    "select_auto": "mhla_diffusers.models.hybrid",
+    "attention_flops": "mhla_diffusers.models.hybrid",
+    "layer_sensitivity": "mhla_diffusers.models.sensitivity",
+    "LayerSensitivity": "mhla_diffusers.models.sensitivity",
+    "calibration_inputs": "mhla_diffusers.models.calibration",
+    "encode_calibration_prompts": "mhla_diffusers.models.calibration",
     "MHLAProcessor": "mhla_diffusers.models.processor",
     "apply_mhla": "mhla_diffusers.models.install",
+    "attention_cost": "mhla_diffusers.models.install",
     "materialize_mhla": "mhla_diffusers.models.install",
     "remove_mhla": "mhla_diffusers.models.install",
     "set_attn_processor": "mhla_diffusers.models.install",
@@ -85,10 +92,12 @@ if _TYPE_CHECKING:  # static analysers and IDEs see the eager imports
         save_mhla_pipeline,
         save_mhla_transformer,
     )
+    from mhla_diffusers.models.calibration import calibration_inputs, encode_calibration_prompts
     from mhla_diffusers.models.grid import token_grid
-    from mhla_diffusers.models.hybrid import select_layers
+    from mhla_diffusers.models.hybrid import attention_flops, select_auto, select_layers
     from mhla_diffusers.models.install import (
         apply_mhla,
+        attention_cost,
         attention_modules,
         is_mhla_model,
         materialize_mhla,
@@ -97,6 +106,7 @@ if _TYPE_CHECKING:  # static analysers and IDEs see the eager imports
         set_attn_processor,
     )
     from mhla_diffusers.models.processor import MHLAProcessor
+    from mhla_diffusers.models.sensitivity import LayerSensitivity, layer_sensitivity
     from mhla_diffusers.ops import InterleavedRotary, available_backends, mhla_attention, mhla_attention_reference
     from mhla_diffusers.ops.layout import BlockLayout, choose_block_grid, default_num_blocks
     from mhla_diffusers.ops.mixing import MixingMatrix, clamp_mixing_, mixing_init, mixing_parameters

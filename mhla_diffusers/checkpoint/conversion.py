@@ -12,7 +12,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import diffusers
 import torch
@@ -28,6 +28,7 @@ from mhla_diffusers.checkpoint.format import (
     save_mhla_transformer,
     transformer_folder,
 )
+from mhla_diffusers.models.calibration import calibration_inputs
 from mhla_diffusers.models.families import FAMILIES, family_of, get_family
 from mhla_diffusers.models.install import apply_mhla, mhla_spec
 from mhla_diffusers.models.provenance import is_hub_id
@@ -193,6 +194,29 @@ def _load_source(src: str, torch_dtype: torch.dtype | None, config: str | None =
         ) from err
 
 
+def _check_calibration_options(
+    layers, keep_softmax, max_attention_cost, calibration, sensitivity, samples, seed, embeddings
+) -> None:
+    """``layers="auto"`` needs one of ``keep_softmax`` / ``max_attention_cost``; calibration settings apply
+    only with it, and those that make calibration inputs only when none are given.
+
+    Raises:
+        ValueError: naming the settings that would otherwise be ignored.
+    """
+    made = {"calibration_samples": samples, "calibration_seed": seed, "calibration_embeddings": embeddings}
+    if isinstance(layers, str) and layers == "auto" and (keep_softmax is None) == (max_attention_cost is None):
+        raise ValueError("layers='auto' needs exactly one of keep_softmax=K (--keep-softmax) or max_attention_cost=F (--attention-budget)")
+    given = [name for name, value in made.items() if value is not None]
+    if not (isinstance(layers, str) and layers == "auto"):
+        others = (("keep_softmax", keep_softmax), ("max_attention_cost", max_attention_cost), ("calibration", calibration),
+                  ("sensitivity", sensitivity))
+        given = [name for name, value in others if value is not None] + given
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with layers='auto' (--layers auto); got layers={layers!r}")
+    elif given and (calibration is not None or sensitivity is not None):
+        raise ValueError(f"{', '.join(given)} make calibration inputs; they do not apply with calibration= or sensitivity= given")
+
+
 def convert_checkpoint(
     src: str | os.PathLike,
     out: str | os.PathLike,
@@ -207,6 +231,13 @@ def convert_checkpoint(
     overwrite: bool = False,
     config: str | os.PathLike | None = None,
     output_norm: bool | None = None,
+    keep_softmax: int | None = None,
+    max_attention_cost: float | None = None,
+    calibration: Iterable[Mapping[str, Any]] | None = None,
+    sensitivity=None,
+    calibration_samples: int | None = None,
+    calibration_seed: int | None = None,
+    calibration_embeddings: str | os.PathLike | Mapping[str, torch.Tensor] | None = None,
     layers_2: str | Sequence[int] | None = None,
 ) -> dict:
     """Load a pretrained checkpoint, install MHLA, write it as a converted checkpoint.
@@ -228,10 +259,17 @@ def convert_checkpoint(
             ``"authors"``).
         layers_2: a pipeline with a second transformer (Wan 2.2 A14B: ``transformer`` for high noise,
             ``transformer_2`` for low noise) converts both, with the same settings; ``layers_2`` is the
-            layer selection of ``transformer_2`` (``None``: ``layers``; ``"none"``: leave it stock).
+            layer selection of ``transformer_2`` (``None``: ``layers``; ``"none"``: leave it stock;
+            ``"auto"`` with ``layers="auto"``: each expert measured on the same calibration inputs).
         torch_dtype: dtype to load (and save) the base weights in (for a pipeline: every component);
             ``None`` keeps the stored dtype of each local component (read from the safetensors
             headers); Hub ids and pickled single files then load as float32 (diffusers' default).
+        keep_softmax, max_attention_cost, calibration, sensitivity: ``layers="auto"``, see
+            :func:`~mhla_diffusers.apply_mhla`. Without ``calibration`` and ``sensitivity`` the calibration
+            inputs are made from the loaded source by :func:`~mhla_diffusers.calibration_inputs`
+            (``calibration_samples``, default 8; ``calibration_seed``, default 0; SANA / Wan: the
+            pipeline's text encoder, or ``calibration_embeddings``, a file or dict of cached text states).
+            The selection is recorded in ``mhla_config.json`` (``"selection"``).
 
     Returns:
         The MHLA spec written to ``mhla_config.json`` plus ``"out"``.
@@ -244,6 +282,10 @@ def convert_checkpoint(
             ``layers_2`` for a source without a second transformer.
         FileNotFoundError / OSError: ``src`` cannot be found or loaded.
     """
+    _check_calibration_options(
+        layers, keep_softmax, max_attention_cost, calibration, sensitivity, calibration_samples, calibration_seed,
+        calibration_embeddings,
+    )
     if not isinstance(layers, str):
         layers = list(layers)
     if layers == "none" or (not isinstance(layers, str) and not layers):
@@ -264,11 +306,14 @@ def convert_checkpoint(
     second = getattr(pipe, "transformer_2", None) if pipe is not None else None
     if layers_2 is not None and second is None:
         raise ValueError(f"layers_2 (--layers-2) selects layers of a second transformer (Wan 2.2's transformer_2); {src} has none")
+    layers_2 = layers if layers_2 is None else layers_2
+    auto = _auto_settings(pipe, model, layers, layers_2 if second is not None else None, keep_softmax, max_attention_cost,
+                          calibration, sensitivity, calibration_samples, calibration_seed, calibration_embeddings)
     settings = dict(num_blocks=num_blocks, block_grid=block_grid, normalize=normalize, eps=eps, output_norm=output_norm)
     if model is not None:
-        _convert_one(model, layers, settings, src)
+        _convert_one(model, layers, {**settings, **(auto if layers == "auto" else {})}, src)
     if second is not None and layers_2 != "none":
-        _convert_one(second, layers if layers_2 is None else layers_2, settings, f"{src} (transformer_2)")
+        _convert_one(second, layers_2, {**settings, **(auto if layers_2 == "auto" else {})}, f"{src} (transformer_2)")
     spec = mhla_spec(model) if model is not None else {}
     if second is not None:
         spec = {**spec, "transformer_2": mhla_spec(second)}
@@ -277,6 +322,32 @@ def convert_checkpoint(
     else:
         save_mhla_transformer(model, out, overwrite=overwrite)
     return {**spec, "out": str(out)}
+
+
+def _auto_settings(pipe, model, layers, layers_2, keep_softmax, max_attention_cost, calibration, sensitivity,
+                   samples, seed, embeddings) -> dict:
+    """The ``apply_mhla`` arguments of ``layers="auto"`` (``{}`` when no transformer uses it): the calibration
+    inputs made once from the source when not given, and used for each expert that selects automatically
+    (``layers_2``: the second expert's selection, ``None`` without one).
+
+    Raises:
+        ValueError: ``layers_2="auto"`` without ``layers="auto"`` (the options belong to the latter), or
+            ``sensitivity`` (one model's scores) with two experts selecting automatically.
+    """
+    if layers_2 == "auto" and layers != "auto":
+        raise ValueError("layers_2='auto' (--layers-2 auto) needs layers='auto' too (its keep_softmax / attention budget apply to both)")
+    if layers != "auto":
+        return {}
+    if layers_2 == "auto" and sensitivity is not None:
+        raise ValueError("sensitivity= holds one transformer's scores; with both experts on layers='auto' give calibration= instead")
+    if calibration is None and sensitivity is None:
+        calibration = calibration_inputs(
+            pipe if pipe is not None else model, num_samples=8 if samples is None else samples, seed=seed or 0,
+            embeddings=embeddings,
+        )
+    if calibration is not None:
+        calibration = list(calibration)  # measured on each expert
+    return dict(keep_softmax=keep_softmax, max_attention_cost=max_attention_cost, calibration=calibration, sensitivity=sensitivity)
 
 
 def _convert_one(model, layers, settings: dict, where: str) -> None:

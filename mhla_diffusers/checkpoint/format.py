@@ -6,7 +6,10 @@ Wan 2.2 A14B pipeline, in each expert's folder, ``transformer/`` and ``transform
 own settings):
 
 * ``mhla_config.json`` — ``format_version``, family, model class, layers, block grid, normalize,
-  eps, backend (see :func:`~mhla_diffusers.mhla_spec`);
+  eps, backend (see :func:`~mhla_diffusers.mhla_spec`); for layers chosen by ``layers="auto"`` also
+  ``selection`` (method, K or budget, the sensitivity scores and how they were measured): a record of
+  how the layers were chosen, not a setting of the weights (not repeated in the weights' header);
+  folders without it load as before;
 * ``mhla.safetensors`` — the MHLA parameters, fp32: the mixing matrices, keyed
   ``<attention path>.mhla_mixing.weight``, and any other per-layer MHLA submodule's parameters
   (Wan's per-head output RMSNorm: ``<attention path>.mhla_output_norm.weight``). Its header
@@ -67,7 +70,7 @@ import mhla_diffusers
 from mhla_diffusers.checkpoint.adapter import load_lora
 from mhla_diffusers.checkpoint.io import atomic_directory
 from mhla_diffusers.models.families import FAMILIES, family_of, self_attention_modules
-from mhla_diffusers.models.install import apply_mhla, materialize_mhla, mhla_spec, pending_mhla_layers
+from mhla_diffusers.models.install import apply_mhla, materialize_mhla, mhla_spec, pending_mhla_layers, record_selection
 from mhla_diffusers.models.provenance import (
     LOADING_CONVERTED,
     MHLA_CONFIG_NAME,
@@ -482,6 +485,9 @@ def _validate_config(config: dict, config_file: Path) -> None:
         raise bad("mixing_clamp", "true or false")
     if "backend" in config and not isinstance(config["backend"], str):
         raise bad("backend", "a backend name")
+    selection = config.get("selection")
+    if selection is not None and not (isinstance(selection, dict) and selection.get("method") == "auto"):
+        raise bad("selection", "an object with method 'auto' (how apply_mhla(layers='auto') chose the layers)")
     sha = config.get("weights_sha256")
     if sha is not None and not isinstance(sha, str):
         raise bad("weights_sha256", "a hex digest")
@@ -613,6 +619,8 @@ def _install_from_config(transformer: nn.Module, config: dict, folder: Path) -> 
     except (ValueError, TypeError) as err:  # layers, block grid or settings that do not fit this model
         raise MHLACheckpointError(f"{folder / MHLA_CONFIG_NAME} does not fit the base model: {err}") from err
     load_mhla_weights(transformer, folder, config.get("weights_sha256"))
+    if "selection" in config:  # how the layers were chosen: kept, so that a re-saved model still says it
+        record_selection(transformer, config["selection"])
 
 
 def _usable_backend(backend: str) -> str:

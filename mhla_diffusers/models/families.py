@@ -26,6 +26,7 @@ Families:
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -105,6 +106,18 @@ class Family:
         output_norm_without_normalize: an MHLA processor with ``normalize=False`` and
             ``output_norm=None`` puts a per-head RMSNorm on the attention output (the authors' Wan
             recipe: numerator only, then RMSNorm).
+        stock_attention: what the stock self-attention computes: ``"softmax"`` (DiT, Wan: cost
+            ``O(N^2 d)`` per head) or ``"linear"`` (SANA's ReLU linear attention: ``O(N d^2)``), for
+            the attention-cost model of automatic hybrid selection.
+        conditioning: what the transformer's forward needs beside the latent and the timestep:
+            ``"class"`` (``class_labels`` ``[B]`` long, DiT) or ``"text"`` (text-encoder states from
+            :attr:`encode_prompts`).
+        noise: the training noise process, for calibration inputs: ``"ddpm"`` (``x_t = sqrt(a_t) x0 +
+            sqrt(1 - a_t) eps``, integer timesteps, DiT) or ``"flow"`` (``x_t = (1 - s) x0 + s eps``,
+            timestep ``1000 s``, SANA, Wan).
+        encode_prompts: ``(pipe, prompts, device) -> {forward keyword: tensor}``: the prompts through the
+            pipeline's own ``encode_prompt`` as its ``__call__`` does by default (``None`` for
+            class-conditional families).
     """
 
     name: str
@@ -127,12 +140,20 @@ class Family:
     block_grid_presets: tuple[tuple[str, tuple[int, int, int]], ...] = ()
     empty_blocks: bool = False
     output_norm_without_normalize: bool = False
+    stock_attention: str = "softmax"
+    conditioning: str = "class"
+    noise: str = "ddpm"
+    encode_prompts: Callable[[object, list, object], dict] | None = None
 
     def __post_init__(self):
         if self.attention_output_dtype not in ("query", "input"):
             raise ValueError(f"attention_output_dtype must be 'query' or 'input'; got {self.attention_output_dtype!r}")
         if self.processor_call not in ("keywords", "positional"):
             raise ValueError(f"processor_call must be 'keywords' or 'positional'; got {self.processor_call!r}")
+        if self.stock_attention not in ("softmax", "linear") or self.conditioning not in ("class", "text"):
+            raise ValueError(f"bad stock_attention {self.stock_attention!r} or conditioning {self.conditioning!r}")
+        if self.noise not in ("ddpm", "flow"):
+            raise ValueError(f"noise must be 'ddpm' or 'flow'; got {self.noise!r}")
 
     def preset(self, name: str) -> tuple[int, int, int]:
         """The block grid of the preset ``name``.
@@ -145,6 +166,14 @@ class Family:
             known = ", ".join(f"{k!r} {v}" for k, v in presets.items()) or "none"
             raise ValueError(f"the {self.name} family has no block-grid preset {name!r}; its presets: {known}")
         return presets[name]
+
+    def native_latent_shape(self, config) -> tuple[int, ...]:
+        """The latent of one sample at the model's native resolution: ``(C, H, W)`` for image families,
+        ``(C, F, H, W)`` for video ones (:attr:`reference_grid` times the patch size)."""
+        patch = _patch(config)
+        grid = self.reference_grid(config)[-len(patch):] if len(patch) > 1 else self.reference_grid(config)[1:]
+        patch = patch if len(patch) > 1 else patch * 2
+        return (int(config["in_channels"]), *(n * p for n, p in zip(grid, patch)))
 
     def make_stock_cross_processor(self):
         """A fresh instance of the stock cross-attention processor of this family."""
@@ -245,6 +274,33 @@ class WanRotary(InterleavedRotary):
         super().__init__(cos[0, :, 0, 0::2], sin[0, :, 0, 1::2])
 
 
+def _call_default(pipe, name: str):
+    """The default of the argument ``name`` of the pipeline's ``__call__`` (``None`` if it has none)."""
+    parameter = inspect.signature(type(pipe).__call__).parameters.get(name)
+    return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
+
+
+def _encode_sana(pipe, prompts: list, device) -> dict:
+    """SANA: ``{"encoder_hidden_states" [B, L, D], "encoder_attention_mask" [B, L]}`` (Gemma-2, with the
+    pipeline's default complex human instruction and sequence length, as ``SanaPipeline.__call__``)."""
+    embeds, mask, _, _ = pipe.encode_prompt(
+        list(prompts), do_classifier_free_guidance=False, device=device, clean_caption=False,
+        max_sequence_length=_call_default(pipe, "max_sequence_length") or 300,
+        complex_human_instruction=_call_default(pipe, "complex_human_instruction"),
+    )
+    return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask}
+
+
+def _encode_wan(pipe, prompts: list, device) -> dict:
+    """Wan: ``{"encoder_hidden_states" [B, L, D]}`` (UMT5, zero rows after each prompt's tokens, the
+    pipeline's default sequence length, as ``WanPipeline.__call__``)."""
+    embeds, _ = pipe.encode_prompt(
+        list(prompts), do_classifier_free_guidance=False, device=device,
+        max_sequence_length=_call_default(pipe, "max_sequence_length") or 512,
+    )
+    return {"encoder_hidden_states": embeds}
+
+
 def _wan_attn_processor():
     return WanAttnProcessor()
 
@@ -287,6 +343,10 @@ SANA = Family(
     attention_output_dtype="input",
     fp16_output_clip=65504.0,
     empty_blocks=True,  # e.g. 64 x 1024 px without binning: 2 x 32 tokens under 4 x 4 blocks
+    stock_attention="linear",
+    conditioning="text",
+    noise="flow",
+    encode_prompts=_encode_sana,
 )
 
 WAN = Family(
@@ -309,6 +369,9 @@ WAN = Family(
     block_grid_presets=(("paper", (3, 5, 7)), ("authors", (3, 5, 10))),
     empty_blocks=True,
     output_norm_without_normalize=True,
+    conditioning="text",
+    noise="flow",
+    encode_prompts=_encode_wan,
 )
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (DIT, SANA, WAN)}

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from torch import nn
 
 from mhla_diffusers.models.families import attention_modules, family_of, self_attention_modules, stock_processor
 from mhla_diffusers.models.grid import install_grid_hooks, remove_grid_hooks
-from mhla_diffusers.models.hybrid import select_layers
+from mhla_diffusers.models.hybrid import attention_flops, scores_list, select_auto, select_layers
 from mhla_diffusers.models.processor import (
     _CHECKED_BY,
     _SOURCE_CHECKED,
@@ -22,6 +22,8 @@ from mhla_diffusers.models.provenance import warn_fresh_mixing
 
 __all__ = [
     "apply_mhla",
+    "attention_cost",
+    "layer_attention_flops",
     "remove_mhla",
     "set_attn_processor",
     "attention_modules",
@@ -45,6 +47,10 @@ def apply_mhla(
     output_norm: bool | None = None,
     feature_eps: float = 0.0,
     mixing_clamp: bool = True,
+    keep_softmax: int | None = None,
+    max_attention_cost: float | None = None,
+    calibration: Iterable[Mapping[str, Any]] | None = None,
+    sensitivity=None,
 ) -> list[str]:
     """Replace self-attention with MHLA on the selected layers of a diffusers transformer.
 
@@ -57,7 +63,11 @@ def apply_mhla(
         transformer: a supported diffusers transformer (``DiTTransformer2DModel``,
             ``SanaTransformer2DModel``, ``WanTransformer3DModel``).
         layers: ``"all"``, ``"hybrid"`` (the stock attention kept on layers 0, 3, 6, ...; Wan2.1-1.3B:
-            MHLA on 20 of 30) or layer indices.
+            MHLA on 20 of 30), layer indices, or ``"auto"``: the layers MHLA damages most (per
+            :func:`~mhla_diffusers.layer_sensitivity`) keep their stock attention — the ``keep_softmax``
+            most sensitive ones, or the most sensitive ones that fit ``max_attention_cost`` (see
+            :func:`~mhla_diffusers.models.hybrid.select_auto`). The choice, the scores and how they were
+            measured are recorded on the model for :func:`mhla_spec` (``"selection"`` in ``mhla_config.json``).
         num_blocks: target number of blocks ``M`` (block grid chosen from the model's native token
             grid, near-square blocks, ``M^2 <= N``); ``None``: the family default (Wan: 105, the
             paper's, = ``(3, 5, 7)`` on 21 x 30 x 52), else ``round(sqrt(N) / 2)``.
@@ -69,17 +79,39 @@ def apply_mhla(
         init: ``"locality"`` (paper) or ``"uniform"`` (all ones = plain linear attention at init).
         mixing_clamp: the mixing matrices are used clamped to ``[0, 1]`` (the paper's, default) or as
             stored (``False``, see :class:`~mhla_diffusers.MixingMatrix`; the authors' Wan model).
+        keep_softmax: ``layers="auto"``: how many layers keep their stock attention, ``0 <= K < L``
+            (``0`` is exactly ``layers="all"``).
+        max_attention_cost: ``layers="auto"``: ``0 < F <= 1``, the attention cost allowed as a fraction of the
+            stock model's, from the cost model of :func:`attention_cost` at the native resolution.
+        calibration: ``layers="auto"``: inputs to measure the sensitivity on (a list of dicts of keyword
+            arguments for the transformer's forward, see :func:`~mhla_diffusers.calibration_inputs`),
+            measured with this call's ``num_blocks`` / ``block_grid`` / ``normalize`` and the defaults of
+            :func:`~mhla_diffusers.layer_sensitivity`.
+        sensitivity: ``layers="auto"``: precomputed scores instead of ``calibration`` (a
+            :class:`~mhla_diffusers.LayerSensitivity`, ``{index: score}`` or one score per layer).
 
     Returns:
         Names of the converted attention modules.
 
     Raises:
         ValueError: unsupported model, bad ``layers``, a block grid that does not fit the model's
-            native token grid, or a selected layer that already has MHLA (``remove_mhla`` first).
+            native token grid, or a selected layer that already has MHLA (``remove_mhla`` first);
+            ``"auto"`` without ``calibration`` / ``sensitivity`` (or with both), with both or neither of
+            ``keep_softmax`` / ``max_attention_cost``, ``K`` out of range, a budget outside ``(0, 1]``,
+            below the all-MHLA cost or keeping every layer; these options without ``layers="auto"``.
     """
     family = family_of(transformer)
     modules = self_attention_modules(transformer, family)
-    chosen = select_layers(len(modules), layers)
+    auto = {"keep_softmax": keep_softmax, "max_attention_cost": max_attention_cost, "calibration": calibration,
+            "sensitivity": sensitivity}
+    selection = None
+    if isinstance(layers, str) and layers == "auto":
+        chosen, selection = _auto_layers(transformer, len(modules), num_blocks, block_grid, normalize, **auto)
+    else:
+        given = [name for name, value in auto.items() if value is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply with layers='auto'; got layers={layers!r}")
+        chosen = select_layers(len(modules), layers)
     reference = family.reference_grid(transformer.config)
     processor = MHLAProcessor(
         num_blocks=num_blocks,
@@ -110,7 +142,105 @@ def apply_mhla(
         attn.set_processor(processor)
         names.append(name)
     install_grid_hooks(transformer)
+    if selection is not None:
+        record_selection(transformer, selection)
     return names
+
+
+def _auto_layers(transformer, num_layers, num_blocks, block_grid, normalize, *, keep_softmax, max_attention_cost,
+                 calibration, sensitivity) -> tuple[list[int], dict]:
+    """``layers="auto"`` of :func:`apply_mhla`: ``(MHLA layer indices, the selection record)``."""
+    from mhla_diffusers.models.sensitivity import LayerSensitivity, layer_sensitivity
+
+    if (calibration is None) == (sensitivity is None):
+        raise ValueError(
+            "layers='auto' needs calibration inputs (calibration=[{...forward kwargs...}, ...], e.g. from "
+            "mhla_diffusers.calibration_inputs(pipe)) or precomputed scores (sensitivity=), exactly one of them"
+        )
+    if (keep_softmax is None) == (max_attention_cost is None):
+        raise ValueError("layers='auto' needs exactly one of keep_softmax=K or max_attention_cost=F")
+    stock, mhla = layer_attention_flops(transformer, num_blocks=num_blocks, block_grid=block_grid)
+    budget = dict(keep_softmax=keep_softmax, max_attention_cost=max_attention_cost, stock_costs=stock, mhla_costs=mhla)
+    if sensitivity is None:
+        select_auto([0.0] * num_layers, **budget)  # a request no ranking can meet fails before the measurement
+        sensitivity = layer_sensitivity(transformer, calibration, num_blocks=num_blocks, block_grid=block_grid, normalize=normalize)
+    scores = scores_list(sensitivity, num_layers)
+    chosen = select_auto(scores, **budget)
+    record = {"method": "auto"}
+    if keep_softmax is not None:
+        record["keep_softmax"] = int(keep_softmax)
+    else:
+        record["max_attention_cost"] = float(max_attention_cost)
+    record["attention_cost"] = _cost_fraction(stock, mhla, chosen)
+    record["softmax_layers"] = [i for i in range(num_layers) if i not in chosen]
+    record["scores"] = scores
+    if isinstance(sensitivity, LayerSensitivity):
+        record["sensitivity"] = dict(sensitivity.settings)
+    return chosen, record
+
+
+_SELECTION = "_mhla_selection"  # transformer.__dict__ key: how apply_mhla(layers="auto") chose the layers
+
+
+def record_selection(transformer: nn.Module, selection: dict) -> None:
+    """Remember how the MHLA layers of ``transformer`` were chosen (``layers="auto"``), for :func:`mhla_spec`.
+
+    Loading a converted folder puts its recorded selection back, so a re-saved model keeps it;
+    :func:`remove_mhla` forgets it, and :func:`mhla_spec` drops it once the MHLA layers differ from it.
+    """
+    transformer.__dict__[_SELECTION] = dict(selection)
+
+
+def _cost_fraction(stock: Sequence[int], mhla: Sequence[int], chosen: Sequence[int]) -> float:
+    cost = sum(mhla[i] if i in chosen else stock[i] for i in range(len(stock)))
+    return cost / sum(stock)
+
+
+def layer_attention_flops(
+    transformer: nn.Module, *, num_blocks: int | None = None, block_grid: Sequence[int] | str | None = None
+) -> tuple[list[int], list[int]]:
+    """Per self-attention layer, the attention FLOPs at the model's native token grid (``N`` tokens,
+    the family's :attr:`~mhla_diffusers.models.families.Family.reference_grid`) of the stock layer
+    (softmax ``heads * 4 N^2 d``; SANA's linear attention ``heads * 4 N d^2``) and of MHLA with the block
+    grid these settings give (``heads * (4 N d^2 + 2 M^2 d^2)``), see
+    :func:`~mhla_diffusers.models.hybrid.attention_flops`. Returns ``(stock, mhla)``, two lists of ints.
+    """
+    family = family_of(transformer)
+    reference = family.reference_grid(transformer.config)
+    grid = MHLAProcessor(num_blocks=num_blocks, block_grid=block_grid).resolve_block_grid(reference, family)
+    tokens, blocks = reference[0] * reference[1] * reference[2], grid[0] * grid[1] * grid[2]
+    stock, mhla = [], []
+    for _, attn in self_attention_modules(transformer, family):
+        heads = int(attn.heads)
+        head_dim = (attn.to_q.out_features if hasattr(attn, "to_q") else attn.inner_dim) // heads
+        stock.append(attention_flops(family.stock_attention, tokens, head_dim, heads))
+        mhla.append(attention_flops("mhla", tokens, head_dim, heads, blocks))
+    return stock, mhla
+
+
+def attention_cost(
+    transformer: nn.Module,
+    layers: str | Sequence[int] = "all",
+    *,
+    num_blocks: int | None = None,
+    block_grid: Sequence[int] | str | None = None,
+) -> float:
+    """The attention cost of the model with MHLA on ``layers``, as a fraction of the stock model's.
+
+    ``sum over layers of (MHLA FLOPs if converted else stock FLOPs) / sum of stock FLOPs``, per layer
+    from :func:`layer_attention_flops`: at the native token grid (``N`` tokens), softmax
+    ``heads * 4 N^2 d`` vs MHLA ``heads * (4 N d^2 + 2 M^2 d^2)`` (projections, the same for both,
+    excluded). E.g. the demo DiT (4 heads x 32, M = 16 at N = 256): MHLA costs 0.14 of softmax per layer.
+
+    Args:
+        layers: as :func:`apply_mhla` takes them (not ``"auto"``): the layers that would be MHLA.
+        num_blocks, block_grid: the MHLA settings (as :func:`apply_mhla`).
+
+    Raises:
+        ValueError: unsupported model or bad ``layers``.
+    """
+    stock, mhla = layer_attention_flops(transformer, num_blocks=num_blocks, block_grid=block_grid)
+    return _cost_fraction(stock, mhla, select_layers(len(stock), layers))
 
 
 def remove_mhla(transformer: nn.Module) -> list[str]:
@@ -132,7 +262,7 @@ def remove_mhla(transformer: nn.Module) -> list[str]:
         remove_load_hook(attn)
         if had:
             removed.append(key[: -len(".processor")])
-    for key in (_WARNED, _SOURCE_CHECKED):  # the one-liner's once-per-model warnings may come again
+    for key in (_WARNED, _SOURCE_CHECKED, _SELECTION):  # the one-liner's once-per-model warnings may come again
         transformer.__dict__.pop(key, None)
     remove_grid_hooks(transformer)
     return removed
@@ -194,7 +324,10 @@ def mhla_spec(transformer: nn.Module) -> dict | None:
     Keys: family, model_class, num_layers, layers, block_grid, num_blocks, normalize, eps, backend,
     and ``output_norm: true`` only for models whose MHLA layers have the per-head output RMSNorm
     (absent means none, as in checkpoints written before it existed), ``feature_eps`` only when
-    not 0 and ``mixing_clamp: false`` only for unclamped mixing matrices (absent: 0 and true).
+    not 0 and ``mixing_clamp: false`` only for unclamped mixing matrices (absent: 0 and true);
+    ``selection`` only for layers chosen by ``apply_mhla(layers="auto")`` (while they are still the MHLA
+    layers): ``{"method": "auto", "keep_softmax": K | "max_attention_cost": F, "attention_cost": the
+    fraction reached, "softmax_layers", "scores": one per layer, "sensitivity": how they were measured}``.
     Self-attention layers that run an :class:`MHLAProcessor` whose mixing matrix is not created yet
     (the bare one-liner before its first forward) count as MHLA layers, with the block grid and
     output norm their first forward would give them (see :func:`materialize_mhla`).
@@ -239,6 +372,9 @@ def mhla_spec(transformer: nn.Module) -> dict | None:
         extra["feature_eps"] = feature_eps
     if not clamp:  # absent = clamped to [0, 1]
         extra["mixing_clamp"] = False
+    selection = transformer.__dict__.get(_SELECTION)
+    if selection is not None and selection.get("softmax_layers") == [i for i in range(len(modules)) if i not in layers]:
+        extra["selection"] = selection  # absent: chosen by a fixed rule or by hand
     return {
         "family": family.name,
         "model_class": type(transformer).__name__,

@@ -17,7 +17,8 @@ accelerate / peft / yaml are needed only here. The modules, in the order a run u
 - :mod:`.evaluation` — :func:`evaluate_heldout` / :func:`evaluate_loss` on fixed noise and timesteps.
 - :mod:`.logs` — ``loss.csv`` and ``loss.png``; :mod:`.export` — the final pipeline, written atomically;
   :mod:`.resume` — checkpoints and resuming.
-- :mod:`.loop` — :func:`train`.
+- :mod:`.loop` — :func:`train`; :mod:`.retrofit` — :func:`retrofit`: distillation then fine-tuning of a
+  converted checkpoint (the recipe the demo and the study run).
 """
 
 from mhla_diffusers.training.config import DEFAULT_CONFIG, TRAINABLE_SETS, apply_overrides, load_config, validate_config
@@ -46,8 +47,10 @@ from mhla_diffusers.training.recipes import (
     resolve_family,
     vae_scale_factor,
 )
+from mhla_diffusers.training.retrofit import retrofit
 
 __all__ = [
+    "retrofit",
     "DEFAULT_CONFIG",
     "TRAINABLE_SETS",
     "load_config",

@@ -39,6 +39,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "pretrained": None,
         # ... or (DiT only) a DiTTransformer2DModel config dict to train from scratch.
         "init": None,
+        # DiT with `pretrained` only: continue at another latent size (progressive resolution; the
+        # sincos positional embedding is recomputed, no weight changes). null: the checkpoint's.
+        "sample_size": None,
         # From scratch only: the SpaceToDepthAutoencoder and DDPMScheduler configs. With
         # `pretrained`, the pipeline's own vae and scheduler config are used.
         "vae": {"factor": 2, "in_channels": 3, "scaling_factor": 1.8},
@@ -325,6 +328,7 @@ _RULES: dict[str, Choice | Integer | Number | Boolean] = {
     "train.log_every": Integer(1),
     "lora.rank": Integer(1),
     "model.text.max_sequence_length": Integer(1, nullable=True),
+    "model.sample_size": Integer(1, nullable=True),
     "train.warmup_steps": Integer(0),
     "train.checkpointing_steps": Integer(0),
     "ema.update_after_step": Integer(0),
@@ -412,6 +416,11 @@ def _check_model(m: Mapping) -> None:
         raise ValueError(f"model.family must be one of {sorted(TRAINED_FAMILIES)} (MHLA knows {known}) or null; got {m['family']!r}")
     if m["init"] is not None and m["family"] not in (None, "dit"):
         raise ValueError(f"model.init (training from scratch) is supported for DiT only; family {m['family']!r} needs model.pretrained")
+    if m["sample_size"] is not None and (m["pretrained"] is None or m["family"] not in (None, "dit")):
+        raise ValueError(
+            "model.sample_size (continue a pretrained DiT at another latent size) needs model.pretrained and the dit "
+            f"family; for model.init set init.sample_size instead (got sample_size={m['sample_size']!r})"
+        )
     chi = m["text"]["complex_human_instruction"]
     if not (chi is None or chi == "default" or (isinstance(chi, list) and all(isinstance(s, str) for s in chi))):
         raise ValueError(f"model.text.complex_human_instruction must be 'default', null or a list of strings; got {chi!r}")

@@ -193,6 +193,8 @@ class DiTRecipe(_Recipe):
                 raise ValueError(f"model.noise_scheduler is not a valid DDPMScheduler config: {e}") from e
         if type(transformer).__name__ != "DiTTransformer2DModel":
             raise ValueError(f"family dit expects a DiTTransformer2DModel; {m['pretrained']} holds a {type(transformer).__name__}")
+        if m.get("sample_size") is not None:
+            transformer = resize_dit(transformer, int(m["sample_size"]))
         if getattr(noise_scheduler.config, "prediction_type", "epsilon") != "epsilon":
             raise ValueError(f"only epsilon prediction is supported; the scheduler says {noise_scheduler.config.prediction_type!r}")
         if transformer.config.get("num_embeds_ada_norm") is None:
@@ -541,6 +543,31 @@ def build_models(config: dict) -> TrainingParts:
     parts.vae.requires_grad_(False).eval()
     parts.text["template"] = config["data"]["caption_template"]
     return parts
+
+
+def resize_dit(transformer: torch.nn.Module, sample_size: int) -> torch.nn.Module:
+    """The same DiT at another latent size ``sample_size`` (progressive-resolution training).
+
+    DiT's positional embedding is the fixed 2D sincos table of ``PatchEmbed`` (a non-persistent
+    buffer, rebuilt for the new grid: diffusers spaces positions by ``sample_size / patch_size``, so
+    the new size sees positions ``0 .. sample_size / patch - 1``, beyond the old range, which the
+    continued training adapts to); every learned weight is carried over unchanged. ``DiTPipeline``
+    samples at ``config.sample_size``, which is why the model is rebuilt rather than run at another size.
+    Returns ``transformer`` itself when the size is already ``sample_size``.
+
+    Raises:
+        ValueError: the model has MHLA (its block grids are tied to the old token grid: convert after
+            resizing), or ``sample_size`` does not divide by the patch size.
+    """
+    if int(transformer.config.sample_size) == sample_size:
+        return transformer
+    if is_mhla_model(transformer):
+        raise ValueError("model.sample_size: resize the softmax DiT before converting it to MHLA (its block grids fit the old size)")
+    if sample_size % int(transformer.config.patch_size):
+        raise ValueError(f"model.sample_size={sample_size} does not divide by the patch size {transformer.config.patch_size}")
+    resized = type(transformer).from_config({**dict(transformer.config), "sample_size": sample_size})
+    resized.load_state_dict(transformer.state_dict(), strict=True)
+    return resized.to(dtype=next(transformer.parameters()).dtype)
 
 
 def vae_scale_factor(vae) -> int:

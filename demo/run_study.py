@@ -1,0 +1,273 @@
+#!/usr/bin/env python
+"""The retrofit study (issue 13): softmax, MHLA and plain linear attention at 256 and 1,024 tokens.
+
+For each token count, starting from the demo's pretrained softmax DiT at that size
+(``demo/base_dit``: 32-px crops, 16 x 16 = 256 tokens; ``demo/base_dit_64``: 64-px crops,
+32 x 32 = 1,024 tokens; both trained here on the photos shipped in the scikit-image / scikit-learn
+wheels), every student gets the same budget and the same recipe
+(:func:`mhla_diffusers.training.retrofit`: label-free distillation, then fine-tuning with the data
+loss + output matching against the original):
+
+- ``softmax``: the control, the original itself run through the recipe (its distillation phase is
+  the identity and is skipped);
+- ``mhla_all``: MHLA on all 6 layers; ``mhla_hybrid``: softmax kept on every third layer (0, 3);
+- ``mhla_auto``: softmax kept on the same number of layers, chosen by
+  :func:`mhla_diffusers.layer_sensitivity` on noised photo crops (``layers="auto"``);
+- ``linear``: plain linear attention (MHLA with one block, M = 1).
+
+Measured: the held-out epsilon MSE after conversion, distillation and fine-tuning (fixed crops,
+noise and timesteps); the fraction of the linear-to-softmax gap each student closes; per-layer rank
+and entropy of the attention matrices (paper Fig. 3, :func:`mhla_diffusers.diagnostics.diagnose_pipeline`)
+of the final models; one sample per class; wall times. Writes ``<out>/report.md``, ``report.json``,
+``heldout.png``, ``rank_entropy_<size>_<model>.png``, ``samples_<size>_<model>.png``.
+
+    python demo/run_study.py --out study_out                     # the committed run (docs/study/)
+    python demo/run_study.py --out /tmp/s --quick --sizes 256    # the wiring only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "finetune" / "configs" / "dit_demo_finetune.yaml"
+SIZES = {  # tokens -> the base, MHLA's block count and the data / eval settings at that size
+    "256": {"base": ROOT / "demo" / "base_dit", "num_blocks": 16, "overrides": []},
+    "1024": {"base": ROOT / "demo" / "base_dit_64", "num_blocks": 64,
+             "overrides": ["data.resolution=64", "data.short_side=80", "data.batch_size=8", "eval.batch_size=16"]},
+}
+VARIANTS = {  # name -> conversion arguments (None: the softmax control)
+    "softmax": None,
+    "mhla_all": {"layers": "all"},
+    "mhla_hybrid": {"layers": "hybrid"},
+    "mhla_auto": {"layers": "auto"},
+    "linear": {"layers": "all", "block_grid": (1, 1, 1)},
+}
+LABELS = {
+    "softmax": "softmax (control)",
+    "mhla_all": "MHLA, all layers",
+    "mhla_hybrid": "MHLA hybrid, softmax on 0, 3",
+    "mhla_auto": "MHLA hybrid, auto",
+    "linear": "plain linear (M = 1)",
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="study_out", help="output folder (replaced if it exists)")
+    p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES), help="token counts to study")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--config", default=str(CONFIG), help="the fine-tuning config (recipe, data, held-out set)")
+    p.add_argument("--distill-steps", type=int, default=40, help="label-free distillation steps per student")
+    p.add_argument("--distill-lr", type=float, default=2e-4, help="distillation learning rate (fine-tuning: the config's)")
+    p.add_argument("--finetune-steps", type=int, default=80, help="fine-tuning steps per student (data + output matching)")
+    p.add_argument("--keep-softmax", type=int, default=2, help="softmax layers kept by the hybrids (every third of 6 = 2)")
+    p.add_argument("--calibration-samples", type=int, default=8, help="noised photo crops x 3 timesteps for layer_sensitivity")
+    p.add_argument("--val-samples", type=int, default=128, help="held-out crops (fixed crops, noise, timesteps)")
+    p.add_argument("--sample-steps", type=int, default=20, help="DPM-Solver steps for the sample grids")
+    p.add_argument("--resume", action="store_true",
+                   help="keep <out> and reuse every finished (size, model) result in <out>/results/ (same settings only)")
+    p.add_argument("--quick", action="store_true", help="2 + 2 steps, 8 held-out crops, no diagnostics: wiring only")
+    return p.parse_args(argv)
+
+
+def calibration_batches(pipe, num_samples: int, batch_size: int = 8, seed: int = 4321) -> list[dict]:
+    """Noised photo crops at timesteps 100, 500, 900 (:func:`diagnostics.diagnostic_inputs`), as forward kwargs."""
+    from mhla_diffusers.diagnostics import diagnostic_inputs
+
+    inputs = diagnostic_inputs(pipe, num_samples=num_samples, timesteps=(100, 500, 900), seed=seed)["model_inputs"]
+    total = inputs["hidden_states"].shape[0]
+    return [{k: v[i:i + batch_size] for k, v in inputs.items()} for i in range(0, total, batch_size)]
+
+
+def convert_variant(name: str, size: dict, out: Path, args) -> tuple[Path, dict | None, float]:
+    """The student's starting checkpoint: the base itself (control) or its conversion."""
+    from mhla_diffusers import load_mhla_pipeline
+    from mhla_diffusers.checkpoint.conversion import convert_checkpoint
+
+    t0 = time.perf_counter()
+    if VARIANTS[name] is None:
+        return size["base"], None, 0.0
+    options = dict(VARIANTS[name])
+    if "block_grid" not in options:
+        options["num_blocks"] = size["num_blocks"]
+    if options["layers"] == "auto":
+        pipe = load_mhla_pipeline(size["base"])
+        options.update(keep_softmax=args.keep_softmax, calibration=calibration_batches(pipe, args.calibration_samples))
+    spec = convert_checkpoint(size["base"], out, family="dit", **options)
+    return out, spec, time.perf_counter() - t0
+
+
+def study_size(tokens: str, args, out: Path) -> dict:
+    """Every variant at one token count: convert, retrofit, diagnose, sample."""
+    from mhla_diffusers import load_mhla_pipeline
+    from mhla_diffusers.checkpoint.io import atomic_write_json
+    from mhla_diffusers.diagnostics import diagnose_pipeline, plot_rank_entropy
+    from mhla_diffusers.generation import generate_class_images, save_grid
+    from mhla_diffusers.training import retrofit
+
+    size = SIZES[tokens]
+    overrides = size["overrides"] + [f"eval.samples={args.val_samples}"]
+    results = {}
+    for name in args.variants:
+        done = out / "results" / f"{tokens}_{name}.json"
+        if done.is_file():
+            results[name] = json.loads(done.read_text())
+            print(f"[study] {tokens} tokens: {name}: reusing {done}", flush=True)
+            continue
+        print(f"[study] {tokens} tokens: {name}", flush=True)
+        start, spec, t_convert = convert_variant(name, size, out / "checkpoints" / f"{tokens}_{name}", args)
+        r = retrofit(args.config, start, size["base"], out / "runs" / f"{tokens}_{name}", distill_steps=args.distill_steps,
+                     distill_lr=args.distill_lr,
+                     finetune_steps=args.distill_steps + args.finetune_steps if spec is None else args.finetune_steps,
+                     overrides=overrides)
+        pipe = load_mhla_pipeline(r["final_dir"])
+        diag = None
+        if not args.quick:
+            diag = diagnose_pipeline(pipe, num_samples=1, timesteps=(500,), num_blocks=size["num_blocks"])
+            plot_rank_entropy(diag["layers"], out / f"rank_entropy_{tokens}_{name}.png")
+        t1 = time.perf_counter()
+        images = generate_class_images(r["final_dir"], list(range(10)), steps=args.sample_steps, guidance_scale=4.0, seed=0, pipe=pipe)
+        save_grid(images, out / f"samples_{tokens}_{name}.png", rows=2)
+        layers = None if spec is None else spec["layers"]
+        results[name] = {"label": LABELS[name], "mhla_layers": layers, "selection": None if spec is None else spec.get("selection"),
+                         "convert_s": round(t_convert, 1), "generate_s": round(time.perf_counter() - t1, 1), **r,
+                         "diagnostics": None if diag is None else _layer_summary(diag)}
+        atomic_write_json(done, results[name])
+        del pipe
+    return results
+
+
+def _layer_summary(diag: dict) -> list[dict]:
+    """Per layer: kind, and mean rank / entropy of softmax, linear and MHLA attention on its q, k."""
+    return [{"index": s["index"], "layer_kind": s["layer_kind"],
+             **{f"{kind}_{m}": round(float(s["kinds"][kind][m]["mean"]), 3) for kind in s["kinds"] for m in ("rank", "entropy")}}
+            for s in diag["layers"]]
+
+
+def gap_closed(results: dict) -> dict:
+    """Fraction of the plain-linear-to-softmax gap each model closes, on the final held-out loss."""
+    if "softmax" not in results or "linear" not in results:
+        return {}
+    lo, hi = results["softmax"]["heldout_loss"]["finetune"], results["linear"]["heldout_loss"]["finetune"]
+    if lo is None or hi is None or hi == lo:
+        return {}
+    return {name: round((hi - r["heldout_loss"]["finetune"]) / (hi - lo), 3) for name, r in results.items()}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.quick:
+        args.distill_steps, args.finetune_steps, args.val_samples, args.sample_steps, args.calibration_samples = 2, 2, 8, 2, 2
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    from mhla_diffusers.checkpoint.io import atomic_write_json
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
+    missing = [t for t in args.sizes if not (SIZES[t]["base"] / "model_index.json").is_file()]
+    if missing:
+        print(f"run_study.py: no pretrained base for {missing} tokens (see demo/base_dit*/README.md)", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "sizes", "variants")}
+    if args.resume and (out / "settings.json").is_file() and json.loads((out / "settings.json").read_text()) != settings:
+        print(f"run_study.py: --resume with other settings than {out / 'settings.json'}; use a new --out", file=sys.stderr)
+        return 2
+    if out.exists() and not args.resume:
+        shutil.rmtree(out)
+    (out / "results").mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "settings.json", settings)
+    t_start = time.perf_counter()
+    sizes = {}
+    for tokens in args.sizes:
+        t0 = time.perf_counter()
+        results = study_size(tokens, args, out)
+        sizes[tokens] = {"results": results, "gap_closed": gap_closed(results), "wall_time_s": round(time.perf_counter() - t0, 1)}
+    report = {
+        "wall_time_s": round(time.perf_counter() - t_start, 1),
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version(),
+                    "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "sizes": sizes,
+    }
+    atomic_write_json(out / "report.json", report)
+    _plot_heldout(sizes, out / "heldout.png")
+    (out / "report.md").write_text(markdown(report))
+    print((out / "report.md").read_text())
+    return 0
+
+
+def _plot_heldout(sizes: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib.figure import Figure
+
+    stages = ["conversion", "distill", "finetune"]
+    fig = Figure(figsize=(5.5 * len(sizes), 4.2), dpi=110)
+    for k, (tokens, s) in enumerate(sizes.items()):
+        ax = fig.add_subplot(1, len(sizes), k + 1)
+        for i, r in enumerate(s["results"].values()):
+            ax.plot(range(3), [r["heldout_loss"][st] for st in stages], marker="o", color=f"C{i}", label=r["label"])
+        ax.set_xticks(range(3), ["converted", "distilled", "fine-tuned"])
+        ax.set_yscale("log")
+        ax.set_ylabel("held-out epsilon MSE")
+        ax.set_title(f"{tokens} tokens", fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(str(path), format="png")
+
+
+def markdown(report: dict) -> str:
+    """The report's tables: held-out loss per stage, gap closed, layers kept, per-layer rank / entropy."""
+    s = report["settings"]
+    lines = [
+        "# Retrofit study: softmax, MHLA and plain linear attention at 256 and 1,024 tokens", "",
+        f"Recipe (`mhla_diffusers.training.retrofit`, config `{Path(s['config']).name}`): {s['distill_steps']} steps of label-free "
+        f"distillation (attention transfer x 5 + output matching, random class labels), then {s['finetune_steps']} steps of "
+        "the epsilon loss + output matching against the original; the softmax control gets the same total steps of the "
+        f"second phase. Held-out: {s['val_samples']} fixed crops, noise and timesteps per size. Auto hybrid: "
+        f"`layer_sensitivity` on {s['calibration_samples']} noised crops x 3 timesteps, softmax kept on the {s['keep_softmax']} "
+        "most sensitive layers.", "",
+        f"Wall time {report['wall_time_s']} s on {report['machine']['platform']}, torch {report['machine']['torch']}, "
+        f"{report['machine']['threads']} thread(s).", "",
+    ]
+    for tokens, block in report["sizes"].items():
+        gap = block["gap_closed"]
+        lines += [f"## {tokens} tokens ({block['wall_time_s']} s)", "",
+                  "| model | softmax layers | held-out: converted | distilled | fine-tuned | gap closed | s/step (ft) |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, r in block["results"].items():
+            h = r["heldout_loss"]
+            kept = "all" if r["mhla_layers"] is None else ", ".join(str(i) for i in range(6) if i not in r["mhla_layers"]) or "none"
+            lines.append(f"| {r['label']} | {kept} | {h['conversion']:.4f} | {h['distill']:.4f} | **{h['finetune']:.4f}** | "
+                         f"{gap.get(name, float('nan')):.0%} | {r['step_time_s']['finetune']} |")
+        lines.append("")
+        lines += _diagnostics_table(block["results"])
+    return "\n".join(lines) + "\n"
+
+
+def _diagnostics_table(results: dict) -> list[str]:
+    rows = [(r["label"], d) for r in results.values() if r.get("diagnostics") for d in r["diagnostics"]]
+    if not rows:
+        return []
+    out = ["Per layer, final models (paper Fig. 3; timestep 500, one crop; rank at N eps; entropy in nats): "
+           "the layer's kind, then what softmax / linear / MHLA attention gives on its q, k.", "",
+           "| model | layer | kind | rank softmax / linear / MHLA | entropy softmax / linear / MHLA |", "|---|---|---|---|---|"]
+    for label, d in rows:
+        out.append(f"| {label} | {d['index']} | {d['layer_kind']} | {d['softmax_rank']:.0f} / {d['linear_rank']:.0f} / "
+                   f"{d['mhla_rank']:.0f} | {d['softmax_entropy']:.2f} / {d['linear_entropy']:.2f} / {d['mhla_entropy']:.2f} |")
+    return out + [""]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
