@@ -230,3 +230,26 @@ def test_ti2v_expand_timesteps_one_liner_native_size_convert_and_image(tmp_path)
     with Watch(pipe.transformer) as watch:
         got = video(pipe, image=first_frame(), **size)
     assert got.shape == (5, 128, 128, 3) and watch.grids == {GRID} and set(watch.timesteps) == {(1, 32)}
+
+
+def test_automatic_selection_per_expert(tmp_path):
+    """--layers auto with --layers-2 auto: each expert's layers measured on the same calibration inputs, each
+    expert's selection recorded in its own mhla_config.json (the experts have different weights)."""
+    from mhla_diffusers import calibration_inputs
+
+    pipe = tiny_wan22_pipeline("t2v")
+    pipe.save_pretrained(tmp_path / "src")
+    calibration = calibration_inputs(pipe, num_samples=2, latent_size=(2, 8, 8))
+    spec = convert_checkpoint(tmp_path / "src", tmp_path / "out", layers="auto", layers_2="auto", keep_softmax=1,
+                              calibration=calibration, block_grid=(1, 2, 2))
+    for name, entry in (("transformer", spec), ("transformer_2", spec["transformer_2"])):
+        recorded = json.loads((tmp_path / "out" / name / "mhla_config.json").read_text())
+        assert recorded["selection"]["method"] == "auto" and len(recorded["layers"]) == 1
+        assert recorded["layers"] == entry["layers"] and recorded["selection"]["scores"] == entry["selection"]["scores"]
+    assert spec["selection"]["scores"] != spec["transformer_2"]["selection"]["scores"]
+    with pytest.raises(ValueError, match="needs layers='auto' too"):
+        convert_checkpoint(tmp_path / "src", tmp_path / "x", layers="all", layers_2="auto")
+    with pytest.raises(ValueError, match="one transformer's scores"):
+        convert_checkpoint(tmp_path / "src", tmp_path / "x", layers="auto", layers_2="auto", keep_softmax=1,
+                           sensitivity=[0.1, 0.2])
+    assert not (tmp_path / "x").exists()
