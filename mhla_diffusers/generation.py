@@ -257,6 +257,7 @@ def generate_videos(
     device: str | None = None,
     pipe=None,
     image=None,
+    guidance_scale_2: float | None = None,
 ):
     """Generate one video per prompt with the checkpoint's own video pipeline: text-to-video
     (``WanPipeline``; Wan 2.2 A14B runs its two experts as diffusers does, switched at ``boundary_ratio``) or,
@@ -276,6 +277,8 @@ def generate_videos(
         pipe: an already loaded pipeline (skips loading).
         image: the first frame: a path (any format PIL reads) or a ``PIL.Image``; resized by the pipeline to
             ``height x width``. Needed by image-to-video checkpoints, refused by those that cannot take one.
+        guidance_scale_2: Wan 2.2 A14B: the CFG scale of the low-noise expert (``transformer_2``); ``None``:
+            ``guidance_scale`` (diffusers' default).
 
     Returns:
         A list (one per prompt) of float32 arrays ``[frames, height, width, 3]`` in ``[0, 1]``.
@@ -283,7 +286,8 @@ def generate_videos(
     Raises:
         GenerationError: not a video pipeline, an image-to-video checkpoint without ``image`` or a
             text-to-video one with it (:func:`image_to_video_pipeline`), an image file that is missing or
-            unreadable, no prompts, a frame count the VAE does not take, bad steps or dtype.
+            unreadable, ``guidance_scale_2`` for a pipeline with one denoising model, no prompts, a frame
+            count the VAE does not take, bad steps or dtype.
         ValueError: from the pipeline, e.g. a size Wan does not take (multiples of 16 px).
     """
     prompts = [str(p) for p in prompts]
@@ -308,6 +312,12 @@ def generate_videos(
         raise GenerationError(
             f"{checkpoint} holds a {type(pipe).__name__}, an image-to-video model: give the first frame (--image first_frame.png)"
         )
+    if guidance_scale_2 is not None:
+        if getattr(pipe, "config", {}).get("boundary_ratio") is None:
+            raise GenerationError(
+                f"{checkpoint} holds one denoising model: --guidance-scale-2 is for Wan 2.2 A14B's second expert (transformer_2)"
+            )
+        extra["guidance_scale_2"] = guidance_scale_2
     factor = int(getattr(pipe, "vae_scale_factor_temporal", 1))
     if frames < 1 or (frames - 1) % factor:
         low = max(1, (frames - 1) // factor * factor + 1)

@@ -71,6 +71,10 @@ def main(argv=None) -> int:
         default=None,
         help="classifier-free guidance, 1 = off (default: 4.0 DiT, 4.5 SANA, 5.0 Wan)",
     )
+    parser.add_argument(
+        "--guidance-scale-2", type=float, default=None,
+        help="Wan 2.2 A14B only: guidance of the low-noise expert (transformer_2; default: --guidance-scale)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rows", type=_positive_int, default=None, help="rows of the output grid (>= 1; default: 1)")
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
@@ -110,7 +114,8 @@ def main(argv=None) -> int:
                 raise GenerationError(f"videos are written as mp4: --out must end in .mp4; got {args.out}")
             size = {k: v for k, v in (("height", args.height), ("width", args.width), ("frames", args.frames)) if v is not None}
             videos = generate_videos(
-                args.checkpoint, args.prompt, negative_prompt=args.negative_prompt, image=args.image, **size, **common
+                args.checkpoint, args.prompt, negative_prompt=args.negative_prompt, image=args.image,
+                guidance_scale_2=args.guidance_scale_2, **size, **common,
             )
             outs = [args.out] if len(videos) == 1 else [f"{args.out[:-4]}_{i}.mp4" for i in range(len(videos))]
             for video, out in zip(videos, outs):
@@ -135,6 +140,7 @@ def main(argv=None) -> int:
                 "--negative-prompt": args.negative_prompt,
                 "--no-resolution-binning": args.no_resolution_binning,
                 "--frames": args.frames,
+                "--guidance-scale-2": args.guidance_scale_2,
             }
             text_only = [flag for flag, value in given.items() if value]
             if text_only:

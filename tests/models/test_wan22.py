@@ -111,6 +111,11 @@ def test_a14b_two_experts_convert_save_load_generate(tmp_path, capsys):
     np.testing.assert_allclose(got, video(loaded), rtol=0, atol=1e-5)
     assert np.abs(got - stock).max() > 1e-3  # MHLA changes the video
 
+    # the low-noise expert's own guidance (diffusers' guidance_scale_2): the default is guidance_scale
+    same = video(again, guidance_scale=2.0, guidance_scale_2=2.0)
+    np.testing.assert_allclose(video(again, guidance_scale=2.0), same, rtol=0, atol=1e-6)
+    assert np.abs(video(again, guidance_scale=2.0, guidance_scale_2=50.0) - same).max() > 1e-4
+
     for t in (again.transformer, again.transformer_2):
         remove_mhla(t)
     with pytest.warns(UserWarning, match="stock attention"):  # removed from a model loaded as converted: said
@@ -188,13 +193,16 @@ def test_wan21_image_to_video_cross_attention_stock_convert_generate(tmp_path, c
         assert code == 2 and message in one_line(err, "generate.py")
 
 
-def test_text_to_video_checkpoint_refuses_an_image(tmp_path, capsys):
+def test_text_to_video_checkpoint_refuses_an_image_and_a_second_guidance(tmp_path, capsys):
     src = tmp_path / "t2v"
     tiny_wan_pipeline(num_layers=1).save_pretrained(src)
     first_frame(tmp_path / "f.png")
     code, err = run_main("pipelines/generate.py", "--checkpoint", src, "--prompt", "a cat", "--image", tmp_path / "f.png",
                          "--steps", 1, "--device", "cpu", "--out", tmp_path / "c.mp4", capsys=capsys)
     assert code == 2 and "cannot take an image" in one_line(err, "generate.py")
+    code, err = run_main("pipelines/generate.py", "--checkpoint", src, "--prompt", "a cat", "--guidance-scale-2", 3,
+                         "--steps", 1, "--device", "cpu", "--out", tmp_path / "c.mp4", capsys=capsys)
+    assert code == 2 and "one denoising model" in one_line(err, "generate.py")
     assert not (tmp_path / "c.mp4").exists()
 
 
