@@ -261,3 +261,9 @@ def test_automatic_selection_per_expert(tmp_path):
         convert_checkpoint(tmp_path / "src", tmp_path / "x", layers="auto", layers_2="auto", keep_softmax=1,
                            sensitivity=[0.1, 0.2])
     assert not (tmp_path / "x").exists()
+    # layers_2="none": the low-noise expert stays stock (and loads as such)
+    spec = convert_checkpoint(tmp_path / "src", tmp_path / "first-only", layers=[1], layers_2="none", block_grid=(1, 2, 2))
+    assert spec["layers"] == [1] and spec["transformer_2"] is None
+    assert not (tmp_path / "first-only" / "transformer_2" / "mhla_config.json").exists()
+    loaded = load_mhla_pipeline(tmp_path / "first-only")
+    assert [type(a.processor).__name__ for a in wan_self_attn(loaded.transformer_2)] == ["WanAttnProcessor"] * 2
