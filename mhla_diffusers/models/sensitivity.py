@@ -41,9 +41,12 @@ from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from mhla_diffusers.models.families import attention_modules, family_of, self_attention_modules
 from mhla_diffusers.models.grid import token_grid
+from mhla_diffusers.models.install import apply_mhla, is_mhla_model, remove_mhla
+from mhla_diffusers.models.processor import MHLAProcessor
 
 __all__ = ["LayerSensitivity", "layer_sensitivity", "check_calibration"]
 
@@ -193,8 +196,6 @@ def _float_copy(value):
 
 def _working_copy(attn: nn.Module, family) -> nn.Module:
     """A float32 copy of an MHLA layer whose processor knows the family (it runs outside the transformer)."""
-    from mhla_diffusers.models.processor import MHLAProcessor
-
     work = copy.deepcopy(attn).float()
     proc = attn.processor
     work.set_processor(MHLAProcessor(
@@ -285,8 +286,6 @@ def _damage(transformer: nn.Module, calibration: list[dict], reference: list[tor
 def _score_layer(transformer, family, index: int, calibration, reference, mhla: dict, fit: dict) -> dict:
     """Capture, fit and score one layer (steps 1-3 of the module docstring), then restore it (step 4).
     Returns the fit's record plus ``"score"`` and ``"block_grid"``."""
-    from mhla_diffusers.models.install import apply_mhla, remove_mhla
-
     attn = self_attention_modules(transformer, family)[index][1]
     captured = _capture_layer(transformer, family, attn, calibration)
     state = _LayerState(attn)
@@ -367,9 +366,6 @@ def layer_sensitivity(
         ValueError: unsupported model; a model that already has MHLA; bad or empty calibration (or an
             entry the forward rejects); a layer index out of range; bad fit settings.
     """
-    from tqdm.auto import tqdm
-
-    from mhla_diffusers.models.install import is_mhla_model
 
     family = family_of(transformer)
     if is_mhla_model(transformer):
