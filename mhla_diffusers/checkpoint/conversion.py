@@ -272,8 +272,11 @@ def convert_checkpoint(
         ValueError: unknown family, family mismatch, bad layer or block options (no layer selected:
             an empty list, ``"none"``, ``"hybrid"`` on a one-layer model), a single file
             without ``config`` (or ``config`` without a single file), a file of another model, a
-            pipeline with a second transformer (Wan 2.2's ``transformer_2``: not supported yet).
-        FileNotFoundError / OSError: ``src`` cannot be found or loaded.
+            pipeline with a second transformer (Wan 2.2's ``transformer_2``: not supported yet);
+            ``layers="auto"`` errors (see :func:`~mhla_diffusers.apply_mhla`), calibration options without
+            ``"auto"`` (or beside ``calibration`` / ``sensitivity``), calibration that cannot be made (a
+            SANA / Wan transformer without its text encoder and without ``calibration_embeddings``).
+        FileNotFoundError / OSError: ``src`` (or the ``calibration_embeddings`` file) cannot be found or loaded.
     """
     _check_calibration_options(
         layers, keep_softmax, max_attention_cost, calibration, sensitivity, calibration_samples, calibration_seed,
