@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 venv: $(VENV)/.installed
 
 demo: venv
-	$(BIN)/python demo/run_demo.py --out demo_out
+	$(BIN)/python demo/run_study.py --sizes 256 --variants softmax mhla_all mhla_auto linear --out demo_out
 
 test: venv
 	$(BIN)/ruff check .

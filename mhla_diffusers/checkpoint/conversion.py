@@ -279,8 +279,12 @@ def convert_checkpoint(
         ValueError: unknown family, family mismatch, bad layer or block options (no layer selected:
             an empty list, ``"none"``, ``"hybrid"`` on a one-layer model), a single file
             without ``config`` (or ``config`` without a single file), a file of another model, a
-            ``layers_2`` for a source without a second transformer.
-        FileNotFoundError / OSError: ``src`` cannot be found or loaded.
+            ``layers_2`` for a source without a second transformer, ``layers_2="auto"`` without
+            ``layers="auto"``, ``sensitivity`` with both experts on ``"auto"``;
+            ``layers="auto"`` errors (see :func:`~mhla_diffusers.apply_mhla`), calibration options without
+            ``"auto"`` (or beside ``calibration`` / ``sensitivity``), calibration that cannot be made (a
+            SANA / Wan transformer without its text encoder and without ``calibration_embeddings``).
+        FileNotFoundError / OSError: ``src`` (or the ``calibration_embeddings`` file) cannot be found or loaded.
     """
     _check_calibration_options(
         layers, keep_softmax, max_attention_cost, calibration, sensitivity, calibration_samples, calibration_seed,

@@ -150,6 +150,7 @@ def apply_mhla(
 def _auto_layers(transformer, num_layers, num_blocks, block_grid, normalize, *, keep_softmax, max_attention_cost,
                  calibration, sensitivity) -> tuple[list[int], dict]:
     """``layers="auto"`` of :func:`apply_mhla`: ``(MHLA layer indices, the selection record)``."""
+    # sensitivity.py builds on this module (it installs MHLA on one layer at a time): imported here, not above
     from mhla_diffusers.models.sensitivity import LayerSensitivity, layer_sensitivity
 
     if (calibration is None) == (sensitivity is None):

@@ -41,9 +41,12 @@ from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from mhla_diffusers.models.families import attention_modules, family_of, self_attention_modules
 from mhla_diffusers.models.grid import token_grid
+from mhla_diffusers.models.install import apply_mhla, is_mhla_model, remove_mhla
+from mhla_diffusers.models.processor import MHLAProcessor
 
 __all__ = ["LayerSensitivity", "layer_sensitivity", "check_calibration"]
 
@@ -193,8 +196,6 @@ def _float_copy(value):
 
 def _working_copy(attn: nn.Module, family) -> nn.Module:
     """A float32 copy of an MHLA layer whose processor knows the family (it runs outside the transformer)."""
-    from mhla_diffusers.models.processor import MHLAProcessor
-
     work = copy.deepcopy(attn).float()
     proc = attn.processor
     work.set_processor(MHLAProcessor(
@@ -282,6 +283,26 @@ def _damage(transformer: nn.Module, calibration: list[dict], reference: list[tor
     return math.sqrt(num / den) if den > 0 else math.sqrt(num)
 
 
+def _score_layer(transformer, family, index: int, calibration, reference, mhla: dict, fit: dict) -> dict:
+    """Capture, fit and score one layer (steps 1-3 of the module docstring), then restore it (step 4).
+    Returns the fit's record plus ``"score"`` and ``"block_grid"``."""
+    attn = self_attention_modules(transformer, family)[index][1]
+    captured = _capture_layer(transformer, family, attn, calibration)
+    state = _LayerState(attn)
+    try:
+        apply_mhla(transformer, [index], **mhla)
+        block_grid = list(attn.mhla_mixing.block_grid)
+        work = _working_copy(attn, family)
+        record = _fit_layer(work, captured, **fit)
+        with torch.no_grad():
+            attn.load_state_dict(work.state_dict())
+        score = _damage(transformer, calibration, reference)
+    finally:
+        remove_mhla(transformer)
+        state.restore()
+    return {**record, "score": score, "block_grid": block_grid}
+
+
 class _LayerState:
     """Everything :func:`layer_sensitivity` may change on one attention layer, to put back exactly."""
 
@@ -345,9 +366,6 @@ def layer_sensitivity(
         ValueError: unsupported model; a model that already has MHLA; bad or empty calibration (or an
             entry the forward rejects); a layer index out of range; bad fit settings.
     """
-    from tqdm.auto import tqdm
-
-    from mhla_diffusers.models.install import apply_mhla, is_mhla_model, remove_mhla
 
     family = family_of(transformer)
     if is_mhla_model(transformer):
@@ -362,37 +380,24 @@ def layer_sensitivity(
     calibration = [_to_device(entry, device) for entry in check_calibration(calibration)]
     start, was_training = time.perf_counter(), transformer.training
     processors = {key: attn.processor for key, attn in attention_modules(transformer).items()}
-    record: dict[str, dict] = {"scores": {}, "fit_error": {}, "init_error": {}, "init": {}, "converged": {}, "late_share": {}}
-    resolved_grid = None
+    fits: dict[int, dict] = {}
     transformer.eval()
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
             reference = _model_outputs(transformer, calibration)
             for i in tqdm(chosen, desc="layer sensitivity", disable=not progress):
-                name, attn = modules[i]
-                captured = _capture_layer(transformer, family, attn, calibration)
-                state = _LayerState(attn)
-                try:
-                    apply_mhla(transformer, [i], num_blocks=num_blocks, block_grid=block_grid, normalize=normalize)
-                    resolved_grid = list(attn.mhla_mixing.block_grid)
-                    work = _working_copy(attn, family)
-                    fit = _fit_layer(work, captured, int(fit_steps), lr, mixing_lr, fit_projections)
-                    with torch.no_grad():
-                        attn.load_state_dict(work.state_dict())
-                    score = _damage(transformer, calibration, reference)
-                finally:
-                    remove_mhla(transformer)
-                    state.restore()
-                record["scores"][i] = score
-                record["fit_error"][i], record["init_error"][i] = fit["fit_error"], fit["init_error"]
-                record["init"][i], record["converged"][i] = fit["init"], fit["late_share"] <= convergence_tol
-                record["late_share"][i] = fit["late_share"]
+                mhla = dict(num_blocks=num_blocks, block_grid=block_grid, normalize=normalize)
+                fit = dict(steps=int(fit_steps), lr=lr, mixing_lr=mixing_lr, fit_projections=fit_projections)
+                fits[i] = _score_layer(transformer, family, i, calibration, reference, mhla, fit)
     finally:
         transformer.train(was_training)
         for key, attn in attention_modules(transformer).items():
             if attn.processor is not processors[key]:
                 attn.set_processor(processors[key])
+    record = {key: {i: f[key] for i, f in fits.items()} for key in ("score", "fit_error", "init_error", "init", "late_share")}
+    record["scores"] = record.pop("score")
+    record["converged"] = {i: share <= convergence_tol for i, share in record["late_share"].items()}
     slow = [i for i, ok in record["converged"].items() if not ok]
     if slow:
         warnings.warn(
@@ -401,6 +406,7 @@ def layer_sensitivity(
             UserWarning,
             stacklevel=2,
         )
+    resolved_grid = next(iter(fits.values()))["block_grid"]
     settings = {
         "num_calibration": len(calibration), "fit_steps": int(fit_steps), "lr": lr, "mixing_lr": mixing_lr,
         "fit_projections": bool(fit_projections), "seed": int(seed), "block_grid": resolved_grid,

@@ -1,5 +1,5 @@
 """The command-line tools as a user runs them: conversion/convert.py, pipelines/generate.py, and the
-demo's wiring (demo/run_demo.py --quick) on the committed pretrained base."""
+demo's wiring (demo/run_study.py --quick, what `make demo` runs) on the committed pretrained base."""
 
 from __future__ import annotations
 
@@ -79,27 +79,35 @@ def test_generate_rejects_unknown_label(base_pipeline, tmp_path, capsys):
     assert not (tmp_path / "g.png").exists()
 
 
-def test_demo_wiring_quick(tmp_path):
-    """`make demo` in a few-step mode on the committed base: every model is converted, fine-tuned,
-    evaluated and sampled, and the report holds finite numbers for each."""
+def test_demo_and_study_wiring_quick(tmp_path):
+    """`make demo` / demo/run_study.py in a few-step mode on the committed 256-token base: every model is
+    converted (the auto hybrid by measured sensitivity), distilled, fine-tuned, evaluated and sampled;
+    the report holds finite numbers for each; --resume reuses finished results and refuses other settings."""
     if not (ROOT / "demo" / "base_dit" / "model_index.json").is_file():
         pytest.fail("demo/base_dit is missing: the demo's pretrained checkpoint must be committed")
-    out = tmp_path / "demo_out"
-    result = _run("demo/run_demo.py", "--quick", "--out", out)
+    out = tmp_path / "study"
+    result = _run("demo/run_study.py", "--quick", "--sizes", "256", "--out", out)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
-    assert set(report["results"]) == {"softmax", "mhla_all", "mhla_hybrid", "linear"}
-    for name, r in report["results"].items():
-        assert r["steps"] == 2
-        for key in ("val_loss_after_conversion", "val_loss_after_finetune", "train_loss_last_20pct"):
-            assert torch.isfinite(torch.tensor(r[key])), (name, key)
-        assert (out / f"samples_{name}.png").is_file()
-    assert report["results"]["softmax"]["mhla"] is None
-    assert report["results"]["linear"]["mhla"]["num_blocks"] == 1
-    assert report["results"]["mhla_hybrid"]["mhla"]["layers"] == [1, 2, 4, 5]
-    for name in ("loss_curves.png", "real_crops.png", "report.md"):
-        assert (out / name).is_file()
-    # the converted checkpoints load as ordinary MHLA pipelines
-    from mhla_diffusers import read_mhla_config
-
-    assert read_mhla_config(out / "checkpoints" / "mhla_all")["num_blocks"] == 16
+    results = report["sizes"]["256"]["results"]
+    assert set(results) == {"softmax", "mhla_all", "mhla_hybrid", "mhla_auto", "linear"}
+    for name, r in results.items():
+        assert r["steps"] == ({"distill": 0, "finetune": 4} if name == "softmax" else {"distill": 2, "finetune": 2}), name
+        for stage, value in r["heldout_loss"].items():
+            assert torch.isfinite(torch.tensor(value)), (name, stage)
+        assert (out / f"samples_256_{name}.png").is_file()
+    assert results["softmax"]["mhla_layers"] is None and results["mhla_hybrid"]["mhla_layers"] == [1, 2, 4, 5]
+    auto = results["mhla_auto"]
+    assert len(auto["mhla_layers"]) == 4 and auto["selection"]["method"] == "auto" and len(auto["selection"]["scores"]) == 6
+    kept = sorted(set(range(6)) - set(auto["mhla_layers"]))
+    scores = auto["selection"]["scores"]
+    assert kept == auto["selection"]["softmax_layers"] and min(scores[i] for i in kept) >= max(scores[i] for i in auto["mhla_layers"])
+    gap = report["sizes"]["256"]["gap_closed"]
+    assert gap["softmax"] == 1.0 and gap["linear"] == 0.0
+    assert (out / "heldout.png").read_bytes()[:4] == b"\x89PNG" and "| MHLA hybrid, auto |" in (out / "report.md").read_text()
+    # --resume: nothing recomputed (the checkpoints are not even looked at), other settings refused
+    stamp = (out / "results" / "256_linear.json").stat().st_mtime_ns
+    again = _run("demo/run_study.py", "--quick", "--sizes", "256", "--variants", "linear", "--out", out, "--resume")
+    assert again.returncode == 0 and "reusing" in again.stdout and (out / "results" / "256_linear.json").stat().st_mtime_ns == stamp
+    other = _run("demo/run_study.py", "--quick", "--sizes", "256", "--out", out, "--resume", "--keep-softmax", "1")
+    assert other.returncode == 2 and "other settings" in other.stderr

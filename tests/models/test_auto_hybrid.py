@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import dit_inputs, run_dit, tiny_dit, tiny_dit_pipeline
 from helpers_sana import sana_inputs, tiny_sana, tiny_sana_pipeline
-from helpers_wan import tiny_wan, wan_inputs
+from helpers_wan import tiny_wan, tiny_wan_pipeline, wan_inputs
 
 import mhla_diffusers
 from mhla_diffusers import apply_mhla, attention_cost, calibration_inputs, layer_sensitivity, mhla_spec
@@ -260,9 +260,12 @@ def test_calibration_inputs_text_families(tmp_path):
     from_file = calibration_inputs(pipe.transformer, num_samples=3, embeddings=tmp_path / "emb.safetensors")
     for a, b in zip(inputs, from_file):
         torch.testing.assert_close(a["encoder_hidden_states"], b["encoder_hidden_states"])
-    wan = tiny_wan(num_layers=1)
+    wan = tiny_wan_pipeline(num_layers=1)
+    video = calibration_inputs(wan, num_samples=2, latent_size=(2, 8, 8))  # UMT5 through WanPipeline.encode_prompt
+    assert video[0]["hidden_states"].shape == (1, 16, 2, 8, 8) and video[1]["encoder_hidden_states"].shape[::2] == (1, 32)
     text = {"encoder_hidden_states": torch.randn(2, 6, 32)}
-    video = calibration_inputs(wan, num_samples=2, embeddings=text, latent_size=(2, 8, 8))
-    assert video[0]["hidden_states"].shape == (1, 16, 2, 8, 8) and video[1]["encoder_hidden_states"].shape == (1, 6, 32)
+    cached = calibration_inputs(wan.transformer, num_samples=2, embeddings=text, latent_size=(2, 8, 8))
+    assert torch.equal(cached[1]["encoder_hidden_states"], text["encoder_hidden_states"][1:])
     with torch.no_grad():
-        wan(**video[0])
+        wan.transformer(**video[0])
+        wan.transformer(**cached[1])

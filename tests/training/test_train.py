@@ -529,17 +529,3 @@ def test_latent_cache_reproduces_the_first_epoch(tmp_path):
     for k in a:
         assert torch.equal(a[k], b[k]), k
     assert len(list(cache.iterdir())) == 2  # the training set and the held-out set, keyed apart
-
-
-def test_run_distill_demo_wiring(tmp_path, capsys):
-    from helpers import run_main
-
-    code, err = run_main("demo/run_distill.py", "--out", tmp_path / "d", "--quick", "--variants", "mhla_hybrid", capsys=capsys)
-    assert code == 0, err[-2000:]
-    report = json.loads((tmp_path / "d" / "report.json").read_text())
-    r = report["results"]["mhla_hybrid"]
-    assert r["steps"] == {"distill": 2, "finetune": 2} and math.isfinite(r["heldout_loss"]["finetune"])
-    assert report["teacher_heldout_loss"] < r["heldout_loss"]["conversion"]
-    for png in ("distill_curves.png", "finetune_curves.png", "heldout.png"):
-        assert (tmp_path / "d" / png).read_bytes()[:4] == b"\x89PNG"
-    mhla_diffusers.load_mhla_pipeline(r["final_dir"])
