@@ -1,0 +1,191 @@
+"""MHLA over a contiguous shard of the tokens, in two halves joined by the caller's sum of summaries.
+
+Context parallelism splits the flattened tokens of a ``(T, H, W)`` grid into contiguous shards, one
+per process. MHLA's state is the block summaries (MHLA paper, Sec. 3.2), and a block's summary is a
+sum over its tokens, so the summaries of the whole sequence are the sum over shards of each shard's
+partial summaries, whatever blocks a shard cuts:
+
+    S_b = sum_{shards r} sum_{t in b, t in r} phi(k_t)^T v_t,    z_b = sum_r sum_{t in b, t in r} phi(k_t)
+
+:func:`shard_summaries` computes one shard's partial summaries for all ``M`` blocks (zeros for the
+blocks it does not touch), packed in one tensor so that one collective (a sum) combines them;
+:func:`shard_attention` computes the outputs of the shard's own queries from the combined summaries:
+``S~ = Mc S``, ``z~ = Mc z``, ``out = phi(q) S~_i / (phi(q) . z~_i + eps)``. With one shard covering
+all tokens the two calls are exactly :func:`~mhla_diffusers.ops.mhla_attention` (up to float summation
+order). Plain PyTorch, differentiable through autograd (q, k, v, the mixing matrix, the summaries);
+framework-free: nothing here imports diffusers or torch.distributed.
+
+Packed summaries: ``[B, heads, M, d, dv + 1]`` with ``normalize=True`` (``[..., :dv]`` = S, the last
+column = z), ``[B, heads, M, d, dv]`` without the normaliser (numerator only: no z). With ``rotary``
+(Wan's RoPE after the feature map) S uses rotated key features and z un-rotated ones, as in
+:func:`~mhla_diffusers.ops.mhla_attention`. Accumulated in float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from mhla_diffusers.ops.layout import BlockLayout
+from mhla_diffusers.ops.torch_ops import compute_dtype
+
+__all__ = ["ShardBlocks", "shard_blocks", "shard_summaries", "shard_attention"]
+
+
+@dataclass(frozen=True)
+class ShardBlocks:
+    """How the tokens ``[offset, offset + length)`` of a layout fall into blocks.
+
+    Attributes:
+        blocks: ``[m]`` int64, the ids of the blocks the shard touches, ascending.
+        counts: the shard's number of tokens in each of those blocks (``m`` ints, sum ``length``).
+        order: ``[length]`` int64, the shard's local token indices sorted by block (stable).
+        inverse: ``[length]`` int64, the inverse permutation of ``order``.
+    """
+
+    blocks: torch.Tensor
+    counts: tuple[int, ...]
+    order: torch.Tensor
+    inverse: torch.Tensor
+
+
+@lru_cache(maxsize=256)
+@torch.inference_mode(False)  # cached across calls: never inference tensors
+def shard_blocks(layout: BlockLayout, offset: int, length: int) -> ShardBlocks:
+    """The :class:`ShardBlocks` of the tokens ``[offset, offset + length)`` of ``layout`` (CPU tensors, cached).
+
+    Raises:
+        ValueError: if the shard is empty or does not lie inside the layout's ``N`` tokens.
+    """
+    if not (0 <= offset and 1 <= length and offset + length <= layout.num_tokens):
+        raise ValueError(
+            f"a shard of {length} tokens at offset {offset} does not fit the {layout.num_tokens} tokens of {layout}"
+        )
+    index = layout.block_index[offset : offset + length]
+    order = torch.argsort(index, stable=True)
+    blocks, counts = torch.unique_consecutive(index[order], return_counts=True)
+    return ShardBlocks(blocks, tuple(counts.tolist()), order, torch.argsort(order))
+
+
+def _features(x: torch.Tensor, dtype: torch.dtype, feature_map: str | None, feature_eps: float) -> torch.Tensor:
+    if feature_map not in ("relu", None):
+        raise ValueError(f'feature_map must be "relu" (phi = ReLU) or None (q, k are features already); got {feature_map!r}')
+    x = x.to(dtype)
+    x = torch.relu(x) if feature_map == "relu" else x
+    return x + feature_eps if feature_eps else x
+
+
+def _check_shard(x: torch.Tensor, layout: BlockLayout, offset: int, name: str) -> ShardBlocks:
+    if x.ndim != 4:
+        raise ValueError(f"{name} must be 4-D [batch, heads, tokens, head_dim]; got {tuple(x.shape)}")
+    return shard_blocks(layout, int(offset), x.shape[2])
+
+
+def shard_summaries(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    offset: int = 0,
+    normalize: bool = True,
+    feature_map: str | None = "relu",
+    rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    feature_eps: float = 0.0,
+) -> torch.Tensor:
+    """One shard's partial block summaries, packed (module docstring): summed over all shards they are
+    the summaries ``S_b = (R phi(K_b))^T V_b`` and ``z_b = sum phi(K_b)`` of the whole sequence.
+
+    Args:
+        k: ``[B, heads, n, d]``, v: ``[B, heads, n, dv]``: the keys and values of the tokens
+            ``[offset, offset + n)`` of ``layout`` (row-major token order).
+        layout: the :class:`BlockLayout` of the whole sequence (all shards).
+        offset: index of the shard's first token in the whole sequence.
+        normalize: also compute z (packed as the last column), for the normalised output.
+        feature_map, feature_eps: ``phi(x) = ReLU(x) + feature_eps`` (``feature_map=None``: k is features).
+        rotary: ``None`` or a map rotating ``[B, heads, n, d]`` features of this shard's tokens (Wan's RoPE
+            tables of these tokens): S uses rotated features, z un-rotated ones.
+
+    Returns:
+        ``[B, heads, M, d, dv + 1]`` (``normalize``) or ``[B, heads, M, d, dv]``, float32 (float64 for
+        float64 ``k``); zero for the blocks the shard does not touch.
+
+    Raises:
+        ValueError: k and v of different ``[B, heads, n]``, a shard outside the layout, an unknown feature map.
+    """
+    sb = _check_shard(k, layout, offset, "k")
+    if v.ndim != 4 or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v must be [B, heads, n, dv] with k's [B, heads, n] {tuple(k.shape[:3])}; got {tuple(v.shape)}")
+    acc = compute_dtype(k.dtype)
+    phi_k = _features(k, acc, feature_map, feature_eps)
+    rot_k = phi_k if rotary is None else rotary(phi_k)
+    order = sb.order.to(k.device)
+    rot_parts = rot_k.index_select(2, order).split(sb.counts, dim=2)
+    v_parts = v.to(acc).index_select(2, order).split(sb.counts, dim=2)
+    parts = [r.transpose(-1, -2) @ vb for r, vb in zip(rot_parts, v_parts)]  # S_b, [B, heads, d, dv] each
+    if normalize:
+        z_parts = phi_k.index_select(2, order).split(sb.counts, dim=2)
+        parts = [torch.cat((s, z.sum(2)[..., None]), dim=-1) for s, z in zip(parts, z_parts)]
+    touched = torch.stack(parts, dim=2)  # [B, heads, m, d, w]
+    shape = (*touched.shape[:2], layout.num_blocks, *touched.shape[3:])
+    return touched.new_zeros(shape).index_copy(2, sb.blocks.to(k.device), touched)
+
+
+def shard_attention(
+    q: torch.Tensor,
+    summaries: torch.Tensor,
+    mixing: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    offset: int = 0,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    feature_map: str | None = "relu",
+    rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    feature_eps: float = 0.0,
+) -> torch.Tensor:
+    """The MHLA output of one shard's queries from the summaries of the whole sequence.
+
+    ``S~ = Mc S``, ``z~ = Mc z`` (only the rows of the query blocks the shard touches), then for a query
+    in block ``i``: ``out = (R phi(q)) S~_i / (phi(q) . z~_i + eps)``, or the numerator alone.
+
+    Args:
+        q: ``[B, heads, n, d]``: the queries of the tokens ``[offset, offset + n)`` of ``layout``.
+        summaries: packed summaries of the whole sequence (the sum over shards of :func:`shard_summaries`,
+            same ``normalize``): ``[B, heads, M, d, dv + 1]`` or ``[B, heads, M, d, dv]``.
+        mixing: ``[M, M]`` mixing matrix, rows = query blocks, used as given.
+        layout, offset, feature_map, rotary, feature_eps: as :func:`shard_summaries` (rotary of the queries' tokens).
+        normalize: divide by ``phi(q) . z~ + eps`` (needs the packed z column).
+        eps: added to the denominator.
+
+    Returns:
+        ``[B, heads, n, dv]`` in ``q.dtype``.
+
+    Raises:
+        ValueError: summaries or mixing of the wrong shape for ``q`` and ``layout``; a shard outside the layout.
+    """
+    sb = _check_shard(q, layout, offset, "q")
+    m = layout.num_blocks
+    if summaries.ndim != 5 or summaries.shape[:3] != (*q.shape[:2], m) or summaries.shape[3] != q.shape[-1]:
+        raise ValueError(
+            f"summaries must be [B, heads, M, d, w] = [{q.shape[0]}, {q.shape[1]}, {m}, {q.shape[-1]}, w] for q "
+            f"{tuple(q.shape)} and {layout}; got {tuple(summaries.shape)}"
+        )
+    if tuple(mixing.shape) != (m, m):
+        raise ValueError(f"mixing must be [{m}, {m}] for {layout}; got {tuple(mixing.shape)}")
+    acc = compute_dtype(q.dtype)
+    dv = summaries.shape[-1] - 1 if normalize else summaries.shape[-1]
+    blocks, order = sb.blocks.to(q.device), sb.order.to(q.device)
+    rows = mixing.to(device=q.device, dtype=acc).index_select(0, blocks)  # [m, M]: the shard's query blocks
+    mixed = torch.einsum("im,bhmdw->bhidw", rows, summaries.to(acc))  # [B, heads, m, d, w]
+    phi_q = _features(q, acc, feature_map, feature_eps)
+    rot_q = phi_q if rotary is None else rotary(phi_q)
+    rot_parts = rot_q.index_select(2, order).split(sb.counts, dim=2)
+    phi_parts = phi_q.index_select(2, order).split(sb.counts, dim=2) if normalize else rot_parts
+    outs = []
+    for i, (rq, pq) in enumerate(zip(rot_parts, phi_parts)):
+        num = rq @ mixed[:, :, i, :, :dv]
+        outs.append(num / (pq @ mixed[:, :, i, :, dv:] + eps) if normalize else num)
+    return torch.cat(outs, dim=2).index_select(2, sb.inverse.to(q.device)).to(q.dtype)
