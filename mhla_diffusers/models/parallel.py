@@ -1,0 +1,342 @@
+"""Context parallelism for MHLA under diffusers' ``enable_parallelism``: one exchange of block summaries per layer.
+
+diffusers' context parallelism (``ContextParallelConfig(ring_degree=P)`` or ``ulysses_degree=P``) splits
+the flattened tokens into ``P`` contiguous shards at the model's input (the model's ``_cp_plan``) and
+replaces softmax attention by ring or Ulysses attention. An MHLA self-attention layer needs neither:
+each rank computes the partial block summaries of its own tokens
+(:func:`~mhla_diffusers.ops.sharded.shard_summaries`), ONE ``all_reduce`` (sum) over the
+context-parallel group combines them into the summaries of the whole sequence, and each rank computes
+its own queries' outputs from them (:func:`~mhla_diffusers.ops.sharded.shard_attention`). The exchange
+has ``B * heads * M * d * (dv + 1)`` float32 numbers whatever the token count, the same in ring and in
+Ulysses mode; its backward is the same all-reduce (``torch.distributed.nn.functional.all_reduce``), so
+training under context parallelism gets the gradients of the single-process run (summed over ranks
+for the parameters, as DDP / FSDP do). Shards may be uneven (diffusers' ``ring_anything`` /
+``ulysses_anything``) and may cut blocks anywhere.
+
+Why an all-reduce: every rank needs the mixed summaries ``Mc S`` of the blocks its queries touch, and
+the mixing matrix is dense (locality init: every entry but the farthest is positive), so every rank
+needs every block's summary. A ring all-reduce moves ``2 (P - 1) / P`` times the summaries per rank,
+independent of where the shards cut the blocks. The alternatives move more whenever a rank's queries
+touch many blocks: an all-gather of each rank's touched blocks, or an all-to-all (reduce-scatter) of
+mixed partial summaries to the ranks whose queries need them, cost ``(P - 1) x`` the touched blocks of
+one rank, and with Wan's 3 temporal block rows a shard of 81 frames touches 35-70 of the 105 blocks
+(:func:`communication_bytes` computes all of them; README, "Context parallelism").
+
+The hybrid's softmax layers keep diffusers' own ring / Ulysses path (their stock processors get the
+config from ``enable_parallelism``); cross-attention (text, Wan image tokens: not split) stays stock.
+Plans: Wan uses its own ``_cp_plan``; :func:`context_parallel_plan` gives plans for DiT and SANA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mhla_diffusers.models.families import family_of, self_attention_modules
+from mhla_diffusers.models.grid import GridReader, current_model
+from mhla_diffusers.ops.layout import BlockLayout
+from mhla_diffusers.ops.sharded import shard_attention, shard_summaries
+
+__all__ = [
+    "Shard",
+    "context_shard",
+    "shard_sizes",
+    "sharded_mhla_attention",
+    "record_exchanges",
+    "context_parallel_plan",
+    "enable_context_parallel",
+    "cpu_device_mesh",
+    "communication_bytes",
+]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's contiguous shard of the flattened tokens.
+
+    Attributes:
+        group: the context-parallel process group (diffusers' flattened ring x Ulysses mesh).
+        rank, world: this rank's index in the group and the group's size ``P``.
+        offset, length: the shard is tokens ``[offset, offset + length)`` of ``total``.
+    """
+
+    group: object
+    rank: int
+    world: int
+    offset: int
+    length: int
+    total: int
+
+
+def shard_sizes(total: int, world: int) -> list[int]:
+    """Tokens per rank as diffusers splits ``total`` tokens over ``world`` ranks (``torch.tensor_split``:
+    the first ``total % world`` ranks get one more; equal to ``torch.chunk`` when ``world`` divides ``total``)."""
+    return [total // world + (1 if r < total % world else 0) for r in range(world)]
+
+
+def _context_config(model: nn.Module | None):
+    """The model's ``ContextParallelConfig`` once ``enable_parallelism`` has set it up, else ``None``."""
+    config = getattr(model, "_parallel_config", None) if model is not None else None
+    cp = getattr(config, "context_parallel_config", None)
+    return cp if cp is not None and getattr(cp, "_flattened_mesh", None) is not None else None
+
+
+def context_shard(num_tokens: int, total: int) -> Shard | None:
+    """The shard an MHLA layer of the running transformer holds, or ``None`` when it holds all ``total`` tokens.
+
+    Read from the running model's ``_parallel_config`` (set by diffusers' ``enable_parallelism``).
+
+    Raises:
+        RuntimeError: the layer received a token count that is neither ``total`` nor this rank's shard of it.
+    """
+    cp = _context_config(current_model())
+    if cp is None or num_tokens == total:
+        return None
+    group = cp._flattened_mesh.get_group()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    sizes = shard_sizes(total, world)
+    if num_tokens != sizes[rank]:
+        raise RuntimeError(
+            f"MHLA under context parallelism: rank {rank} of {world} received {num_tokens} of the {total} tokens, but a "
+            f"contiguous split gives it {sizes[rank]}; MHLA supports plans that split the flattened tokens evenly "
+            "(diffusers' chunk / tensor_split) at the model input (mhla_diffusers.context_parallel_plan)"
+        )
+    return Shard(group, rank, world, sum(sizes[:rank]), num_tokens, total)
+
+
+_logs: list[list[dict]] = []
+
+
+@contextlib.contextmanager
+def record_exchanges() -> Iterator[list[dict]]:
+    """Record every summary exchange (forward and backward) run inside the block, for measurements.
+
+    Yields a list that receives one dict per collective: ``{"direction": "forward" | "backward",
+    "shape": tuple, "dtype": torch.dtype, "bytes": payload bytes}`` (the tensor handed to ``all_reduce``).
+    """
+    log: list[dict] = []
+    _logs.append(log)
+    try:
+        yield log
+    finally:
+        _logs.remove(log)
+
+
+def _record(direction: str, tensor: torch.Tensor) -> None:
+    for log in _logs:
+        log.append(
+            {"direction": direction, "shape": tuple(tensor.shape), "dtype": tensor.dtype, "bytes": tensor.numel() * tensor.element_size()}
+        )
+
+
+def _all_reduce(packed: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``packed`` over the group, differentiably (the backward is the same all-reduce of the gradient)."""
+    # function-level import: torch.distributed.nn pulls in RPC modules; only context-parallel runs need it
+    from torch.distributed.nn.functional import all_reduce
+
+    _record("forward", packed)
+    total = all_reduce(packed.contiguous(), group=group)
+    if total.requires_grad and _logs:
+        total.register_hook(lambda grad: _record("backward", grad))
+    return total
+
+
+def sharded_mhla_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mixing: torch.Tensor,
+    layout: BlockLayout,
+    shard: Shard,
+    *,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    rotary=None,
+    feature_eps: float = 0.0,
+) -> torch.Tensor:
+    """MHLA of this rank's queries over the whole sequence, from its shard of q, k, v and one all-reduce.
+
+    Args:
+        q, k: ``[B, heads, n, d]``, v: ``[B, heads, n, dv]``: the shard's tokens (``n = shard.length``).
+        mixing: ``[M, M]``, layout: the :class:`BlockLayout` of all ``shard.total`` tokens.
+        shard: from :func:`context_shard`.
+        normalize, eps, feature_eps: as :func:`~mhla_diffusers.mhla_attention`.
+        rotary: a map rotating the shard's ``[B, heads, n, d]`` features (Wan's RoPE of these tokens), or ``None``.
+
+    Returns:
+        ``[B, heads, n, dv]`` in ``q``'s dtype: rows ``[offset, offset + n)`` of the single-process output.
+    """
+    kwargs = dict(offset=shard.offset, normalize=normalize, rotary=rotary, feature_eps=feature_eps)
+    summaries = _all_reduce(shard_summaries(k, v, layout, **kwargs), shard.group)
+    return shard_attention(q, summaries, mixing, layout, eps=eps, **kwargs)
+
+
+# -- plans ----------------------------------------------------------------------------------------
+def _mhla_self_attention(model: nn.Module, family) -> list[tuple[str, bool]]:
+    """``[(module name, runs MHLA)]`` of the model's self-attention layers."""
+    return [(name, isinstance(getattr(attn, "processor", None), GridReader)) for name, attn in self_attention_modules(model, family)]
+
+
+def context_parallel_plan(model: nn.Module) -> dict:
+    """The context-parallel plan to pass to ``model.enable_parallelism(config=..., cp_plan=...)`` for an MHLA model.
+
+    * Wan (``WanTransformer3DModel``): the model's own ``_cp_plan`` (tokens split at ``blocks.0``, RoPE
+      tables with them, gathered after ``proj_out``); MHLA and softmax layers (hybrid) both run on shards.
+    * DiT: tokens split at ``transformer_blocks.0``, gathered after ``proj_out_2``. Every self-attention layer
+      must run MHLA (DiT's stock ``AttnProcessor2_0`` has no context parallelism): ``layers="all"``.
+    * SANA: each MHLA self-attention layer alone is split (its input) and gathered (after ``to_out.0``):
+      SANA's feed-forward is a 3x3 convolution over the token grid, which a token shard cannot run, and its
+      stock linear-attention layers (a hybrid's) know no context parallelism, so they run on all tokens.
+      Exact for inference; for training, the parameters outside the MHLA layers get each rank's full
+      gradient and those inside its share, so SANA training under context parallelism is not supported.
+
+    Build the plan after installing MHLA (``apply_mhla`` / ``set_attn_processor``).
+
+    Raises:
+        ValueError: a model that is not a supported transformer, a model without any MHLA layer, or a DiT
+            with softmax self-attention layers left.
+    """
+    # function-level import: diffusers' parallel classes import torch.distributed's device mesh
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    family = family_of(model)
+    layers = _mhla_self_attention(model, family)
+    if not any(mhla for _, mhla in layers):
+        raise ValueError(f"this {type(model).__name__} has no MHLA layer; install MHLA before building its context-parallel plan")
+    split = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
+    gather = ContextParallelOutput(gather_dim=1, expected_dims=3)
+    if family.name == "wan":
+        return dict(type(model)._cp_plan)
+    if family.name == "dit":
+        softmax = [name for name, mhla in layers if not mhla]
+        if softmax:
+            raise ValueError(
+                f"DiT's stock self-attention (AttnProcessor2_0) has no context parallelism, and {softmax} run it: "
+                "install MHLA on every layer (apply_mhla(model, layers='all')) to run DiT under context parallelism"
+            )
+        return {"transformer_blocks.0": {"hidden_states": split}, "proj_out_2": gather}
+    plan: dict = {}
+    for name, mhla in layers:
+        if mhla:
+            plan[name] = {"hidden_states": split}
+            plan[f"{name}.to_out.0"] = gather
+    return plan
+
+
+@contextlib.contextmanager
+def cpu_device_mesh() -> Iterator[None]:
+    """Let diffusers build its device mesh on a machine without an accelerator (CPU processes over gloo).
+
+    diffusers' ``enable_parallelism`` places rank ``r`` on device ``r % torch.accelerator.device_count()``,
+    which divides by zero without an accelerator. Inside this block, and only when no accelerator exists,
+    ``torch.accelerator.device_count()`` answers 1 (the CPU); with an accelerator it does nothing.
+    :func:`enable_context_parallel` uses it around ``enable_parallelism`` only.
+    """
+    if torch.accelerator.device_count() > 0:
+        yield
+        return
+    original = torch.accelerator.device_count
+    torch.accelerator.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        torch.accelerator.device_count = original
+
+
+def _token_count_check(degree: int, anything: bool):
+    """Model forward pre-hook: a token count the context-parallel degree cannot split is an error naming the fix."""
+
+    def check(model, args, kwargs):
+        latent = kwargs.get("hidden_states", args[0] if args else None)
+        if not isinstance(latent, torch.Tensor):
+            return
+        grid = family_of(model).grid_from_latent(latent, model.config)
+        tokens = math.prod(grid)
+        if tokens < degree:
+            raise ValueError(f"context parallelism over {degree} ranks needs >= {degree} tokens; this input has {tokens} {grid}")
+        if tokens % degree and not anything:
+            raise ValueError(
+                f"the token grid {grid} has {tokens} tokens, which {degree} ranks cannot split evenly: use "
+                "ContextParallelConfig(..., ring_anything=True) or (..., ulysses_anything=True) for uneven shards, "
+                "or a size whose token count divides by the degree"
+            )
+
+    return check
+
+
+def enable_context_parallel(model: nn.Module, config) -> None:
+    """Put an MHLA transformer under diffusers' context parallelism, checked.
+
+    ``model.enable_parallelism(config=config, cp_plan=context_parallel_plan(model))`` (inside
+    :func:`cpu_device_mesh`, which matters only without an accelerator), after checking what the
+    degree needs, and with a forward pre-hook that refuses token counts the degree cannot split.
+    ``torch.distributed`` must be initialised (``torchrun``: ``init_process_group("nccl")``, or ``"gloo"`` on CPUs).
+
+    Args:
+        model: a WanTransformer3DModel, DiTTransformer2DModel or SanaTransformer2DModel with MHLA installed.
+        config: diffusers' ``ContextParallelConfig`` (``ring_degree=P`` or ``ulysses_degree=P``).
+
+    Raises:
+        ValueError: no plan for the model (:func:`context_parallel_plan`); Ulysses mode with softmax
+            self-attention layers (a hybrid) whose head count the Ulysses degree does not divide (without
+            ``ulysses_anything``); a degree larger than the world size.
+        RuntimeError: torch.distributed not initialised.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("context parallelism needs torch.distributed initialised (run under torchrun, then init_process_group)")
+    plan = context_parallel_plan(model)
+    degree = config.ring_degree * config.ulysses_degree
+    if degree > dist.get_world_size():
+        raise ValueError(f"a context-parallel degree of {degree} needs {degree} processes; the world has {dist.get_world_size()}")
+    softmax = [attn for name, attn in self_attention_modules(model) if not isinstance(getattr(attn, "processor", None), GridReader)]
+    if softmax and config.ulysses_degree > 1 and not config.ulysses_anything and softmax[0].heads % config.ulysses_degree:
+        raise ValueError(
+            f"Ulysses attention splits the {softmax[0].heads} heads of the softmax layers over ulysses_degree="
+            f"{config.ulysses_degree}, which does not divide them: choose a degree that divides {softmax[0].heads}, "
+            "ulysses_anything=True, or ring_degree"
+        )
+    with cpu_device_mesh():
+        model.enable_parallelism(config=config, cp_plan=plan)
+    model.register_forward_pre_hook(_token_count_check(degree, config.ring_anything or config.ulysses_anything), with_kwargs=True)
+
+
+# -- communication ----------------------------------------------------------------------------------
+def communication_bytes(
+    tokens: int, heads: int, head_dim: int, num_blocks: int, world: int, *, batch: int = 1,
+    activation_bytes: int = 2, normalize: bool = True,
+) -> dict[str, float]:
+    """Bytes one rank sends for ONE attention layer's forward under context parallelism over ``world`` ranks.
+
+    From the shapes (diffusers 0.42's algorithms; ``world`` divides ``tokens`` and ``heads``):
+
+    * ``"ring"``: diffusers' ring attention (``rotate_method="allgather"``) all-gathers K and V; a ring
+      all-gather sends ``(P - 1)`` shards: ``(P - 1) * 2 * B * (N / P) * heads * d * activation_bytes``.
+    * ``"ulysses"``: four all-to-alls (q, k, v in, the output back), each sending ``(P - 1) / P`` of a
+      ``[B, N / P, heads, d]`` shard: ``4 * (P - 1) / P * B * (N / P) * heads * d * activation_bytes``.
+    * ``"mhla_payload"``: the tensor MHLA all-reduces: ``B * heads * M * d * (d + 1) * 4`` (float32
+      summaries, z packed as the last column; ``d * d`` without the normaliser).
+    * ``"mhla"``: what a ring all-reduce sends of it per rank: ``2 * (P - 1) / P * mhla_payload``.
+    * ``"mhla_alltoall_min"``: a lower bound for the alternative (reduce-scatter / all-to-all of mixed
+      summaries to the ranks that need them), reached only if no two ranks' queries share a block:
+      ``(P - 1) / P * mhla_payload``.
+
+    Raises:
+        ValueError: non-positive sizes, ``world < 2``.
+    """
+    if min(tokens, heads, head_dim, num_blocks, batch, activation_bytes) < 1 or world < 2:
+        raise ValueError("sizes must be positive and world >= 2")
+    shard = batch * tokens / world * heads * head_dim * activation_bytes
+    payload = batch * heads * num_blocks * head_dim * (head_dim + (1 if normalize else 0)) * 4
+    return {
+        "ring": (world - 1) * 2 * shard,
+        "ulysses": 4 * (world - 1) / world * shard,
+        "mhla_payload": float(payload),
+        "mhla": 2 * (world - 1) / world * payload,
+        "mhla_alltoall_min": (world - 1) / world * payload,
+    }
