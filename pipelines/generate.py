@@ -4,6 +4,7 @@
     python pipelines/generate.py --checkpoint dit-mhla --class-labels 1 2 3 4 --steps 25 --seed 0 --out grid.png
     python pipelines/generate.py --checkpoint sana-mhla --prompt "a cat on a red chair" --height 1024 --width 512 --out cat.png
     python pipelines/generate.py --checkpoint wan-mhla --prompt "a cat walking in the snow" --frames 81 --out clip.mp4
+    torchrun --nproc_per_node 4 pipelines/generate.py --checkpoint wan-mhla --prompt "a cat" --context-parallel ring --out clip.mp4
 
 --class-labels for class-conditional pipelines (DiT): integers or, when the pipeline knows them
 (id2label), class names. --prompt for text-to-image pipelines (SANA): one image per prompt. Images
@@ -70,6 +71,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     parser.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     parser.add_argument(
+        "--context-parallel", choices=["ring", "ulysses"], default=None,
+        help="split the transformer's tokens over the processes of torchrun --nproc_per_node P (one GPU each; "
+        "gloo on CPUs); MHLA layers exchange block summaries, softmax layers use diffusers' ring / Ulysses attention",
+    )
+    parser.add_argument(
         "--out",
         required=True,
         help="output image grid (.png, .jpg / .jpeg or .webp: the suffix picks the format) or, for videos, an .mp4",
@@ -82,12 +88,13 @@ def main(argv=None) -> int:
         generate_text_images,
         generate_videos,
         image_format,
+        is_main_process,
         is_video_checkpoint,
         save_grid,
         save_video,
     )
 
-    common = dict(seed=args.seed, dtype=args.dtype, device=args.device)
+    common = dict(seed=args.seed, dtype=args.dtype, device=args.device, context_parallel=args.context_parallel)
     if args.steps is not None:
         common["steps"] = args.steps
     if args.guidance_scale is not None:
@@ -101,6 +108,8 @@ def main(argv=None) -> int:
                 raise GenerationError(f"videos are written as mp4: --out must end in .mp4; got {args.out}")
             size = {k: v for k, v in (("height", args.height), ("width", args.width), ("frames", args.frames)) if v is not None}
             videos = generate_videos(args.checkpoint, args.prompt, negative_prompt=args.negative_prompt, **size, **common)
+            if not is_main_process():  # context parallelism: every rank holds the same result, rank 0 writes it
+                return 0
             outs = [args.out] if len(videos) == 1 else [f"{args.out[:-4]}_{i}.mp4" for i in range(len(videos))]
             for video, out in zip(videos, outs):
                 save_video(video, out, fps=args.fps)
@@ -132,6 +141,8 @@ def main(argv=None) -> int:
     except (GenerationError, FileNotFoundError, ValueError) as err:
         print(f"generate.py: {err}", file=sys.stderr)
         return 2
+    if not is_main_process():
+        return 0
     save_grid(images, args.out, rows=args.rows)
     print(f"wrote {len(images)} image(s) to {args.out}")
     return 0

@@ -204,9 +204,30 @@ def case_dit_ulysses(world: int) -> dict:
     return _compare(model, call, _config("ulysses", world), train=True)
 
 
+def case_wan_pipeline_generate(world: int) -> dict:
+    """generate_videos(context_parallel="ring") through a tiny WanPipeline with MHLA (all layers, the one-liner):
+    the same video as the single-process run."""
+    import copy
+
+    from helpers_wan import tiny_wan_pipeline
+
+    from mhla_diffusers.generation import generate_videos
+
+    pipe = tiny_wan_pipeline(num_layers=2)
+    pipe.transformer.set_attn_processor(mhla_diffusers.MHLAProcessor(block_grid=(1, 2, 3)))
+    mhla_diffusers.materialize_mhla(pipe.transformer)
+    randomize_mixing_(pipe.transformer, low=0.0, high=1.0)
+    other = copy.deepcopy(pipe)
+    kwargs = dict(frames=5, height=48, width=64, steps=2, seed=3)  # 2 x 3 x 4 = 24 tokens
+    ref = generate_videos(None, ["a cat"], pipe=pipe, **kwargs)[0]
+    with record_exchanges() as log:
+        out = generate_videos(None, ["a cat"], pipe=other, context_parallel="ring", **kwargs)[0]
+    return {"output": relative_error(torch.from_numpy(out), torch.from_numpy(ref)), "exchanges": log}
+
+
 CASES = [
     case_wan_oneliner_ring, case_wan_hybrid_ulysses, case_wan_uneven_numerator, case_wan_indivisible_refused,
-    case_ulysses_heads_refused, case_sana_oneliner_ring, case_dit_ulysses,
+    case_ulysses_heads_refused, case_sana_oneliner_ring, case_dit_ulysses, case_wan_pipeline_generate,
 ]
 
 
