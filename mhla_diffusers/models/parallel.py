@@ -41,7 +41,7 @@ from torch import nn
 from mhla_diffusers.models.families import family_of, self_attention_modules
 from mhla_diffusers.models.grid import GridReader, current_model
 from mhla_diffusers.ops.layout import BlockLayout
-from mhla_diffusers.ops.sharded import shard_attention, shard_summaries
+from mhla_diffusers.ops.sharded import shard_attention, shard_blocks, shard_summaries
 
 __all__ = [
     "Shard",
@@ -309,7 +309,7 @@ def enable_context_parallel(model: nn.Module, config) -> None:
 # -- communication ----------------------------------------------------------------------------------
 def communication_bytes(
     tokens: int, heads: int, head_dim: int, num_blocks: int, world: int, *, batch: int = 1,
-    activation_bytes: int = 2, normalize: bool = True,
+    activation_bytes: int = 2, normalize: bool = True, layout: BlockLayout | None = None,
 ) -> dict[str, float]:
     """Bytes one rank sends for ONE attention layer's forward under context parallelism over ``world`` ranks.
 
@@ -325,18 +325,28 @@ def communication_bytes(
     * ``"mhla_alltoall_min"``: a lower bound for the alternative (reduce-scatter / all-to-all of mixed
       summaries to the ranks that need them), reached only if no two ranks' queries share a block:
       ``(P - 1) / P * mhla_payload``.
+    * ``"mhla_alltoall"`` (only with ``layout``, the :class:`BlockLayout` of the ``tokens``): that alternative
+      on the real geometry: the busiest rank sends every other rank the mixed summaries of all blocks that
+      rank's queries touch (contiguous shards as :func:`shard_sizes` cuts them).
 
     Raises:
-        ValueError: non-positive sizes, ``world < 2``.
+        ValueError: non-positive sizes, ``world < 2``, a layout of another token or block count.
     """
     if min(tokens, heads, head_dim, num_blocks, batch, activation_bytes) < 1 or world < 2:
         raise ValueError("sizes must be positive and world >= 2")
     shard = batch * tokens / world * heads * head_dim * activation_bytes
     payload = batch * heads * num_blocks * head_dim * (head_dim + (1 if normalize else 0)) * 4
-    return {
+    result = {
         "ring": (world - 1) * 2 * shard,
         "ulysses": 4 * (world - 1) / world * shard,
         "mhla_payload": float(payload),
         "mhla": 2 * (world - 1) / world * payload,
         "mhla_alltoall_min": (world - 1) / world * payload,
     }
+    if layout is not None:
+        if layout.num_tokens != tokens or layout.num_blocks != num_blocks:
+            raise ValueError(f"{layout} does not have {tokens} tokens and {num_blocks} blocks")
+        sizes = shard_sizes(tokens, world)
+        touched = [len(shard_blocks(layout, sum(sizes[:r]), n).blocks) for r, n in enumerate(sizes)]
+        result["mhla_alltoall"] = max(sum(touched) - t for t in touched) * payload / num_blocks
+    return result
