@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -40,6 +41,7 @@ from torch import nn
 
 from mhla_diffusers.models.families import family_of, self_attention_modules
 from mhla_diffusers.models.grid import GridReader, current_model
+from mhla_diffusers.ops import InterleavedRotary, mhla_attention
 from mhla_diffusers.ops.layout import BlockLayout
 from mhla_diffusers.ops.sharded import shard_attention, shard_blocks, shard_summaries
 
@@ -64,6 +66,7 @@ class Shard:
         group: the context-parallel process group (diffusers' flattened ring x Ulysses mesh).
         rank, world: this rank's index in the group and the group's size ``P``.
         offset, length: the shard is tokens ``[offset, offset + length)`` of ``total``.
+        heads_mode: exchange heads (all-to-all, Ulysses) instead of block summaries (all-reduce).
     """
 
     group: object
@@ -72,6 +75,7 @@ class Shard:
     offset: int
     length: int
     total: int
+    heads_mode: bool = False
 
 
 def shard_sizes(total: int, world: int) -> list[int]:
@@ -87,10 +91,12 @@ def _context_config(model: nn.Module | None):
     return cp if cp is not None and getattr(cp, "_flattened_mesh", None) is not None else None
 
 
-def context_shard(num_tokens: int, total: int) -> Shard | None:
+def context_shard(num_tokens: int, total: int, heads: int = 0) -> Shard | None:
     """The shard an MHLA layer of the running transformer holds, or ``None`` when it holds all ``total`` tokens.
 
-    Read from the running model's ``_parallel_config`` (set by diffusers' ``enable_parallelism``).
+    Read from the running model's ``_parallel_config`` (set by diffusers' ``enable_parallelism``). Heads mode
+    (:func:`sharded_mhla_attention`) in Ulysses mode (``ulysses_degree > 1``, ``ring_degree == 1``) when the
+    degree divides the layer's ``heads``; the summary exchange otherwise (ring mode, or heads it cannot split).
 
     Raises:
         RuntimeError: the layer received a token count that is neither ``total`` nor this rank's shard of it.
@@ -107,7 +113,8 @@ def context_shard(num_tokens: int, total: int) -> Shard | None:
             f"contiguous split gives it {sizes[rank]}; MHLA supports plans that split the flattened tokens evenly "
             "(diffusers' chunk / tensor_split) at the model input (mhla_diffusers.context_parallel_plan)"
         )
-    return Shard(group, rank, world, sum(sizes[:rank]), num_tokens, total)
+    heads_mode = cp.ring_degree == 1 and heads > 0 and heads % world == 0
+    return Shard(group, rank, world, sum(sizes[:rank]), num_tokens, total, heads_mode)
 
 
 _logs: list[list[dict]] = []
@@ -117,8 +124,9 @@ _logs: list[list[dict]] = []
 def record_exchanges() -> Iterator[list[dict]]:
     """Record every summary exchange (forward and backward) run inside the block, for measurements.
 
-    Yields a list that receives one dict per collective: ``{"direction": "forward" | "backward",
-    "shape": tuple, "dtype": torch.dtype, "bytes": payload bytes}`` (the tensor handed to ``all_reduce``).
+    Yields a list that receives one dict per collective: ``{"kind": "all_reduce" | "all_to_all" | "all_gather",
+    "direction": "forward" | "backward", "shape": tuple, "dtype": torch.dtype, "bytes": payload bytes}`` (the
+    tensor handed to the collective: for an all-to-all the whole local tensor, of which ``(P - 1) / P`` leaves).
     """
     log: list[dict] = []
     _logs.append(log)
@@ -128,11 +136,12 @@ def record_exchanges() -> Iterator[list[dict]]:
         _logs.remove(log)
 
 
-def _record(direction: str, tensor: torch.Tensor) -> None:
+def _record(direction: str, tensor: torch.Tensor, kind: str = "all_reduce") -> None:
     for log in _logs:
-        log.append(
-            {"direction": direction, "shape": tuple(tensor.shape), "dtype": tensor.dtype, "bytes": tensor.numel() * tensor.element_size()}
-        )
+        log.append({
+            "kind": kind, "direction": direction, "shape": tuple(tensor.shape), "dtype": tensor.dtype,
+            "bytes": tensor.numel() * tensor.element_size(),
+        })
 
 
 def _all_reduce(packed: torch.Tensor, group) -> torch.Tensor:
@@ -157,24 +166,106 @@ def sharded_mhla_attention(
     *,
     normalize: bool = True,
     eps: float = 1e-6,
-    rotary=None,
+    rotary: InterleavedRotary | None = None,
+    rotary_key: object = None,
     feature_eps: float = 0.0,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    """MHLA of this rank's queries over the whole sequence, from its shard of q, k, v and one all-reduce.
+    """MHLA of this rank's queries over the whole sequence, from its shard of q, k, v.
+
+    ``shard.heads_mode`` (Ulysses, the degree divides the heads): all-to-alls of q, k, v to ``heads / P`` heads
+    of all tokens, :func:`~mhla_diffusers.mhla_attention` there (any backend), the output back (as diffusers'
+    Ulysses attention moves softmax's). Otherwise: the summary exchange (one all-reduce, torch operations).
 
     Args:
         q, k: ``[B, heads, n, d]``, v: ``[B, heads, n, dv]``: the shard's tokens (``n = shard.length``).
         mixing: ``[M, M]``, layout: the :class:`BlockLayout` of all ``shard.total`` tokens.
         shard: from :func:`context_shard`.
-        normalize, eps, feature_eps: as :func:`~mhla_diffusers.mhla_attention`.
-        rotary: a map rotating the shard's ``[B, heads, n, d]`` features (Wan's RoPE of these tokens), or ``None``.
+        normalize, eps, feature_eps, backend: as :func:`~mhla_diffusers.mhla_attention`.
+        rotary: the RoPE of the shard's tokens (an :class:`~mhla_diffusers.ops.InterleavedRotary`: Wan's), or ``None``.
+        rotary_key: an object that is the same for every layer of one forward (Wan: its rotary tensor): in
+            heads mode the tables of all tokens are all-gathered once per forward, not once per layer.
 
     Returns:
         ``[B, heads, n, dv]`` in ``q``'s dtype: rows ``[offset, offset + n)`` of the single-process output.
     """
+    if shard.heads_mode:
+        to_heads = [_to_heads(x, shard) for x in (q, k, v)]
+        full = None if rotary is None else _full_rotary(rotary, rotary_key, shard)
+        out = mhla_attention(
+            *to_heads, mixing, layout, normalize=normalize, eps=eps, rotary=full, feature_eps=feature_eps, backend=backend
+        )
+        return _to_tokens(out, shard)
     kwargs = dict(offset=shard.offset, normalize=normalize, rotary=rotary, feature_eps=feature_eps)
     summaries = _all_reduce(shard_summaries(k, v, layout, **kwargs), shard.group)
     return shard_attention(q, summaries, mixing, layout, eps=eps, **kwargs)
+
+
+def _all_to_all(flat: torch.Tensor, output_sizes: list[int], input_sizes: list[int], group) -> torch.Tensor:
+    """Differentiable ``all_to_all_single`` of a 1-D tensor (the backward is the reverse exchange)."""
+    from torch.distributed.nn.functional import all_to_all_single  # function-level: see _all_reduce
+
+    _record("forward", flat, "all_to_all")
+    out = flat.new_empty(sum(output_sizes))
+    out = all_to_all_single(out, flat.contiguous(), output_sizes, input_sizes, group=group)
+    if out.requires_grad and _logs:
+        out.register_hook(lambda grad: _record("backward", grad, "all_to_all"))
+    return out
+
+
+def _to_heads(x: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """``[B, H, n, w]`` (this rank's tokens, all heads) -> ``[B, H / P, N, w]`` (all tokens, this rank's heads)."""
+    b, h, n, w = x.shape
+    g = h // shard.world
+    sizes = shard_sizes(shard.total, shard.world)
+    send = x.reshape(b, shard.world, g, n, w).transpose(0, 1).reshape(-1)  # head group j goes to rank j
+    got = _all_to_all(send, [b * g * m * w for m in sizes], [b * g * n * w] * shard.world, shard.group)
+    parts = got.split([b * g * m * w for m in sizes])
+    return torch.cat([p.view(b, g, m, w) for p, m in zip(parts, sizes)], dim=2)
+
+
+def _to_tokens(y: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """The inverse of :func:`_to_heads`: ``[B, H / P, N, w]`` -> ``[B, H, n, w]``."""
+    b, g, _, w = y.shape
+    sizes = shard_sizes(shard.total, shard.world)
+    send = torch.cat([p.reshape(-1) for p in y.split(sizes, dim=2)])  # rank j gets its tokens of my heads
+    got = _all_to_all(send, [b * g * shard.length * w] * shard.world, [b * g * m * w for m in sizes], shard.group)
+    return got.view(shard.world, b, g, shard.length, w).transpose(0, 1).reshape(b, g * shard.world, shard.length, w)
+
+
+class _RotaryCache(threading.local):
+    """The rotary tables of all tokens of the current forward (one entry per thread: the key and the tables)."""
+
+    def __init__(self):
+        self.key, self.full = None, None
+
+
+_rotary_cache = _RotaryCache()
+
+
+def _full_rotary(rotary, key, shard: Shard) -> InterleavedRotary:
+    """The :class:`InterleavedRotary` of all ``shard.total`` tokens from every rank's tables (one all-gather per
+    forward: cached under ``key``, which every layer of one forward passes; the same on every rank)."""
+    if not isinstance(rotary, InterleavedRotary):
+        raise TypeError(f"context parallelism in heads mode needs an InterleavedRotary; got {type(rotary).__name__}")
+    if key is not None and _rotary_cache.key is key:
+        return _rotary_cache.full
+    half = rotary.cos.shape[-1]
+    both = _all_gather_tokens(torch.cat((rotary.cos, rotary.sin), dim=-1).detach(), shard)  # one collective
+    full = InterleavedRotary(both[:, :half], both[:, half:])
+    _rotary_cache.key, _rotary_cache.full = key, full
+    return full
+
+
+def _all_gather_tokens(x: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """``[n, ...]`` of every rank -> ``[N, ...]`` in rank order (padded to the longest shard: gloo's all_gather
+    needs equal sizes)."""
+    sizes = shard_sizes(shard.total, shard.world)
+    padded = torch.cat((x, x.new_zeros(max(sizes) - x.shape[0], *x.shape[1:]))).contiguous()
+    parts = [torch.empty_like(padded) for _ in sizes]
+    _record("forward", padded, "all_gather")
+    dist.all_gather(parts, padded, group=shard.group)
+    return torch.cat([p[:m] for p, m in zip(parts, sizes)])
 
 
 # -- plans ----------------------------------------------------------------------------------------

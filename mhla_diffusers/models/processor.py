@@ -622,7 +622,7 @@ class MHLAProcessor(GridReader, nn.Module):
         # MHLA over the blocks of this call's token grid (phi = ReLU, fp32 accumulation)
         mixing = self._mixing(attn, family)
         grid = self._grid(attn, num_tokens)
-        shard = context_shard(num_tokens, grid[0] * grid[1] * grid[2])  # None unless under context parallelism
+        shard = context_shard(num_tokens, grid[0] * grid[1] * grid[2], attn.heads)  # None unless under context parallelism
         layout, weight = self._blocks(mixing, grid, family)
         eps = self.eps if self.eps is not None else (1e-6 if family is None else family.default_eps)
         output_norm = getattr(attn, "mhla_output_norm", None)
@@ -634,10 +634,10 @@ class MHLAProcessor(GridReader, nn.Module):
                 q_op, key, value, weight, layout, normalize=self.normalize, eps=eps, backend=self.backend,
                 feature_eps=self.feature_eps, **extra,
             )
-        else:  # this rank's tokens: one all-reduce of block summaries over the context-parallel group
+        else:  # this rank's tokens: one exchange over the context-parallel group (models/parallel.py)
             hidden_states = sharded_mhla_attention(
                 q_op, key, value, weight, layout, shard, normalize=self.normalize, eps=eps,
-                feature_eps=self.feature_eps, **extra,
+                feature_eps=self.feature_eps, backend=self.backend, rotary_key=rotary_emb, **extra,
             )
         if output_norm is not None:
             hidden_states = output_norm(hidden_states)

@@ -153,6 +153,23 @@ def case_wan_uneven_numerator(world: int) -> dict:
         context_parallel._all_gather_anything = original
 
 
+def case_wan_uneven_ulysses(world: int) -> dict:
+    """Wan by apply_mhla (normalised, RoPE), 175 tokens, ulysses_anything: MHLA per head after all-to-alls of
+    uneven shards (6 heads: 2 and 3 divide them), the RoPE tables gathered once per forward; a training step."""
+    from diffusers.hooks import context_parallel
+
+    model = tiny_wan(num_layers=2, heads=6, head_dim=8)
+    mhla_diffusers.apply_mhla(model, layers="all", block_grid=(2, 2, 2))
+    randomize_mixing_(model, low=0.0, high=1.0)
+    inputs = wan_inputs(batch=2, frames=5, size=(10, 14))  # 5 x 5 x 7 = 175 tokens
+    original = context_parallel._all_gather_anything
+    context_parallel._all_gather_anything = _gloo_all_gather_anything
+    try:
+        return _compare(model, _wan_call(inputs), _config("ulysses", world, anything=True), train=True)
+    finally:
+        context_parallel._all_gather_anything = original
+
+
 def case_wan_indivisible_refused(world: int) -> dict:
     """175 tokens under an even split: a clear error before any collective."""
     model = tiny_wan(num_layers=1, heads=2, head_dim=12)
@@ -226,7 +243,7 @@ def case_wan_pipeline_generate(world: int) -> dict:
 
 
 CASES = [
-    case_wan_oneliner_ring, case_wan_hybrid_ulysses, case_wan_uneven_numerator, case_wan_indivisible_refused,
+    case_wan_oneliner_ring, case_wan_hybrid_ulysses, case_wan_uneven_numerator, case_wan_uneven_ulysses, case_wan_indivisible_refused,
     case_ulysses_heads_refused, case_sana_oneliner_ring, case_dit_ulysses, case_wan_pipeline_generate,
 ]
 

@@ -53,8 +53,8 @@ def _case(results, name: str) -> dict:
     return case
 
 
-def _exchanges(case: dict, direction: str) -> list[int]:
-    return [e["bytes"] for e in case["exchanges"] if e["direction"] == direction]
+def _exchanges(case: dict, direction: str, kind: str = "all_reduce") -> list[int]:
+    return [e["bytes"] for e in case["exchanges"] if e["direction"] == direction and e["kind"] == kind]
 
 
 def _check_exact(case: dict, grads: bool = True) -> None:
@@ -78,15 +78,26 @@ def test_wan_oneliner_ring_output_gradients_and_bytes(results):
 
 def test_wan_hybrid_ulysses(results):
     """Wan hybrid by apply_mhla under Ulysses: the softmax layer runs diffusers' all-to-alls (q, k, v, output:
-    what the formula counts), the two MHLA layers their own exchange; output and gradients exact."""
+    what the formula counts); the two MHLA layers run per head after all-to-alls of the same sizes (6 heads:
+    heads mode for P = 2 and 3), the RoPE tables gathered once per forward; output and gradients exact."""
     world, _ = results
     case = _case(results, "case_wan_hybrid_ulysses")
     _check_exact(case)
     assert any("blocks.0.attn1.to_q" in n for n in case["grads"]) and "blocks.0.attn1.mhla_mixing.weight" not in case["grads"]
-    assert len(_exchanges(case, "forward")) == 2  # layers 1, 2
-    forward_alltoall = case["alltoall_bytes"][:4]
-    assert forward_alltoall == [1 * 72 // world * 6 * 8 * 4] * 4
-    assert sum(forward_alltoall) * (world - 1) / world == pytest.approx(case["formula"]["ulysses"])
+    shard = 1 * 72 // world * 6 * 8 * 4  # [B, N / P, heads, d] float32
+    stock = case["alltoall_bytes"][:4]
+    assert stock == [shard] * 4
+    assert sum(stock) * (world - 1) / world == pytest.approx(case["formula"]["ulysses"])
+    assert _exchanges(case, "forward", "all_to_all") == [shard] * 8  # layers 1, 2: q, k, v, output
+    assert len(_exchanges(case, "backward", "all_to_all")) == 8
+    assert len(_exchanges(case, "forward", "all_gather")) == 1 and not _exchanges(case, "forward")
+
+
+def test_wan_uneven_shards_ulysses_heads_mode(results):
+    """175 tokens, ulysses_anything: per-head MHLA after all-to-alls of uneven shards, RoPE; exact."""
+    case = _case(results, "case_wan_uneven_ulysses")
+    _check_exact(case)
+    assert len(_exchanges(case, "forward", "all_to_all")) == 8 and len(_exchanges(case, "forward", "all_gather")) == 1
 
 
 def test_wan_uneven_shards_numerator_only(results):
@@ -98,13 +109,16 @@ def test_wan_uneven_shards_numerator_only(results):
 
 
 def test_sana_and_dit(results):
-    """SANA (one-liner, ring; inference) and DiT (apply_mhla, Ulysses mode, a training step): exact."""
+    """SANA (one-liner, ring; inference) and DiT (apply_mhla, Ulysses mode, a training step): exact. DiT's 2 heads:
+    heads mode over 2 ranks, the summary exchange over 3."""
     sana = _case(results, "case_sana_oneliner_ring")
     _check_exact(sana, grads=False)
     assert len(_exchanges(sana, "forward")) == 2
+    world, _ = results
     dit = _case(results, "case_dit_ulysses")
     _check_exact(dit)
-    assert len(_exchanges(dit, "forward")) == 2 and len(_exchanges(dit, "backward")) == 2
+    kind, count = ("all_to_all", 8) if world == 2 else ("all_reduce", 2)  # 2 heads: Ulysses degree 3 cannot split them
+    assert len(_exchanges(dit, "forward", kind)) == count and len(_exchanges(dit, "backward", kind)) == count
 
 
 def test_pipeline_generation(results):
