@@ -1,25 +1,31 @@
-"""Context parallelism for MHLA under diffusers' ``enable_parallelism``: one exchange of block summaries per layer.
+"""Context parallelism for MHLA under diffusers' ``enable_parallelism``.
 
 diffusers' context parallelism (``ContextParallelConfig(ring_degree=P)`` or ``ulysses_degree=P``) splits
 the flattened tokens into ``P`` contiguous shards at the model's input (the model's ``_cp_plan``) and
-replaces softmax attention by ring or Ulysses attention. An MHLA self-attention layer needs neither:
-each rank computes the partial block summaries of its own tokens
-(:func:`~mhla_diffusers.ops.sharded.shard_summaries`), ONE ``all_reduce`` (sum) over the
-context-parallel group combines them into the summaries of the whole sequence, and each rank computes
-its own queries' outputs from them (:func:`~mhla_diffusers.ops.sharded.shard_attention`). The exchange
-has ``B * heads * M * d * (dv + 1)`` float32 numbers whatever the token count, the same in ring and in
-Ulysses mode; its backward is the same all-reduce (``torch.distributed.nn.functional.all_reduce``), so
-training under context parallelism gets the gradients of the single-process run (summed over ranks
-for the parameters, as DDP / FSDP do). Shards may be uneven (diffusers' ``ring_anything`` /
-``ulysses_anything``) and may cut blocks anywhere.
+replaces softmax attention by ring or Ulysses attention. An MHLA self-attention layer has two exact ways:
 
-Why an all-reduce: every rank needs the mixed summaries ``Mc S`` of the blocks its queries touch, and
-the mixing matrix is dense (locality init: every entry but the farthest is positive), so every rank
-needs every block's summary. A ring all-reduce moves ``2 (P - 1) / P`` times the summaries per rank,
-independent of where the shards cut the blocks. The alternatives move more whenever a rank's queries
-touch many blocks: an all-gather of each rank's touched blocks, or an all-to-all (reduce-scatter) of
-mixed partial summaries to the ranks whose queries need them, cost ``(P - 1) x`` the touched blocks of
-one rank, and with Wan's 3 temporal block rows a shard of 81 frames touches 35-70 of the 105 blocks
+* summary exchange (ring mode, and Ulysses mode when the degree does not divide the heads): each rank
+  computes the partial block summaries of its own tokens (:func:`~mhla_diffusers.ops.sharded.shard_summaries`),
+  ONE ``all_reduce`` (sum) over the context-parallel group combines them into the summaries of the whole
+  sequence, and each rank computes its own queries' outputs from them
+  (:func:`~mhla_diffusers.ops.sharded.shard_attention`). The exchange has ``B * heads * M * d * (dv + 1)``
+  float32 numbers whatever the token count; its backward is the same all-reduce
+  (``torch.distributed.nn.functional.all_reduce``).
+* heads mode (Ulysses mode, ``P`` divides the heads): all-to-alls turn q, k, v into ``heads / P`` heads of
+  all tokens, :func:`~mhla_diffusers.mhla_attention` runs there (any backend, Triton included), and one
+  all-to-all brings the output back: the bytes of diffusers' Ulysses attention, plus one all-gather of the
+  RoPE tables per forward (Wan). Its cost falls as ``1 / P``; the summary exchange's does not.
+
+Both give the single-process outputs and, in training, its gradients (each rank holds its own tokens'
+share of every parameter gradient; DDP / FSDP sum them). Shards may be uneven (diffusers' ``ring_anything``
+/ ``ulysses_anything``) and may cut blocks anywhere.
+
+Why an all-reduce for the summaries: every rank needs the mixed summaries ``Mc S`` of the blocks its
+queries touch, and the mixing matrix is dense (locality init: every entry but the farthest is positive),
+so every rank needs every block's summary. A ring all-reduce moves ``2 (P - 1) / P`` times the summaries per
+rank, independent of where the shards cut the blocks. The alternative, an all-to-all (reduce-scatter) of
+mixed partial summaries to the ranks whose queries need them, moves less only at ``P = 2``: with Wan's 3
+temporal block rows a shard of 81 frames touches 35-70 of the 105 blocks, so at ``P >= 4`` it moves more
 (:func:`communication_bytes` computes all of them; README, "Context parallelism").
 
 The hybrid's softmax layers keep diffusers' own ring / Ulysses path (their stock processors get the
