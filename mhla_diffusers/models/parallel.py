@@ -416,6 +416,9 @@ def communication_bytes(
       all-gather sends ``(P - 1)`` shards: ``(P - 1) * 2 * B * (N / P) * heads * d * activation_bytes``.
     * ``"ulysses"``: four all-to-alls (q, k, v in, the output back), each sending ``(P - 1) / P`` of a
       ``[B, N / P, heads, d]`` shard: ``4 * (P - 1) / P * B * (N / P) * heads * d * activation_bytes``.
+    * ``"mhla_heads"``: MHLA in heads mode (Ulysses): the same four all-to-alls as ``"ulysses"``.
+    * ``"rope_gather"``: heads mode with RoPE (Wan), once per FORWARD (not per layer): the ring all-gather of
+      the float32 cos / sin tables, ``(P - 1) * (N / P) * d * 4``.
     * ``"mhla_payload"``: the tensor MHLA all-reduces: ``B * heads * M * d * (d + 1) * 4`` (float32
       summaries, z packed as the last column; ``d * d`` without the normaliser).
     * ``"mhla"``: what a ring all-reduce sends of it per rank: ``2 * (P - 1) / P * mhla_payload``.
@@ -436,6 +439,8 @@ def communication_bytes(
     result = {
         "ring": (world - 1) * 2 * shard,
         "ulysses": 4 * (world - 1) / world * shard,
+        "mhla_heads": 4 * (world - 1) / world * shard,
+        "rope_gather": (world - 1) * tokens / world * head_dim * 4,
         "mhla_payload": float(payload),
         "mhla": 2 * (world - 1) / world * payload,
         "mhla_alltoall_min": (world - 1) / world * payload,
