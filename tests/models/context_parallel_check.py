@@ -138,10 +138,12 @@ def shard_sizes_of(local: int, group) -> list[int]:
 
 
 def case_wan_uneven_numerator(world: int) -> dict:
-    """Wan by apply_mhla, numerator only + output norm, 175 tokens (no degree divides them), ring_anything."""
+    """Wan by apply_mhla, numerator only + output norm, 175 tokens (no degree divides them), ring_anything,
+    gradient checkpointing (the exchange runs again in the recomputation)."""
     from diffusers.hooks import context_parallel
 
     model = tiny_wan(num_layers=2, heads=2, head_dim=12)
+    model.enable_gradient_checkpointing()
     mhla_diffusers.apply_mhla(model, layers="all", block_grid=(2, 2, 2), normalize=False)
     randomize_mixing_(model, low=0.0, high=1.0)
     inputs = wan_inputs(batch=1, frames=5, size=(10, 14))  # 5 x 5 x 7 = 175 tokens
@@ -155,10 +157,12 @@ def case_wan_uneven_numerator(world: int) -> dict:
 
 def case_wan_uneven_ulysses(world: int) -> dict:
     """Wan by apply_mhla (normalised, RoPE), 175 tokens, ulysses_anything: MHLA per head after all-to-alls of
-    uneven shards (6 heads: 2 and 3 divide them), the RoPE tables gathered once per forward; a training step."""
+    uneven shards (6 heads: 2 and 3 divide them), the RoPE tables gathered once per forward; a training step
+    with gradient checkpointing."""
     from diffusers.hooks import context_parallel
 
     model = tiny_wan(num_layers=2, heads=6, head_dim=8)
+    model.enable_gradient_checkpointing()
     mhla_diffusers.apply_mhla(model, layers="all", block_grid=(2, 2, 2))
     randomize_mixing_(model, low=0.0, high=1.0)
     inputs = wan_inputs(batch=2, frames=5, size=(10, 14))  # 5 x 5 x 7 = 175 tokens
