@@ -31,6 +31,7 @@ __all__ = [
     "generate_videos",
     "enable_pipeline_context_parallel",
     "is_main_process",
+    "close_distributed",
     "is_video_pipeline",
     "is_video_checkpoint",
     "native_video_size",
@@ -91,14 +92,15 @@ def enable_pipeline_context_parallel(pipe, mode: str, device: str) -> str:
     if mode not in ("ring", "ulysses"):
         raise GenerationError(f"context parallelism mode must be 'ring' or 'ulysses'; got {mode!r}")
     cuda = torch.device(device).type == "cuda"
+    if cuda:  # one GPU per rank, set before NCCL starts
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
+        _started_group.append(dist.group.WORLD)
     world = dist.get_world_size()
     if world < 2:
         raise GenerationError(f"context parallelism needs >= 2 processes (torchrun --nproc_per_node P); got {world}")
-    if cuda:
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-        torch.cuda.set_device(device)
     config = ContextParallelConfig(ring_degree=world) if mode == "ring" else ContextParallelConfig(ulysses_degree=world)
     enable_context_parallel(pipe.transformer, config)
     return device
@@ -107,6 +109,17 @@ def enable_pipeline_context_parallel(pipe, mode: str, device: str) -> str:
 def is_main_process() -> bool:
     """Whether this process writes the outputs: rank 0 under ``torch.distributed``, else always."""
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+_started_group: list = []  # the process group enable_pipeline_context_parallel started, if it did
+
+
+def close_distributed() -> None:
+    """End the ``torch.distributed`` process group :func:`enable_pipeline_context_parallel` started (after
+    generating); a group the caller started is left alone."""
+    if _started_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _started_group.clear()
 
 
 def check_device(device: str) -> str:

@@ -81,7 +81,15 @@ def main(argv=None) -> int:
         help="output image grid (.png, .jpg / .jpeg or .webp: the suffix picks the format) or, for videos, an .mp4",
     )
     args = parser.parse_args(argv)
+    try:
+        return _generate(args)
+    finally:
+        from mhla_diffusers.generation import close_distributed
 
+        close_distributed()
+
+
+def _generate(args) -> int:
     from mhla_diffusers.generation import (
         GenerationError,
         generate_class_images,

@@ -160,6 +160,11 @@ class MHLAProcessor(GridReader, nn.Module):
     stock processor unchanged, bit for bit (SANA ``SanaAttnProcessor2_0``, Wan ``WanAttnProcessor``
     with its image branch; others ``AttnProcessor2_0``).
 
+    Under diffusers' context parallelism (``enable_parallelism``; :func:`~mhla_diffusers.enable_context_parallel`)
+    a self-attention call receives this rank's contiguous shard of the tokens: the layer then computes its
+    queries' outputs over the whole sequence through one exchange over the context-parallel group
+    (:mod:`mhla_diffusers.models.parallel`: block summaries, or heads in Ulysses mode), exactly as in one process.
+
     Both call conventions of diffusers are accepted: the legacy ``Attention`` one (keywords,
     ``temb=``) and ``WanAttention``'s positional ``(attn, hidden_states, encoder_hidden_states,
     attention_mask, rotary_emb)`` (CASES C11).

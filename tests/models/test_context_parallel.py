@@ -219,3 +219,12 @@ def test_generate_cli_under_torchrun(tmp_path):
     got, want = (iio.imread(tmp_path / name).astype(float) for name in ("cp.mp4", "single.mp4"))
     assert got.shape == want.shape == (5, 48, 64, 3) and want.std() > 1
     assert abs(got - want).mean() < 0.5
+
+
+def test_generate_cli_without_torchrun(tmp_path, capsys):
+    """--context-parallel outside torchrun: exit 2 naming torchrun, before anything is loaded."""
+    from helpers import run_main
+
+    code, err = run_main("pipelines/generate.py", "--checkpoint", str(tmp_path / "none"), "--prompt", "a cat",
+                         "--context-parallel", "ring", "--out", str(tmp_path / "x.png"), capsys=capsys)
+    assert code == 2 and "torchrun --nproc_per_node" in err
