@@ -103,6 +103,14 @@ class Family:
         output_norm_without_normalize: an MHLA processor with ``normalize=False`` and
             ``output_norm=None`` puts a per-head RMSNorm on the attention output (the authors' Wan
             recipe: numerator only, then RMSNorm).
+        context_parallel: how :func:`~mhla_diffusers.context_parallel_plan` splits the tokens under diffusers'
+            context parallelism. ``"model"``: the transformer's own ``_cp_plan`` (its softmax layers run
+            diffusers' ring / Ulysses attention); ``"trunk"``: split at the input of ``cp_trunk[0]``, gathered
+            after ``cp_trunk[1]`` (everything between is per token but self-attention, which must all be
+            MHLA: the family's stock processor has no context parallelism); ``"layers"``: each MHLA
+            self-attention alone is split (its input) and gathered (after ``to_out.0``), for models whose
+            other parts mix tokens (SANA's feed-forward convolution). ``None``: no plan.
+        cp_trunk: ``(first module, last module)`` of the ``"trunk"`` plan.
     """
 
     name: str
@@ -125,6 +133,8 @@ class Family:
     block_grid_presets: tuple[tuple[str, tuple[int, int, int]], ...] = ()
     empty_blocks: bool = False
     output_norm_without_normalize: bool = False
+    context_parallel: str | None = None
+    cp_trunk: tuple[str, str] | None = None
 
     def __post_init__(self):
         if self.attention_output_dtype not in ("query", "input"):
@@ -253,6 +263,8 @@ DIT = Family(
     reference_grid=_reference_grid_2d,
     stock_self_processor=_attn_processor_2_0,
     empty_blocks=True,  # a latent smaller than the block grid (e.g. 64 px with 4 x 4 blocks on 32 x 32 tokens)
+    context_parallel="trunk",  # blocks: per-token MLP and adaLN; proj_out_2 before the unpatchify reshape
+    cp_trunk=("transformer_blocks.0", "proj_out_2"),
 )
 
 SANA = Family(
@@ -270,6 +282,7 @@ SANA = Family(
     attention_output_dtype="input",
     fp16_output_clip=65504.0,
     empty_blocks=True,  # e.g. 64 x 1024 px without binning: 2 x 32 tokens under 4 x 4 blocks
+    context_parallel="layers",  # GLUMBConv: a 3x3 depthwise convolution over the token grid in every block
 )
 
 WAN = Family(
@@ -291,6 +304,7 @@ WAN = Family(
     block_grid_presets=(("paper", (3, 5, 7)), ("authors", (3, 5, 10))),
     empty_blocks=True,
     output_norm_without_normalize=True,
+    context_parallel="model",  # WanTransformer3DModel._cp_plan: split at blocks.0 (RoPE with it), gathered after proj_out
 )
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (DIT, SANA, WAN)}

@@ -283,6 +283,8 @@ def _mhla_self_attention(model: nn.Module, family) -> list[tuple[str, bool]]:
 def context_parallel_plan(model: nn.Module) -> dict:
     """The context-parallel plan to pass to ``model.enable_parallelism(config=..., cp_plan=...)`` for an MHLA model.
 
+    Per family (``Family.context_parallel`` in models/families.py):
+
     * Wan (``WanTransformer3DModel``): the model's own ``_cp_plan`` (tokens split at ``blocks.0``, RoPE
       tables with them, gathered after ``proj_out``); MHLA and softmax layers (hybrid) both run on shards.
     * DiT: tokens split at ``transformer_blocks.0``, gathered after ``proj_out_2``. Every self-attention layer
@@ -296,28 +298,31 @@ def context_parallel_plan(model: nn.Module) -> dict:
     Build the plan after installing MHLA (``apply_mhla`` / ``set_attn_processor``).
 
     Raises:
-        ValueError: a model that is not a supported transformer, a model without any MHLA layer, or a DiT
-            with softmax self-attention layers left.
+        ValueError: a model that is not a supported transformer or has no plan, a model without any MHLA
+            layer, or (``"trunk"`` plans: DiT) softmax self-attention layers left.
     """
     # function-level import: diffusers' parallel classes import torch.distributed's device mesh
     from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
 
     family = family_of(model)
     layers = _mhla_self_attention(model, family)
+    if family.context_parallel is None:
+        raise ValueError(f"MHLA has no context-parallel plan for {type(model).__name__}")
     if not any(mhla for _, mhla in layers):
         raise ValueError(f"this {type(model).__name__} has no MHLA layer; install MHLA before building its context-parallel plan")
     split = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
     gather = ContextParallelOutput(gather_dim=1, expected_dims=3)
-    if family.name == "wan":
+    if family.context_parallel == "model":
         return dict(type(model)._cp_plan)
-    if family.name == "dit":
+    if family.context_parallel == "trunk":
         softmax = [name for name, mhla in layers if not mhla]
         if softmax:
             raise ValueError(
-                f"DiT's stock self-attention (AttnProcessor2_0) has no context parallelism, and {softmax} run it: "
-                "install MHLA on every layer (apply_mhla(model, layers='all')) to run DiT under context parallelism"
+                f"the stock self-attention of {type(model).__name__} has no context parallelism, and {softmax} run it: "
+                "install MHLA on every layer (apply_mhla(model, layers='all')) to run it under context parallelism"
             )
-        return {"transformer_blocks.0": {"hidden_states": split}, "proj_out_2": gather}
+        first, last = family.cp_trunk
+        return {first: {"hidden_states": split}, last: gather}
     plan: dict = {}
     for name, mhla in layers:
         if mhla:

@@ -23,7 +23,7 @@ from helpers_sana import sana_inputs, tiny_sana  # noqa: E402
 from helpers_wan import tiny_wan, wan_inputs  # noqa: E402
 
 import mhla_diffusers  # noqa: E402
-from mhla_diffusers.models.parallel import communication_bytes, record_exchanges  # noqa: E402
+from mhla_diffusers.models.parallel import communication_bytes, cpu_device_mesh, record_exchanges  # noqa: E402
 from mhla_diffusers.ops.naive import relative_error  # noqa: E402
 
 
@@ -53,8 +53,9 @@ def _step(model, call, weight, parallel: bool):
     return out.detach(), dict(zip([n for n, _ in params], grads))
 
 
-def _compare(model, call, config, train: bool) -> dict:
-    """Single-process run, then the same under context parallelism: relative errors (max over gradients)."""
+def _compare(model, call, config, train: bool, plain: bool = False) -> dict:
+    """Single-process run, then the same under context parallelism (``plain``: diffusers' own
+    ``enable_parallelism`` with the model's ``_cp_plan``, no MHLA helper): relative errors (max over gradients)."""
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         probe = call(model)
@@ -64,7 +65,11 @@ def _compare(model, call, config, train: bool) -> dict:
     else:
         with torch.no_grad():
             ref = call(model)
-    mhla_diffusers.enable_context_parallel(model, config)
+    if plain:
+        with cpu_device_mesh():
+            model.enable_parallelism(config=config)
+    else:
+        mhla_diffusers.enable_context_parallel(model, config)
     with record_exchanges() as log:
         if train:
             out, grads = _step(model, call, weight, parallel=True)
@@ -82,13 +87,14 @@ def _wan_call(inputs):
 
 
 def case_wan_oneliner_ring(world: int) -> dict:
-    """Wan, MHLA on every layer by the one-liner, ring mode, RoPE, a training step; exchange bytes."""
+    """Wan, MHLA on every layer by the one-liner, ring mode through diffusers' own enable_parallelism (Wan's
+    _cp_plan), RoPE, a training step; exchange bytes."""
     model = tiny_wan(num_layers=2, heads=2, head_dim=12)
     model.set_attn_processor(mhla_diffusers.MHLAProcessor(block_grid=(2, 2, 3)))
     mhla_diffusers.materialize_mhla(model)
     randomize_mixing_(model, low=0.0, high=1.0)
     inputs = wan_inputs(batch=2, frames=3, size=(8, 12))  # 3 x 4 x 6 = 72 tokens
-    result = _compare(model, _wan_call(inputs), _config("ring", world), train=True)
+    result = _compare(model, _wan_call(inputs), _config("ring", world), train=True, plain=True)
     result["formula"] = communication_bytes(72, 2, 12, 12, world, batch=2)
     result["layers"] = 2
     return result

@@ -64,8 +64,8 @@ def _check_exact(case: dict, grads: bool = True) -> None:
 
 
 def test_wan_oneliner_ring_output_gradients_and_bytes(results):
-    """Wan, the one-liner, ring mode, RoPE: output and gradients exact; one all-reduce per layer forward and
-    one backward, each of exactly the bytes the formula gives (B * heads * M * d * (d + 1) * 4)."""
+    """Wan, the one-liner, ring mode by diffusers' own enable_parallelism, RoPE: output and gradients exact;
+    one all-reduce per layer forward and one backward, each of exactly the bytes the formula gives (B * heads * M * d * (d + 1) * 4)."""
     case = _case(results, "case_wan_oneliner_ring")
     _check_exact(case)
     names = case["grads"]
