@@ -141,6 +141,13 @@ class Family:
             raise ValueError(f"attention_output_dtype must be 'query' or 'input'; got {self.attention_output_dtype!r}")
         if self.processor_call not in ("keywords", "positional"):
             raise ValueError(f"processor_call must be 'keywords' or 'positional'; got {self.processor_call!r}")
+        if self.context_parallel not in (None, "model", "trunk", "layers") or (self.context_parallel == "trunk") != (
+            self.cp_trunk is not None
+        ):
+            raise ValueError(
+                f"context_parallel must be None, 'model', 'trunk' (with cp_trunk) or 'layers'; got {self.context_parallel!r}, "
+                f"cp_trunk={self.cp_trunk!r}"
+            )
 
     def preset(self, name: str) -> tuple[int, int, int]:
         """The block grid of the preset ``name``.
