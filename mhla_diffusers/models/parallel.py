@@ -128,7 +128,7 @@ _logs: list[list[dict]] = []
 
 @contextlib.contextmanager
 def record_exchanges() -> Iterator[list[dict]]:
-    """Record every summary exchange (forward and backward) run inside the block, for measurements.
+    """Record every collective MHLA runs under context parallelism inside the block (forward and backward), for measurements.
 
     Yields a list that receives one dict per collective: ``{"kind": "all_reduce" | "all_to_all" | "all_gather",
     "direction": "forward" | "backward", "shape": tuple, "dtype": torch.dtype, "bytes": payload bytes}`` (the
@@ -386,8 +386,8 @@ def enable_context_parallel(model: nn.Module, config) -> None:
 
     Raises:
         ValueError: no plan for the model (:func:`context_parallel_plan`); Ulysses mode with softmax
-            self-attention layers (a hybrid) whose head count the Ulysses degree does not divide (without
-            ``ulysses_anything``); a degree larger than the world size.
+            self-attention layers on shards (a Wan hybrid) whose head count the Ulysses degree does not divide
+            (without ``ulysses_anything``); a degree larger than the world size.
         RuntimeError: torch.distributed not initialised.
     """
     if not (dist.is_available() and dist.is_initialized()):
@@ -396,8 +396,10 @@ def enable_context_parallel(model: nn.Module, config) -> None:
     degree = config.ring_degree * config.ulysses_degree
     if degree > dist.get_world_size():
         raise ValueError(f"a context-parallel degree of {degree} needs {degree} processes; the world has {dist.get_world_size()}")
-    softmax = [attn for name, attn in self_attention_modules(model) if not isinstance(getattr(attn, "processor", None), GridReader)]
-    if softmax and config.ulysses_degree > 1 and not config.ulysses_anything and softmax[0].heads % config.ulysses_degree:
+    family = family_of(model)
+    softmax = [attn for _, attn in self_attention_modules(model, family) if not isinstance(getattr(attn, "processor", None), GridReader)]
+    ulysses = config.ulysses_degree > 1 and not config.ulysses_anything
+    if family.context_parallel == "model" and softmax and ulysses and softmax[0].heads % config.ulysses_degree:
         raise ValueError(
             f"Ulysses attention splits the {softmax[0].heads} heads of the softmax layers over ulysses_degree="
             f"{config.ulysses_degree}, which does not divide them: choose a degree that divides {softmax[0].heads}, "
