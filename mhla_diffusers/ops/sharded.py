@@ -37,19 +37,19 @@ __all__ = ["ShardBlocks", "shard_blocks", "shard_summaries", "shard_attention"]
 
 @dataclass(frozen=True)
 class ShardBlocks:
-    """How the tokens ``[offset, offset + length)`` of a layout fall into blocks.
+    """How the tokens ``[offset, offset + length)`` of a layout fall into blocks, and their places in a padded
+    block-major ``[m, L]`` arrangement (``m`` touched blocks, ``L`` = the most tokens the shard has in one).
 
     Attributes:
         blocks: ``[m]`` int64, the ids of the blocks the shard touches, ascending.
-        counts: the shard's number of tokens in each of those blocks (``m`` ints, sum ``length``).
-        order: ``[length]`` int64, the shard's local token indices sorted by block (stable).
-        inverse: ``[length]`` int64, the inverse permutation of ``order``.
+        slots: ``[length]`` int64, the place ``i * L + j`` of each local token: block ``blocks[i]``, ``j``-th of
+            its tokens in token order; the other places are padding.
+        length: ``L``.
     """
 
     blocks: torch.Tensor
-    counts: tuple[int, ...]
-    order: torch.Tensor
-    inverse: torch.Tensor
+    slots: torch.Tensor
+    length: int
 
 
 @lru_cache(maxsize=256)
@@ -65,9 +65,21 @@ def shard_blocks(layout: BlockLayout, offset: int, length: int) -> ShardBlocks:
             f"a shard of {length} tokens at offset {offset} does not fit the {layout.num_tokens} tokens of {layout}"
         )
     index = layout.block_index[offset : offset + length]
-    order = torch.argsort(index, stable=True)
-    blocks, counts = torch.unique_consecutive(index[order], return_counts=True)
-    return ShardBlocks(blocks, tuple(counts.tolist()), order, torch.argsort(order))
+    blocks, inverse, counts = torch.unique(index, return_inverse=True, return_counts=True)  # inverse: token -> i
+    order = torch.argsort(inverse, stable=True)  # the tokens block by block, each block's in token order
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(length) - starts[inverse[order]]  # j: the token's place within its block
+    longest = int(counts.max())
+    return ShardBlocks(blocks, inverse * longest + rank, longest)
+
+
+def _blocked(x: torch.Tensor, sb: ShardBlocks) -> torch.Tensor:
+    """``[B, heads, n, w]`` -> block-major ``[B, heads, m, L, w]`` with zeros in the padding (differentiable)."""
+    b, h, _, w = x.shape
+    m = sb.blocks.numel()
+    out = x.new_zeros(b, h, m * sb.length, w).index_copy(2, sb.slots.to(x.device), x)
+    return out.view(b, h, m, sb.length, w)
 
 
 def _features(x: torch.Tensor, dtype: torch.dtype, feature_map: str | None, feature_eps: float) -> torch.Tensor:
@@ -120,15 +132,11 @@ def shard_summaries(
         raise ValueError(f"v must be [B, heads, n, dv] with k's [B, heads, n] {tuple(k.shape[:3])}; got {tuple(v.shape)}")
     acc = compute_dtype(k.dtype)
     phi_k = _features(k, acc, feature_map, feature_eps)
-    rot_k = phi_k if rotary is None else rotary(phi_k)
-    order = sb.order.to(k.device)
-    rot_parts = rot_k.index_select(2, order).split(sb.counts, dim=2)
-    v_parts = v.to(acc).index_select(2, order).split(sb.counts, dim=2)
-    parts = [r.transpose(-1, -2) @ vb for r, vb in zip(rot_parts, v_parts)]  # S_b, [B, heads, d, dv] each
+    blocked_k = _blocked(phi_k, sb)  # [B, heads, m, L, d]
+    rot_k = blocked_k if rotary is None else _blocked(rotary(phi_k), sb)
+    touched = rot_k.transpose(-1, -2) @ _blocked(v.to(acc), sb)  # S_b: [B, heads, m, d, dv]
     if normalize:
-        z_parts = phi_k.index_select(2, order).split(sb.counts, dim=2)
-        parts = [torch.cat((s, z.sum(2)[..., None]), dim=-1) for s, z in zip(parts, z_parts)]
-    touched = torch.stack(parts, dim=2)  # [B, heads, m, d, w]
+        touched = torch.cat((touched, blocked_k.sum(3)[..., None]), dim=-1)  # z_b as the last column
     shape = (*touched.shape[:2], layout.num_blocks, *touched.shape[3:])
     return touched.new_zeros(shape).index_copy(2, sb.blocks.to(k.device), touched)
 
@@ -177,15 +185,12 @@ def shard_attention(
         raise ValueError(f"mixing must be [{m}, {m}] for {layout}; got {tuple(mixing.shape)}")
     acc = compute_dtype(q.dtype)
     dv = summaries.shape[-1] - 1 if normalize else summaries.shape[-1]
-    blocks, order = sb.blocks.to(q.device), sb.order.to(q.device)
-    rows = mixing.to(device=q.device, dtype=acc).index_select(0, blocks)  # [m, M]: the shard's query blocks
+    rows = mixing.to(device=q.device, dtype=acc).index_select(0, sb.blocks.to(q.device))  # [m, M]: the shard's query blocks
     mixed = torch.einsum("im,bhmdw->bhidw", rows, summaries.to(acc))  # [B, heads, m, d, w]
     phi_q = _features(q, acc, feature_map, feature_eps)
-    rot_q = phi_q if rotary is None else rotary(phi_q)
-    rot_parts = rot_q.index_select(2, order).split(sb.counts, dim=2)
-    phi_parts = phi_q.index_select(2, order).split(sb.counts, dim=2) if normalize else rot_parts
-    outs = []
-    for i, (rq, pq) in enumerate(zip(rot_parts, phi_parts)):
-        num = rq @ mixed[:, :, i, :, :dv]
-        outs.append(num / (pq @ mixed[:, :, i, :, dv:] + eps) if normalize else num)
-    return torch.cat(outs, dim=2).index_select(2, sb.inverse.to(q.device)).to(q.dtype)
+    rot_q = _blocked(phi_q if rotary is None else rotary(phi_q), sb)  # [B, heads, m, L, d]
+    out = rot_q @ mixed[..., :dv]  # [B, heads, m, L, dv]
+    if normalize:  # padded places: 0 / eps = 0, dropped below
+        den = (rot_q if rotary is None else _blocked(phi_q, sb)) @ mixed[..., dv:]
+        out = out / (den + eps)
+    return out.flatten(2, 3).index_select(2, sb.slots.to(q.device)).to(q.dtype)

@@ -66,8 +66,10 @@ def test_float32_feature_eps_and_dtype():
 
 def test_shard_blocks_and_errors():
     layout = BlockLayout((1, 4, 4), (1, 2, 2))
-    sb = shard_blocks(layout, 6, 4)  # tokens 6..9: (1, 2) (1, 3) (2, 0) (2, 1)
-    assert sb.blocks.tolist() == [1, 2] and sb.counts == (2, 2)
+    sb = shard_blocks(layout, 6, 3)  # tokens 6, 7, 8: (1, 2) (1, 3) in block 1, (2, 0) in block 2
+    assert sb.blocks.tolist() == [1, 2] and sb.length == 2 and sb.slots.tolist() == [0, 1, 2]
+    sb = shard_blocks(layout, 0, 16)  # rows 0-1: blocks 0 0 1 1, rows 2-3: blocks 2 2 3 3; 4 tokens each
+    assert sb.length == 4 and sb.slots.tolist() == [0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15]
     with pytest.raises(ValueError, match="does not fit"):
         shard_blocks(layout, 10, 7)
     q = torch.randn(1, 1, 4, 4)
