@@ -13,7 +13,10 @@ blocks it does not touch), packed in one tensor so that one collective (a sum) c
 ``S~ = Mc S``, ``z~ = Mc z``, ``out = phi(q) S~_i / (phi(q) . z~_i + eps)``. With one shard covering
 all tokens the two calls are exactly :func:`~mhla_diffusers.ops.mhla_attention` (up to float summation
 order). Plain PyTorch, differentiable through autograd (q, k, v, the mixing matrix, the summaries);
-framework-free: nothing here imports diffusers or torch.distributed.
+framework-free: nothing here imports diffusers or torch.distributed. The shard's tokens are gathered
+block-major into ``[m, L]`` (``m`` touched blocks, padded to ``L``, the most tokens the shard has in one
+block: at most a few times the shard's size when shards cut blocks unevenly) and both halves are two
+batched matmuls, a fixed number of kernels whatever ``M``.
 
 Packed summaries: ``[B, heads, M, d, dv + 1]`` with ``normalize=True`` (``[..., :dv]`` = S, the last
 column = z), ``[B, heads, M, d, dv]`` without the normaliser (numerator only: no z). With ``rotary``
