@@ -51,6 +51,8 @@ _EXPORTS = {
     "attention_modules": "mhla_diffusers.models.install",
     "is_mhla_model": "mhla_diffusers.models.install",
     "mhla_spec": "mhla_diffusers.models.install",
+    "context_parallel_plan": "mhla_diffusers.models.parallel",
+    "enable_context_parallel": "mhla_diffusers.models.parallel",
     "MHLACheckpointError": "mhla_diffusers.checkpoint.format",
     "load_mhla_pipeline": "mhla_diffusers.checkpoint.format",
     "load_mhla_transformer": "mhla_diffusers.checkpoint.format",
@@ -105,6 +107,7 @@ if _TYPE_CHECKING:  # static analysers and IDEs see the eager imports
         remove_mhla,
         set_attn_processor,
     )
+    from mhla_diffusers.models.parallel import context_parallel_plan, enable_context_parallel
     from mhla_diffusers.models.processor import MHLAProcessor
     from mhla_diffusers.models.sensitivity import LayerSensitivity, layer_sensitivity
     from mhla_diffusers.ops import InterleavedRotary, available_backends, mhla_attention, mhla_attention_reference

@@ -16,6 +16,7 @@ from typing import Sequence
 import diffusers
 import numpy as np
 import torch
+import torch.distributed as dist
 from diffusers.utils import export_to_video, make_image_grid
 from PIL import features
 
@@ -31,6 +32,9 @@ __all__ = [
     "generate_class_images",
     "generate_text_images",
     "generate_videos",
+    "enable_pipeline_context_parallel",
+    "is_main_process",
+    "close_distributed",
     "is_video_pipeline",
     "is_video_checkpoint",
     "native_video_size",
@@ -48,19 +52,81 @@ class GenerationError(ValueError):
     """Bad generation request (unknown label, wrong pipeline kind, ...)."""
 
 
-def _prepare(checkpoint, pipe, steps: int, dtype: str, device: str | None):
-    """Validate the common generation arguments; load the pipeline unless given. Returns ``(pipe, device)``."""
+def _prepare(checkpoint, pipe, steps: int, dtype: str, device: str | None, context_parallel: str | None = None):
+    """Validate the common generation arguments; load the pipeline unless given; put its transformer under
+    context parallelism if asked. Returns ``(pipe, device)``."""
     if steps < 1:
         raise GenerationError(f"steps must be >= 1; got {steps}")
     if dtype not in _DTYPES:
         raise GenerationError(f"dtype must be one of {sorted(_DTYPES)}; got {dtype!r}")
+    if context_parallel not in (None, "ring", "ulysses"):
+        raise GenerationError(f"context_parallel must be 'ring', 'ulysses' or None; got {context_parallel!r}")
     device = check_device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if context_parallel is not None and not (dist.is_initialized() or "WORLD_SIZE" in os.environ):
+        raise GenerationError("context parallelism runs one process per device: launch with torchrun --nproc_per_node P")
     if pipe is None:
         # through the module: tests replace checkpoint_format.load_mhla_pipeline to prove nothing is loaded
         pipe = checkpoint_format.load_mhla_pipeline(checkpoint, torch_dtype=_DTYPES[dtype])
     else:  # a pipeline the caller loaded: diffusers' own from_pretrained of a converted folder has no MHLA
         checkpoint_format.warn_if_stock_loaded(pipe, "this pipeline generates with the stock attention")
+    if context_parallel is not None:
+        device = enable_pipeline_context_parallel(pipe, context_parallel, device)
     return pipe, device
+
+
+def enable_pipeline_context_parallel(pipe, mode: str, device: str) -> str:
+    """Put the pipeline's transformers (``transformer``, and Wan 2.2 A14B's ``transformer_2``) under diffusers'
+    context parallelism over all processes of ``torchrun``.
+
+    Initialises ``torch.distributed`` if needed (NCCL for CUDA, gloo for CPU), one rank per GPU
+    (``cuda:LOCAL_RANK``), then :func:`~mhla_diffusers.enable_context_parallel` with
+    ``ContextParallelConfig(ring_degree=P)`` (``mode="ring"``) or ``ulysses_degree=P``. Every rank runs the
+    pipeline on the same seed; the transformer's tokens are split over the ranks and gathered at its output.
+
+    Returns:
+        This rank's device.
+
+    Raises:
+        GenerationError: fewer than 2 processes, an unknown mode.
+        ValueError: from :func:`~mhla_diffusers.enable_context_parallel` (no plan, a degree the heads cannot take).
+    """
+    # function-level imports: only context-parallel runs need them
+    from diffusers import ContextParallelConfig
+
+    from mhla_diffusers.models.parallel import enable_context_parallel
+
+    if mode not in ("ring", "ulysses"):
+        raise GenerationError(f"context parallelism mode must be 'ring' or 'ulysses'; got {mode!r}")
+    cuda = torch.device(device).type == "cuda"
+    if cuda:  # one GPU per rank, set before NCCL starts
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+        _started_group.append(dist.group.WORLD)
+    world = dist.get_world_size()
+    if world < 2:
+        raise GenerationError(f"context parallelism needs >= 2 processes (torchrun --nproc_per_node P); got {world}")
+    config = ContextParallelConfig(ring_degree=world) if mode == "ring" else ContextParallelConfig(ulysses_degree=world)
+    for model in checkpoint_format.pipeline_transformers(pipe).values():
+        enable_context_parallel(model, config)
+    return device
+
+
+def is_main_process() -> bool:
+    """Whether this process writes the outputs: rank 0 under ``torch.distributed``, else always."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+_started_group: list = []  # the process group enable_pipeline_context_parallel started, if it did
+
+
+def close_distributed() -> None:
+    """End the ``torch.distributed`` process group :func:`enable_pipeline_context_parallel` started (after
+    generating); a group the caller started is left alone."""
+    if _started_group and dist.is_initialized():
+        dist.destroy_process_group()
+    _started_group.clear()
 
 
 def check_device(device: str) -> str:
@@ -123,6 +189,7 @@ def generate_class_images(
     dtype: str = "fp32",
     device: str | None = None,
     pipe=None,
+    context_parallel: str | None = None,
 ):
     """Generate one image per class label with the checkpoint's own ``DiTPipeline``.
 
@@ -133,6 +200,8 @@ def generate_class_images(
         seed: seed of the ``torch.Generator`` (CPU generator: same images on every device).
         dtype: ``"fp32" | "bf16" | "fp16"``. device: default CUDA when available, else CPU.
         pipe: an already loaded pipeline (skips loading).
+        context_parallel: ``"ring"`` or ``"ulysses"``: run the transformer under context parallelism over the
+            processes of ``torchrun`` (:func:`enable_pipeline_context_parallel`); ``None``: one process.
 
     Returns:
         A list of PIL images.
@@ -140,7 +209,7 @@ def generate_class_images(
     Raises:
         GenerationError: not a class-conditional pipeline, bad labels or steps.
     """
-    pipe, device = _prepare(checkpoint, pipe, steps, dtype, device)
+    pipe, device = _prepare(checkpoint, pipe, steps, dtype, device, context_parallel)
     if type(pipe).__name__ != "DiTPipeline":
         hint = " (it takes prompts: --prompt)" if _takes_prompt(pipe) else ""
         raise GenerationError(
@@ -175,6 +244,7 @@ def generate_text_images(
     device: str | None = None,
     use_resolution_binning: bool = True,
     pipe=None,
+    context_parallel: str | None = None,
 ):
     """Generate one image per prompt with the checkpoint's own text-to-image pipeline (``SanaPipeline``).
 
@@ -189,6 +259,8 @@ def generate_text_images(
         use_resolution_binning: SANA's own default: snap the size to the nearest trained aspect
             ratio, generate there, resize back (MHLA builds its blocks on the true latent grid).
         pipe: an already loaded pipeline (skips loading).
+        context_parallel: ``"ring"`` or ``"ulysses"``: run the transformer under context parallelism over the
+            processes of ``torchrun`` (:func:`enable_pipeline_context_parallel`); ``None``: one process.
 
     Returns:
         A list of PIL images of size ``(width, height)``.
@@ -200,7 +272,7 @@ def generate_text_images(
     prompts = [str(p) for p in prompts]
     if not prompts:
         raise GenerationError("give at least one prompt")
-    pipe, device = _prepare(checkpoint, pipe, steps, dtype, device)
+    pipe, device = _prepare(checkpoint, pipe, steps, dtype, device, context_parallel)
     if is_video_pipeline(pipe):
         raise GenerationError(f"{checkpoint} holds a {type(pipe).__name__}, a video pipeline: generate videos (--frames)")
     if not _takes_prompt(pipe) or not hasattr(pipe, "vae_scale_factor"):
@@ -258,6 +330,7 @@ def generate_videos(
     pipe=None,
     image=None,
     guidance_scale_2: float | None = None,
+    context_parallel: str | None = None,
 ):
     """Generate one video per prompt with the checkpoint's own video pipeline: text-to-video
     (``WanPipeline``; Wan 2.2 A14B runs its two experts as diffusers does, switched at ``boundary_ratio``) or,
@@ -279,6 +352,8 @@ def generate_videos(
             ``height x width``. Needed by image-to-video checkpoints, refused by those that cannot take one.
         guidance_scale_2: Wan 2.2 A14B: the CFG scale of the low-noise expert (``transformer_2``); ``None``:
             ``guidance_scale`` (diffusers' default).
+        context_parallel: ``"ring"`` or ``"ulysses"``: run the transformer under context parallelism over the
+            processes of ``torchrun`` (:func:`enable_pipeline_context_parallel`); ``None``: one process.
 
     Returns:
         A list (one per prompt) of float32 arrays ``[frames, height, width, 3]`` in ``[0, 1]``.
@@ -293,7 +368,7 @@ def generate_videos(
     prompts = [str(p) for p in prompts]
     if not prompts:
         raise GenerationError("give at least one prompt")
-    pipe, device = _prepare(checkpoint, pipe, steps, dtype, device)
+    pipe, device = _prepare(checkpoint, pipe, steps, dtype, device, context_parallel)
     if not is_video_pipeline(pipe) or not _takes_prompt(pipe):
         raise GenerationError(
             f"{checkpoint} holds a {type(pipe).__name__}, not a text-to-video pipeline; --frames and --image are for Wan "

@@ -5,6 +5,7 @@
     python pipelines/generate.py --checkpoint sana-mhla --prompt "a cat on a red chair" --height 1024 --width 512 --out cat.png
     python pipelines/generate.py --checkpoint wan-mhla --prompt "a cat walking in the snow" --frames 81 --out clip.mp4
     python pipelines/generate.py --checkpoint wan-i2v-mhla --prompt "the cat turns its head" --image first_frame.png --out clip.mp4
+    torchrun --nproc_per_node 4 pipelines/generate.py --checkpoint wan-mhla --prompt "a cat" --context-parallel ring --out clip.mp4
 
 --class-labels for class-conditional pipelines (DiT): integers or, when the pipeline knows them
 (id2label), class names. --prompt for text-to-image pipelines (SANA): one image per prompt. Images
@@ -80,24 +81,38 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     parser.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
     parser.add_argument(
+        "--context-parallel", choices=["ring", "ulysses"], default=None,
+        help="split the transformer's tokens over the processes of torchrun --nproc_per_node P (one GPU each; "
+        "gloo on CPUs); MHLA layers exchange block summaries, softmax layers use diffusers' ring / Ulysses attention",
+    )
+    parser.add_argument(
         "--out",
         required=True,
         help="output image grid (.png, .jpg / .jpeg or .webp: the suffix picks the format) or, for videos, an .mp4",
     )
     args = parser.parse_args(argv)
+    try:
+        return _generate(args)
+    finally:
+        from mhla_diffusers.generation import close_distributed
 
+        close_distributed()
+
+
+def _generate(args) -> int:
     from mhla_diffusers.generation import (
         GenerationError,
         generate_class_images,
         generate_text_images,
         generate_videos,
         image_format,
+        is_main_process,
         is_video_checkpoint,
         save_grid,
         save_video,
     )
 
-    common = dict(seed=args.seed, dtype=args.dtype, device=args.device)
+    common = dict(seed=args.seed, dtype=args.dtype, device=args.device, context_parallel=args.context_parallel)
     if args.steps is not None:
         common["steps"] = args.steps
     if args.guidance_scale is not None:
@@ -117,6 +132,8 @@ def main(argv=None) -> int:
                 args.checkpoint, args.prompt, negative_prompt=args.negative_prompt, image=args.image,
                 guidance_scale_2=args.guidance_scale_2, **size, **common,
             )
+            if not is_main_process():  # context parallelism: every rank holds the same result, rank 0 writes it
+                return 0
             outs = [args.out] if len(videos) == 1 else [f"{args.out[:-4]}_{i}.mp4" for i in range(len(videos))]
             for video, out in zip(videos, outs):
                 save_video(video, out, fps=args.fps)
@@ -149,6 +166,8 @@ def main(argv=None) -> int:
     except (GenerationError, FileNotFoundError, ValueError) as err:
         print(f"generate.py: {err}", file=sys.stderr)
         return 2
+    if not is_main_process():
+        return 0
     save_grid(images, args.out, rows=args.rows)
     print(f"wrote {len(images)} image(s) to {args.out}")
     return 0

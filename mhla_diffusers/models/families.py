@@ -118,6 +118,14 @@ class Family:
         encode_prompts: ``(pipe, prompts, device) -> {forward keyword: tensor}``: the prompts through the
             pipeline's own ``encode_prompt`` as its ``__call__`` does by default (``None`` for
             class-conditional families).
+        context_parallel: how :func:`~mhla_diffusers.context_parallel_plan` splits the tokens under diffusers'
+            context parallelism. ``"model"``: the transformer's own ``_cp_plan`` (its softmax layers run
+            diffusers' ring / Ulysses attention); ``"trunk"``: split at the input of ``cp_trunk[0]``, gathered
+            after ``cp_trunk[1]`` (everything between is per token but self-attention, which must all be
+            MHLA: the family's stock processor has no context parallelism); ``"layers"``: each MHLA
+            self-attention alone is split (its input) and gathered (after ``to_out.0``), for models whose
+            other parts mix tokens (SANA's feed-forward convolution). ``None``: no plan.
+        cp_trunk: ``(first module, last module)`` of the ``"trunk"`` plan.
     """
 
     name: str
@@ -144,6 +152,8 @@ class Family:
     conditioning: str = "class"
     noise: str = "ddpm"
     encode_prompts: Callable[[object, list, object], dict] | None = None
+    context_parallel: str | None = None
+    cp_trunk: tuple[str, str] | None = None
 
     def __post_init__(self):
         if self.attention_output_dtype not in ("query", "input"):
@@ -154,6 +164,13 @@ class Family:
             raise ValueError(f"bad stock_attention {self.stock_attention!r} or conditioning {self.conditioning!r}")
         if self.noise not in ("ddpm", "flow"):
             raise ValueError(f"noise must be 'ddpm' or 'flow'; got {self.noise!r}")
+        if self.context_parallel not in (None, "model", "trunk", "layers") or (self.context_parallel == "trunk") != (
+            self.cp_trunk is not None
+        ):
+            raise ValueError(
+                f"context_parallel must be None, 'model', 'trunk' (with cp_trunk) or 'layers'; got {self.context_parallel!r}, "
+                f"cp_trunk={self.cp_trunk!r}"
+            )
 
     def preset(self, name: str) -> tuple[int, int, int]:
         """The block grid of the preset ``name``.
@@ -326,6 +343,8 @@ DIT = Family(
     reference_grid=_reference_grid_2d,
     stock_self_processor=_attn_processor_2_0,
     empty_blocks=True,  # a latent smaller than the block grid (e.g. 64 px with 4 x 4 blocks on 32 x 32 tokens)
+    context_parallel="trunk",  # blocks: per-token MLP and adaLN; proj_out_2 before the unpatchify reshape
+    cp_trunk=("transformer_blocks.0", "proj_out_2"),
 )
 
 SANA = Family(
@@ -347,6 +366,7 @@ SANA = Family(
     conditioning="text",
     noise="flow",
     encode_prompts=_encode_sana,
+    context_parallel="layers",  # GLUMBConv: a 3x3 depthwise convolution over the token grid in every block
 )
 
 WAN = Family(
@@ -372,6 +392,7 @@ WAN = Family(
     conditioning="text",
     noise="flow",
     encode_prompts=_encode_wan,
+    context_parallel="model",  # WanTransformer3DModel._cp_plan: split at blocks.0 (RoPE with it), gathered after proj_out
 )
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (DIT, SANA, WAN)}

@@ -34,6 +34,7 @@ from mhla_diffusers.models.grid import (
     ensure_global_hook,
     install_grid_hooks,
 )
+from mhla_diffusers.models.parallel import context_shard, sharded_mhla_attention
 from mhla_diffusers.models.provenance import warn_fresh_mixing
 from mhla_diffusers.ops import available_backends, mhla_attention
 from mhla_diffusers.ops.layout import BlockLayout, choose_block_grid, get_layout, normalize_grid
@@ -158,6 +159,11 @@ class MHLAProcessor(GridReader, nn.Module):
     (``encoder_hidden_states`` given, or a layer built for cross-attention) it runs the family's
     stock processor unchanged, bit for bit (SANA ``SanaAttnProcessor2_0``, Wan ``WanAttnProcessor``
     with its image branch; others ``AttnProcessor2_0``).
+
+    Under diffusers' context parallelism (``enable_parallelism``; :func:`~mhla_diffusers.enable_context_parallel`)
+    a self-attention call receives this rank's contiguous shard of the tokens: the layer then computes its
+    queries' outputs over the whole sequence through one exchange over the context-parallel group
+    (:mod:`mhla_diffusers.models.parallel`: block summaries, or heads in Ulysses mode), exactly as in one process.
 
     Both call conventions of diffusers are accepted: the legacy ``Attention`` one (keywords,
     ``temb=``) and ``WanAttention``'s positional ``(attn, hidden_states, encoder_hidden_states,
@@ -479,7 +485,7 @@ class MHLAProcessor(GridReader, nn.Module):
                 "Run the layer inside a supported transformer's forward (apply_mhla / set_attn_processor "
                 "install the hooks), or wrap the call in `with mhla_diffusers.token_grid((T, H, W)):`."
             )
-        if grid[0] * grid[1] * grid[2] != num_tokens:
+        if grid[0] * grid[1] * grid[2] != num_tokens and context_shard(num_tokens, grid[0] * grid[1] * grid[2]) is None:
             raise RuntimeError(
                 f"the token grid {grid} of this forward has {grid[0] * grid[1] * grid[2]} tokens but the "
                 f"self-attention received {num_tokens}; MHLA only supports layers that attend over the latent grid"
@@ -620,16 +626,24 @@ class MHLAProcessor(GridReader, nn.Module):
 
         # MHLA over the blocks of this call's token grid (phi = ReLU, fp32 accumulation)
         mixing = self._mixing(attn, family)
-        layout, weight = self._blocks(mixing, self._grid(attn, num_tokens), family)
+        grid = self._grid(attn, num_tokens)
+        shard = context_shard(num_tokens, grid[0] * grid[1] * grid[2], attn.heads)  # None unless under context parallelism
+        layout, weight = self._blocks(mixing, grid, family)
         eps = self.eps if self.eps is not None else (1e-6 if family is None else family.default_eps)
         output_norm = getattr(attn, "mhla_output_norm", None)
         q_op = query
         if output_norm is not None and query.dtype in (torch.float16, torch.bfloat16):
             q_op = query.float()  # the un-normalised numerator can exceed the float16 range: keep it in fp32
-        hidden_states = mhla_attention(
-            q_op, key, value, weight, layout, normalize=self.normalize, eps=eps, backend=self.backend,
-            feature_eps=self.feature_eps, **extra,
-        )
+        if shard is None:
+            hidden_states = mhla_attention(
+                q_op, key, value, weight, layout, normalize=self.normalize, eps=eps, backend=self.backend,
+                feature_eps=self.feature_eps, **extra,
+            )
+        else:  # this rank's tokens: one exchange over the context-parallel group (models/parallel.py)
+            hidden_states = sharded_mhla_attention(
+                q_op, key, value, weight, layout, shard, normalize=self.normalize, eps=eps,
+                feature_eps=self.feature_eps, backend=self.backend, rotary_key=rotary_emb, **extra,
+            )
         if output_norm is not None:
             hidden_states = output_norm(hidden_states)
         out_dtype = input_dtype if family is not None and family.attention_output_dtype == "input" else query.dtype

@@ -1,0 +1,461 @@
+"""Context parallelism for MHLA under diffusers' ``enable_parallelism``.
+
+diffusers' context parallelism (``ContextParallelConfig(ring_degree=P)`` or ``ulysses_degree=P``) splits
+the flattened tokens into ``P`` contiguous shards at the model's input (the model's ``_cp_plan``) and
+replaces softmax attention by ring or Ulysses attention. An MHLA self-attention layer has two exact ways:
+
+* summary exchange (ring mode, and Ulysses mode when the degree does not divide the heads): each rank
+  computes the partial block summaries of its own tokens (:func:`~mhla_diffusers.ops.sharded.shard_summaries`),
+  ONE ``all_reduce`` (sum) over the context-parallel group combines them into the summaries of the whole
+  sequence, and each rank computes its own queries' outputs from them
+  (:func:`~mhla_diffusers.ops.sharded.shard_attention`). The exchange has ``B * heads * M * d * (dv + 1)``
+  float32 numbers whatever the token count; its backward is the same all-reduce
+  (``torch.distributed.nn.functional.all_reduce``).
+* heads mode (Ulysses mode, ``P`` divides the heads): all-to-alls turn q, k, v into ``heads / P`` heads of
+  all tokens, :func:`~mhla_diffusers.mhla_attention` runs there (any backend, Triton included), and one
+  all-to-all brings the output back: the bytes of diffusers' Ulysses attention, plus one all-gather of the
+  RoPE tables per forward (Wan). Its cost falls as ``1 / P``; the summary exchange's does not.
+
+Both give the single-process outputs and, in training, its gradients (each rank holds its own tokens'
+share of every parameter gradient; DDP / FSDP sum them). Shards may be uneven (diffusers' ``ring_anything``
+/ ``ulysses_anything``) and may cut blocks anywhere.
+
+Why an all-reduce for the summaries: every rank needs the mixed summaries ``Mc S`` of the blocks its
+queries touch, and the mixing matrix is dense (locality init: every entry but the farthest is positive),
+so every rank needs every block's summary. A ring all-reduce moves ``2 (P - 1) / P`` times the summaries per
+rank, independent of where the shards cut the blocks. The alternative, an all-to-all (reduce-scatter) of
+mixed partial summaries to the ranks whose queries need them, moves less only at ``P = 2``: with Wan's 3
+temporal block rows a shard of 81 frames touches 35-70 of the 105 blocks, so at ``P >= 4`` it moves more
+(:func:`communication_bytes` computes all of them; README, "Context parallelism").
+
+The hybrid's softmax layers keep diffusers' own ring / Ulysses path (their stock processors get the
+config from ``enable_parallelism``); cross-attention (text, Wan image tokens: not split) stays stock.
+Plans: Wan uses its own ``_cp_plan``; :func:`context_parallel_plan` gives plans for DiT and SANA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mhla_diffusers.models.families import family_of, self_attention_modules
+from mhla_diffusers.models.grid import GridReader, current_model
+from mhla_diffusers.ops import InterleavedRotary, mhla_attention
+from mhla_diffusers.ops.layout import BlockLayout
+from mhla_diffusers.ops.sharded import shard_attention, shard_blocks, shard_summaries
+
+__all__ = [
+    "Shard",
+    "context_shard",
+    "shard_sizes",
+    "sharded_mhla_attention",
+    "record_exchanges",
+    "context_parallel_plan",
+    "enable_context_parallel",
+    "cpu_device_mesh",
+    "communication_bytes",
+]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's contiguous shard of the flattened tokens.
+
+    Attributes:
+        group: the context-parallel process group (diffusers' flattened ring x Ulysses mesh).
+        rank, world: this rank's index in the group and the group's size ``P``.
+        offset, length: the shard is tokens ``[offset, offset + length)`` of ``total``.
+        heads_mode: exchange heads (all-to-all, Ulysses) instead of block summaries (all-reduce).
+    """
+
+    group: object
+    rank: int
+    world: int
+    offset: int
+    length: int
+    total: int
+    heads_mode: bool = False
+
+
+def shard_sizes(total: int, world: int) -> list[int]:
+    """Tokens per rank as diffusers splits ``total`` tokens over ``world`` ranks (``torch.tensor_split``:
+    the first ``total % world`` ranks get one more; equal to ``torch.chunk`` when ``world`` divides ``total``)."""
+    return [total // world + (1 if r < total % world else 0) for r in range(world)]
+
+
+def _context_config(model: nn.Module | None):
+    """The model's ``ContextParallelConfig`` once ``enable_parallelism`` has set it up, else ``None``."""
+    config = getattr(model, "_parallel_config", None) if model is not None else None
+    cp = getattr(config, "context_parallel_config", None)
+    return cp if cp is not None and getattr(cp, "_flattened_mesh", None) is not None else None
+
+
+def context_shard(num_tokens: int, total: int, heads: int = 0) -> Shard | None:
+    """The shard an MHLA layer of the running transformer holds, or ``None`` when it holds all ``total`` tokens.
+
+    Read from the running model's ``_parallel_config`` (set by diffusers' ``enable_parallelism``). Heads mode
+    (:func:`sharded_mhla_attention`) in Ulysses mode (``ulysses_degree > 1``, ``ring_degree == 1``) when the
+    degree divides the layer's ``heads``; the summary exchange otherwise (ring mode, or heads it cannot split).
+
+    Raises:
+        RuntimeError: the layer received a token count that is neither ``total`` nor this rank's shard of it.
+    """
+    cp = _context_config(current_model())
+    if cp is None or num_tokens == total:
+        return None
+    group = cp._flattened_mesh.get_group()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    sizes = shard_sizes(total, world)
+    if num_tokens != sizes[rank]:
+        raise RuntimeError(
+            f"MHLA under context parallelism: rank {rank} of {world} received {num_tokens} of the {total} tokens, but a "
+            f"contiguous split gives it {sizes[rank]}; MHLA supports plans that split the flattened tokens evenly "
+            "(diffusers' chunk / tensor_split) at the model input (mhla_diffusers.context_parallel_plan)"
+        )
+    heads_mode = cp.ring_degree == 1 and heads > 0 and heads % world == 0
+    return Shard(group, rank, world, sum(sizes[:rank]), num_tokens, total, heads_mode)
+
+
+_logs: list[list[dict]] = []
+
+
+@contextlib.contextmanager
+def record_exchanges() -> Iterator[list[dict]]:
+    """Record every collective MHLA runs under context parallelism inside the block (forward and backward), for measurements.
+
+    Yields a list that receives one dict per collective: ``{"kind": "all_reduce" | "all_to_all" | "all_gather",
+    "direction": "forward" | "backward", "shape": tuple, "dtype": torch.dtype, "bytes": payload bytes}`` (the
+    tensor handed to the collective: for an all-to-all the whole local tensor, of which ``(P - 1) / P`` leaves).
+    """
+    log: list[dict] = []
+    _logs.append(log)
+    try:
+        yield log
+    finally:
+        _logs.remove(log)
+
+
+def _record(direction: str, tensor: torch.Tensor, kind: str = "all_reduce") -> None:
+    for log in _logs:
+        log.append({
+            "kind": kind, "direction": direction, "shape": tuple(tensor.shape), "dtype": tensor.dtype,
+            "bytes": tensor.numel() * tensor.element_size(),
+        })
+
+
+def _all_reduce(packed: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``packed`` over the group, differentiably (the backward is the same all-reduce of the gradient)."""
+    # function-level import: torch.distributed.nn pulls in RPC modules; only context-parallel runs need it
+    from torch.distributed.nn.functional import all_reduce
+
+    _record("forward", packed)
+    total = all_reduce(packed.contiguous(), group=group)
+    if total.requires_grad and _logs:
+        total.register_hook(lambda grad: _record("backward", grad))
+    return total
+
+
+def sharded_mhla_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mixing: torch.Tensor,
+    layout: BlockLayout,
+    shard: Shard,
+    *,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    rotary: InterleavedRotary | None = None,
+    rotary_key: object = None,
+    feature_eps: float = 0.0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """MHLA of this rank's queries over the whole sequence, from its shard of q, k, v.
+
+    ``shard.heads_mode`` (Ulysses, the degree divides the heads): all-to-alls of q, k, v to ``heads / P`` heads
+    of all tokens, :func:`~mhla_diffusers.mhla_attention` there (any backend), the output back (as diffusers'
+    Ulysses attention moves softmax's). Otherwise: the summary exchange (one all-reduce, torch operations).
+
+    Args:
+        q, k: ``[B, heads, n, d]``, v: ``[B, heads, n, dv]``: the shard's tokens (``n = shard.length``).
+        mixing: ``[M, M]``, layout: the :class:`BlockLayout` of all ``shard.total`` tokens.
+        shard: from :func:`context_shard`.
+        normalize, eps, feature_eps, backend: as :func:`~mhla_diffusers.mhla_attention`.
+        rotary: the RoPE of the shard's tokens (an :class:`~mhla_diffusers.ops.InterleavedRotary`: Wan's), or ``None``.
+        rotary_key: an object that is the same for every layer of one forward (Wan: its rotary tensor): in
+            heads mode the tables of all tokens are all-gathered once per forward, not once per layer.
+
+    Returns:
+        ``[B, heads, n, dv]`` in ``q``'s dtype: rows ``[offset, offset + n)`` of the single-process output.
+    """
+    if shard.heads_mode:
+        to_heads = [_to_heads(x, shard) for x in (q, k, v)]
+        full = None if rotary is None else _full_rotary(rotary, rotary_key, shard)
+        out = mhla_attention(
+            *to_heads, mixing, layout, normalize=normalize, eps=eps, rotary=full, feature_eps=feature_eps, backend=backend
+        )
+        return _to_tokens(out, shard)
+    kwargs = dict(offset=shard.offset, normalize=normalize, rotary=rotary, feature_eps=feature_eps)
+    summaries = _all_reduce(shard_summaries(k, v, layout, **kwargs), shard.group)
+    return shard_attention(q, summaries, mixing, layout, eps=eps, **kwargs)
+
+
+def _all_to_all(flat: torch.Tensor, output_sizes: list[int], input_sizes: list[int], group) -> torch.Tensor:
+    """Differentiable ``all_to_all_single`` of a 1-D tensor (the backward is the reverse exchange)."""
+    from torch.distributed.nn.functional import all_to_all_single  # function-level: see _all_reduce
+
+    _record("forward", flat, "all_to_all")
+    out = flat.new_empty(sum(output_sizes))
+    out = all_to_all_single(out, flat.contiguous(), output_sizes, input_sizes, group=group)
+    if out.requires_grad and _logs:
+        out.register_hook(lambda grad: _record("backward", grad, "all_to_all"))
+    return out
+
+
+def _to_heads(x: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """``[B, H, n, w]`` (this rank's tokens, all heads) -> ``[B, H / P, N, w]`` (all tokens, this rank's heads)."""
+    b, h, n, w = x.shape
+    g = h // shard.world
+    sizes = shard_sizes(shard.total, shard.world)
+    send = x.reshape(b, shard.world, g, n, w).transpose(0, 1).reshape(-1)  # head group j goes to rank j
+    got = _all_to_all(send, [b * g * m * w for m in sizes], [b * g * n * w] * shard.world, shard.group)
+    parts = got.split([b * g * m * w for m in sizes])
+    return torch.cat([p.view(b, g, m, w) for p, m in zip(parts, sizes)], dim=2)
+
+
+def _to_tokens(y: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """The inverse of :func:`_to_heads`: ``[B, H / P, N, w]`` -> ``[B, H, n, w]``."""
+    b, g, _, w = y.shape
+    sizes = shard_sizes(shard.total, shard.world)
+    send = torch.cat([p.reshape(-1) for p in y.split(sizes, dim=2)])  # rank j gets its tokens of my heads
+    got = _all_to_all(send, [b * g * shard.length * w] * shard.world, [b * g * m * w for m in sizes], shard.group)
+    return got.view(shard.world, b, g, shard.length, w).transpose(0, 1).reshape(b, g * shard.world, shard.length, w)
+
+
+class _RotaryCache(threading.local):
+    """The rotary tables of all tokens of the current forward (one entry per thread: the key and the tables)."""
+
+    def __init__(self):
+        self.key, self.full = None, None
+
+
+_rotary_cache = _RotaryCache()
+
+
+def _full_rotary(rotary, key, shard: Shard) -> InterleavedRotary:
+    """The :class:`InterleavedRotary` of all ``shard.total`` tokens from every rank's tables (one all-gather per
+    forward: cached under ``key``, which every layer of one forward passes; the same on every rank)."""
+    if not isinstance(rotary, InterleavedRotary):
+        raise TypeError(f"context parallelism in heads mode needs an InterleavedRotary; got {type(rotary).__name__}")
+    if key is not None and _rotary_cache.key is key:
+        return _rotary_cache.full
+    half = rotary.cos.shape[-1]
+    both = _all_gather_tokens(torch.cat((rotary.cos, rotary.sin), dim=-1).detach(), shard)  # one collective
+    full = InterleavedRotary(both[:, :half], both[:, half:])
+    _rotary_cache.key, _rotary_cache.full = key, full
+    return full
+
+
+def _all_gather_tokens(x: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """``[n, ...]`` of every rank -> ``[N, ...]`` in rank order (padded to the longest shard: gloo's all_gather
+    needs equal sizes)."""
+    sizes = shard_sizes(shard.total, shard.world)
+    padded = torch.cat((x, x.new_zeros(max(sizes) - x.shape[0], *x.shape[1:]))).contiguous()
+    parts = [torch.empty_like(padded) for _ in sizes]
+    _record("forward", padded, "all_gather")
+    dist.all_gather(parts, padded, group=shard.group)
+    return torch.cat([p[:m] for p, m in zip(parts, sizes)])
+
+
+# -- plans ----------------------------------------------------------------------------------------
+def _mhla_self_attention(model: nn.Module, family) -> list[tuple[str, bool]]:
+    """``[(module name, runs MHLA)]`` of the model's self-attention layers."""
+    return [(name, isinstance(getattr(attn, "processor", None), GridReader)) for name, attn in self_attention_modules(model, family)]
+
+
+def context_parallel_plan(model: nn.Module) -> dict:
+    """The context-parallel plan to pass to ``model.enable_parallelism(config=..., cp_plan=...)`` for an MHLA model.
+
+    Per family (``Family.context_parallel`` in models/families.py):
+
+    * Wan (``WanTransformer3DModel``): the model's own ``_cp_plan`` (tokens split at ``blocks.0``, RoPE
+      tables with them, gathered after ``proj_out``); MHLA and softmax layers (hybrid) both run on shards.
+    * DiT: tokens split at ``transformer_blocks.0``, gathered after ``proj_out_2``. Every self-attention layer
+      must run MHLA (DiT's stock ``AttnProcessor2_0`` has no context parallelism): ``layers="all"``.
+    * SANA: each MHLA self-attention layer alone is split (its input) and gathered (after ``to_out.0``):
+      SANA's feed-forward is a 3x3 convolution over the token grid, which a token shard cannot run, and its
+      stock linear-attention layers (a hybrid's) know no context parallelism, so they run on all tokens.
+      Exact for inference; for training, the parameters outside the MHLA layers get each rank's full
+      gradient and those inside its share, so SANA training under context parallelism is not supported.
+
+    Build the plan after installing MHLA (``apply_mhla`` / ``set_attn_processor``).
+
+    Raises:
+        ValueError: a model that is not a supported transformer or has no plan, a model without any MHLA
+            layer, or (``"trunk"`` plans: DiT) softmax self-attention layers left.
+    """
+    # function-level import: diffusers' parallel classes import torch.distributed's device mesh
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    family = family_of(model)
+    layers = _mhla_self_attention(model, family)
+    if family.context_parallel is None:
+        raise ValueError(f"MHLA has no context-parallel plan for {type(model).__name__}")
+    if not any(mhla for _, mhla in layers):
+        raise ValueError(f"this {type(model).__name__} has no MHLA layer; install MHLA before building its context-parallel plan")
+    split = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
+    gather = ContextParallelOutput(gather_dim=1, expected_dims=3)
+    if family.context_parallel == "model":
+        return dict(type(model)._cp_plan)
+    if family.context_parallel == "trunk":
+        softmax = [name for name, mhla in layers if not mhla]
+        if softmax:
+            raise ValueError(
+                f"the stock self-attention of {type(model).__name__} has no context parallelism, and {softmax} run it: "
+                "install MHLA on every layer (apply_mhla(model, layers='all')) to run it under context parallelism"
+            )
+        first, last = family.cp_trunk
+        return {first: {"hidden_states": split}, last: gather}
+    plan: dict = {}
+    for name, mhla in layers:
+        if mhla:
+            plan[name] = {"hidden_states": split}
+            plan[f"{name}.to_out.0"] = gather
+    return plan
+
+
+@contextlib.contextmanager
+def cpu_device_mesh() -> Iterator[None]:
+    """Let diffusers build its device mesh on a machine without an accelerator (CPU processes over gloo).
+
+    diffusers' ``enable_parallelism`` places rank ``r`` on device ``r % torch.accelerator.device_count()``,
+    which divides by zero without an accelerator. Inside this block, and only when no accelerator exists,
+    ``torch.accelerator.device_count()`` answers 1 (the CPU); with an accelerator it does nothing.
+    :func:`enable_context_parallel` uses it around ``enable_parallelism`` only.
+    """
+    if torch.accelerator.device_count() > 0:
+        yield
+        return
+    original = torch.accelerator.device_count
+    torch.accelerator.device_count = lambda: 1
+    try:
+        yield
+    finally:
+        torch.accelerator.device_count = original
+
+
+def _token_count_check(degree: int, anything: bool):
+    """Model forward pre-hook: a token count the context-parallel degree cannot split is an error naming the fix."""
+
+    def check(model, args, kwargs):
+        latent = kwargs.get("hidden_states", args[0] if args else None)
+        if not isinstance(latent, torch.Tensor):
+            return
+        grid = family_of(model).grid_from_latent(latent, model.config)
+        tokens = math.prod(grid)
+        if tokens < degree:
+            raise ValueError(f"context parallelism over {degree} ranks needs >= {degree} tokens; this input has {tokens} {grid}")
+        if tokens % degree and not anything:
+            raise ValueError(
+                f"the token grid {grid} has {tokens} tokens, which {degree} ranks cannot split evenly: use "
+                "ContextParallelConfig(..., ring_anything=True) or (..., ulysses_anything=True) for uneven shards, "
+                "or a size whose token count divides by the degree"
+            )
+
+    return check
+
+
+def enable_context_parallel(model: nn.Module, config) -> None:
+    """Put an MHLA transformer under diffusers' context parallelism, checked.
+
+    ``model.enable_parallelism(config=config, cp_plan=context_parallel_plan(model))`` (inside
+    :func:`cpu_device_mesh`, which matters only without an accelerator), after checking what the
+    degree needs, and with a forward pre-hook that refuses token counts the degree cannot split.
+    ``torch.distributed`` must be initialised (``torchrun``: ``init_process_group("nccl")``, or ``"gloo"`` on CPUs).
+
+    Args:
+        model: a WanTransformer3DModel, DiTTransformer2DModel or SanaTransformer2DModel with MHLA installed.
+        config: diffusers' ``ContextParallelConfig`` (``ring_degree=P`` or ``ulysses_degree=P``).
+
+    Raises:
+        ValueError: no plan for the model (:func:`context_parallel_plan`); Ulysses mode with softmax
+            self-attention layers on shards (a Wan hybrid) whose head count the Ulysses degree does not divide
+            (without ``ulysses_anything``); a degree larger than the world size.
+        RuntimeError: torch.distributed not initialised.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("context parallelism needs torch.distributed initialised (run under torchrun, then init_process_group)")
+    plan = context_parallel_plan(model)
+    degree = config.ring_degree * config.ulysses_degree
+    if degree > dist.get_world_size():
+        raise ValueError(f"a context-parallel degree of {degree} needs {degree} processes; the world has {dist.get_world_size()}")
+    family = family_of(model)
+    softmax = [attn for _, attn in self_attention_modules(model, family) if not isinstance(getattr(attn, "processor", None), GridReader)]
+    ulysses = config.ulysses_degree > 1 and not config.ulysses_anything
+    if family.context_parallel == "model" and softmax and ulysses and softmax[0].heads % config.ulysses_degree:
+        raise ValueError(
+            f"Ulysses attention splits the {softmax[0].heads} heads of the softmax layers over ulysses_degree="
+            f"{config.ulysses_degree}, which does not divide them: choose a degree that divides {softmax[0].heads}, "
+            "ulysses_anything=True, or ring_degree"
+        )
+    with cpu_device_mesh():
+        model.enable_parallelism(config=config, cp_plan=plan)
+    model.register_forward_pre_hook(_token_count_check(degree, config.ring_anything or config.ulysses_anything), with_kwargs=True)
+
+
+# -- communication ----------------------------------------------------------------------------------
+def communication_bytes(
+    tokens: int, heads: int, head_dim: int, num_blocks: int, world: int, *, batch: int = 1,
+    activation_bytes: int = 2, normalize: bool = True, layout: BlockLayout | None = None,
+) -> dict[str, float]:
+    """Bytes one rank sends for ONE attention layer's forward under context parallelism over ``world`` ranks.
+
+    From the shapes (diffusers 0.42's algorithms; ``world`` divides ``tokens`` and ``heads``):
+
+    * ``"ring"``: diffusers' ring attention (``rotate_method="allgather"``) all-gathers K and V; a ring
+      all-gather sends ``(P - 1)`` shards: ``(P - 1) * 2 * B * (N / P) * heads * d * activation_bytes``.
+    * ``"ulysses"``: four all-to-alls (q, k, v in, the output back), each sending ``(P - 1) / P`` of a
+      ``[B, N / P, heads, d]`` shard: ``4 * (P - 1) / P * B * (N / P) * heads * d * activation_bytes``.
+    * ``"mhla_heads"``: MHLA in heads mode (Ulysses): the same four all-to-alls as ``"ulysses"``.
+    * ``"rope_gather"``: heads mode with RoPE (Wan), once per FORWARD (not per layer): the ring all-gather of
+      the float32 cos / sin tables, ``(P - 1) * (N / P) * d * 4``.
+    * ``"mhla_payload"``: the tensor MHLA all-reduces: ``B * heads * M * d * (d + 1) * 4`` (float32
+      summaries, z packed as the last column; ``d * d`` without the normaliser).
+    * ``"mhla"``: what a ring all-reduce sends of it per rank: ``2 * (P - 1) / P * mhla_payload``.
+    * ``"mhla_alltoall_min"``: a lower bound for the alternative (reduce-scatter / all-to-all of mixed
+      summaries to the ranks that need them), reached only if no two ranks' queries share a block:
+      ``(P - 1) / P * mhla_payload``.
+    * ``"mhla_alltoall"`` (only with ``layout``, the :class:`BlockLayout` of the ``tokens``): that alternative
+      on the real geometry: the busiest rank sends every other rank the mixed summaries of all blocks that
+      rank's queries touch (contiguous shards as :func:`shard_sizes` cuts them).
+
+    Raises:
+        ValueError: non-positive sizes, ``world < 2``, a layout of another token or block count.
+    """
+    if min(tokens, heads, head_dim, num_blocks, batch, activation_bytes) < 1 or world < 2:
+        raise ValueError("sizes must be positive and world >= 2")
+    shard = batch * tokens / world * heads * head_dim * activation_bytes
+    payload = batch * heads * num_blocks * head_dim * (head_dim + (1 if normalize else 0)) * 4
+    result = {
+        "ring": (world - 1) * 2 * shard,
+        "ulysses": 4 * (world - 1) / world * shard,
+        "mhla_heads": 4 * (world - 1) / world * shard,
+        "rope_gather": (world - 1) * tokens / world * head_dim * 4,
+        "mhla_payload": float(payload),
+        "mhla": 2 * (world - 1) / world * payload,
+        "mhla_alltoall_min": (world - 1) / world * payload,
+    }
+    if layout is not None:
+        if layout.num_tokens != tokens or layout.num_blocks != num_blocks:
+            raise ValueError(f"{layout} does not have {tokens} tokens and {num_blocks} blocks")
+        sizes = shard_sizes(tokens, world)
+        touched = [len(shard_blocks(layout, sum(sizes[:r]), n).blocks) for r, n in enumerate(sizes)]
+        result["mhla_alltoall"] = max(sum(touched) - t for t in touched) * payload / num_blocks
+    return result

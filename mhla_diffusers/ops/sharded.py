@@ -1,0 +1,199 @@
+"""MHLA over a contiguous shard of the tokens, in two halves joined by the caller's sum of summaries.
+
+Context parallelism splits the flattened tokens of a ``(T, H, W)`` grid into contiguous shards, one
+per process. MHLA's state is the block summaries (MHLA paper, Sec. 3.2), and a block's summary is a
+sum over its tokens, so the summaries of the whole sequence are the sum over shards of each shard's
+partial summaries, whatever blocks a shard cuts:
+
+    S_b = sum_{shards r} sum_{t in b, t in r} phi(k_t)^T v_t,    z_b = sum_r sum_{t in b, t in r} phi(k_t)
+
+:func:`shard_summaries` computes one shard's partial summaries for all ``M`` blocks (zeros for the
+blocks it does not touch), packed in one tensor so that one collective (a sum) combines them;
+:func:`shard_attention` computes the outputs of the shard's own queries from the combined summaries:
+``S~ = Mc S``, ``z~ = Mc z``, ``out = phi(q) S~_i / (phi(q) . z~_i + eps)``. With one shard covering
+all tokens the two calls are exactly :func:`~mhla_diffusers.ops.mhla_attention` (up to float summation
+order). Plain PyTorch, differentiable through autograd (q, k, v, the mixing matrix, the summaries);
+framework-free: nothing here imports diffusers or torch.distributed. The shard's tokens are gathered
+block-major into ``[m, L]`` (``m`` touched blocks, padded to ``L``, the most tokens the shard has in one
+block: at most a few times the shard's size when shards cut blocks unevenly) and both halves are two
+batched matmuls, a fixed number of kernels whatever ``M``.
+
+Packed summaries: ``[B, heads, M, d, dv + 1]`` with ``normalize=True`` (``[..., :dv]`` = S, the last
+column = z), ``[B, heads, M, d, dv]`` without the normaliser (numerator only: no z). With ``rotary``
+(Wan's RoPE after the feature map) S uses rotated key features and z un-rotated ones, as in
+:func:`~mhla_diffusers.ops.mhla_attention`. Accumulated in float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from mhla_diffusers.ops.layout import BlockLayout
+from mhla_diffusers.ops.torch_ops import compute_dtype
+
+__all__ = ["ShardBlocks", "shard_blocks", "shard_summaries", "shard_attention"]
+
+
+@dataclass(frozen=True)
+class ShardBlocks:
+    """How the tokens ``[offset, offset + length)`` of a layout fall into blocks, and their places in a padded
+    block-major ``[m, L]`` arrangement (``m`` touched blocks, ``L`` = the most tokens the shard has in one).
+
+    Attributes:
+        blocks: ``[m]`` int64, the ids of the blocks the shard touches, ascending.
+        slots: ``[length]`` int64, the place ``i * L + j`` of each local token: block ``blocks[i]``, ``j``-th of
+            its tokens in token order; the other places are padding.
+        length: ``L``.
+    """
+
+    blocks: torch.Tensor
+    slots: torch.Tensor
+    length: int
+
+
+@lru_cache(maxsize=256)
+@torch.inference_mode(False)  # cached across calls: never inference tensors
+def shard_blocks(layout: BlockLayout, offset: int, length: int) -> ShardBlocks:
+    """The :class:`ShardBlocks` of the tokens ``[offset, offset + length)`` of ``layout`` (CPU tensors, cached).
+
+    Raises:
+        ValueError: if the shard is empty or does not lie inside the layout's ``N`` tokens.
+    """
+    if not (0 <= offset and 1 <= length and offset + length <= layout.num_tokens):
+        raise ValueError(
+            f"a shard of {length} tokens at offset {offset} does not fit the {layout.num_tokens} tokens of {layout}"
+        )
+    index = layout.block_index[offset : offset + length]
+    blocks, inverse, counts = torch.unique(index, return_inverse=True, return_counts=True)  # inverse: token -> i
+    order = torch.argsort(inverse, stable=True)  # the tokens block by block, each block's in token order
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(length) - starts[inverse[order]]  # j: the token's place within its block
+    longest = int(counts.max())
+    return ShardBlocks(blocks, inverse * longest + rank, longest)
+
+
+def _blocked(x: torch.Tensor, sb: ShardBlocks) -> torch.Tensor:
+    """``[B, heads, n, w]`` -> block-major ``[B, heads, m, L, w]`` with zeros in the padding (differentiable)."""
+    b, h, _, w = x.shape
+    m = sb.blocks.numel()
+    out = x.new_zeros(b, h, m * sb.length, w).index_copy(2, sb.slots.to(x.device), x)
+    return out.view(b, h, m, sb.length, w)
+
+
+def _features(x: torch.Tensor, dtype: torch.dtype, feature_map: str | None, feature_eps: float) -> torch.Tensor:
+    if feature_map not in ("relu", None):
+        raise ValueError(f'feature_map must be "relu" (phi = ReLU) or None (q, k are features already); got {feature_map!r}')
+    x = x.to(dtype)
+    x = torch.relu(x) if feature_map == "relu" else x
+    return x + feature_eps if feature_eps else x
+
+
+def _check_shard(x: torch.Tensor, layout: BlockLayout, offset: int, name: str) -> ShardBlocks:
+    if x.ndim != 4:
+        raise ValueError(f"{name} must be 4-D [batch, heads, tokens, head_dim]; got {tuple(x.shape)}")
+    return shard_blocks(layout, int(offset), x.shape[2])
+
+
+def shard_summaries(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    offset: int = 0,
+    normalize: bool = True,
+    feature_map: str | None = "relu",
+    rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    feature_eps: float = 0.0,
+) -> torch.Tensor:
+    """One shard's partial block summaries, packed (module docstring): summed over all shards they are
+    the summaries ``S_b = (R phi(K_b))^T V_b`` and ``z_b = sum phi(K_b)`` of the whole sequence.
+
+    Args:
+        k: ``[B, heads, n, d]``, v: ``[B, heads, n, dv]``: the keys and values of the tokens
+            ``[offset, offset + n)`` of ``layout`` (row-major token order).
+        layout: the :class:`BlockLayout` of the whole sequence (all shards).
+        offset: index of the shard's first token in the whole sequence.
+        normalize: also compute z (packed as the last column), for the normalised output.
+        feature_map, feature_eps: ``phi(x) = ReLU(x) + feature_eps`` (``feature_map=None``: k is features).
+        rotary: ``None`` or a map rotating ``[B, heads, n, d]`` features of this shard's tokens (Wan's RoPE
+            tables of these tokens): S uses rotated features, z un-rotated ones.
+
+    Returns:
+        ``[B, heads, M, d, dv + 1]`` (``normalize``) or ``[B, heads, M, d, dv]``, float32 (float64 for
+        float64 ``k``); zero for the blocks the shard does not touch.
+
+    Raises:
+        ValueError: k and v of different ``[B, heads, n]``, a shard outside the layout, an unknown feature map.
+    """
+    sb = _check_shard(k, layout, offset, "k")
+    if v.ndim != 4 or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v must be [B, heads, n, dv] with k's [B, heads, n] {tuple(k.shape[:3])}; got {tuple(v.shape)}")
+    acc = compute_dtype(k.dtype)
+    phi_k = _features(k, acc, feature_map, feature_eps)
+    blocked_k = _blocked(phi_k, sb)  # [B, heads, m, L, d]
+    rot_k = blocked_k if rotary is None else _blocked(rotary(phi_k), sb)
+    touched = rot_k.transpose(-1, -2) @ _blocked(v.to(acc), sb)  # S_b: [B, heads, m, d, dv]
+    if normalize:
+        touched = torch.cat((touched, blocked_k.sum(3)[..., None]), dim=-1)  # z_b as the last column
+    shape = (*touched.shape[:2], layout.num_blocks, *touched.shape[3:])
+    return touched.new_zeros(shape).index_copy(2, sb.blocks.to(k.device), touched)
+
+
+def shard_attention(
+    q: torch.Tensor,
+    summaries: torch.Tensor,
+    mixing: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    offset: int = 0,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    feature_map: str | None = "relu",
+    rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    feature_eps: float = 0.0,
+) -> torch.Tensor:
+    """The MHLA output of one shard's queries from the summaries of the whole sequence.
+
+    ``S~ = Mc S``, ``z~ = Mc z`` (only the rows of the query blocks the shard touches), then for a query
+    in block ``i``: ``out = (R phi(q)) S~_i / (phi(q) . z~_i + eps)``, or the numerator alone.
+
+    Args:
+        q: ``[B, heads, n, d]``: the queries of the tokens ``[offset, offset + n)`` of ``layout``.
+        summaries: packed summaries of the whole sequence (the sum over shards of :func:`shard_summaries`,
+            same ``normalize``): ``[B, heads, M, d, dv + 1]`` or ``[B, heads, M, d, dv]``.
+        mixing: ``[M, M]`` mixing matrix, rows = query blocks, used as given.
+        layout, offset, feature_map, rotary, feature_eps: as :func:`shard_summaries` (rotary of the queries' tokens).
+        normalize: divide by ``phi(q) . z~ + eps`` (needs the packed z column).
+        eps: added to the denominator.
+
+    Returns:
+        ``[B, heads, n, dv]`` in ``q.dtype``.
+
+    Raises:
+        ValueError: summaries or mixing of the wrong shape for ``q`` and ``layout``; a shard outside the layout.
+    """
+    sb = _check_shard(q, layout, offset, "q")
+    m = layout.num_blocks
+    if summaries.ndim != 5 or summaries.shape[:3] != (*q.shape[:2], m) or summaries.shape[3] != q.shape[-1]:
+        raise ValueError(
+            f"summaries must be [B, heads, M, d, w] = [{q.shape[0]}, {q.shape[1]}, {m}, {q.shape[-1]}, w] for q "
+            f"{tuple(q.shape)} and {layout}; got {tuple(summaries.shape)}"
+        )
+    if tuple(mixing.shape) != (m, m):
+        raise ValueError(f"mixing must be [{m}, {m}] for {layout}; got {tuple(mixing.shape)}")
+    acc = compute_dtype(q.dtype)
+    dv = summaries.shape[-1] - 1 if normalize else summaries.shape[-1]
+    rows = mixing.to(device=q.device, dtype=acc).index_select(0, sb.blocks.to(q.device))  # [m, M]: the shard's query blocks
+    mixed = torch.einsum("im,bhmdw->bhidw", rows, summaries.to(acc))  # [B, heads, m, d, w]
+    phi_q = _features(q, acc, feature_map, feature_eps)
+    rot_q = _blocked(phi_q if rotary is None else rotary(phi_q), sb)  # [B, heads, m, L, d]
+    out = rot_q @ mixed[..., :dv]  # [B, heads, m, L, dv]
+    if normalize:  # padded places: 0 / eps = 0, dropped below
+        den = (rot_q if rotary is None else _blocked(phi_q, sb)) @ mixed[..., dv:]
+        out = out / (den + eps)
+    return out.flatten(2, 3).index_select(2, sb.slots.to(q.device)).to(q.dtype)
