@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mhla_diffusers.models.families import family_of, self_attention_modules
+from mhla_diffusers.models.families import attention_modules, family_of, self_attention_modules
 from mhla_diffusers.models.grid import GridReader, current_model
 from mhla_diffusers.ops import InterleavedRotary, mhla_attention
 from mhla_diffusers.ops.layout import BlockLayout
@@ -351,10 +351,28 @@ def cpu_device_mesh() -> Iterator[None]:
         torch.accelerator.device_count = original
 
 
-def _token_count_check(degree: int, anything: bool):
-    """Model forward pre-hook: a token count the context-parallel degree cannot split is an error naming the fix."""
+def _token_count_check(degree: int, anything: bool, planned: frozenset[str] = frozenset()):
+    """Model forward pre-hook: a token count the context-parallel degree cannot split is an error naming the fix;
+    so is a layer of the plan that no longer runs MHLA (``planned``: the self-attention layers that must, the
+    ``"trunk"`` / ``"layers"`` plans, whose stock attention would silently see only this rank's tokens)."""
 
     def check(model, args, kwargs):
+        # a processor installed after enable_parallelism (remove_mhla putting the stock one back, a new processor)
+        # never got diffusers' config and would attend over this rank's tokens alone: give it, as enable_parallelism does
+        config = getattr(model, "_parallel_config", None)
+        if config is not None and not planned:
+            for attn in attention_modules(model).values():
+                processor = getattr(attn, "processor", None)
+                if hasattr(processor, "_parallel_config") and processor._parallel_config is None:
+                    processor._parallel_config = config
+        if planned:
+            lost = sorted(name for name, mhla in _mhla_self_attention(model, family_of(model)) if name in planned and not mhla)
+            if lost:
+                raise ValueError(
+                    f"{lost} ran MHLA when context parallelism was enabled and now run the stock attention, which would "
+                    "see only this rank's share of the tokens (a silently wrong output): put MHLA back on them "
+                    "(remove_mhla / a processor change after enable_context_parallel is not supported under it)"
+                )
         latent = kwargs.get("hidden_states", args[0] if args else None)
         if not isinstance(latent, torch.Tensor):
             return
@@ -407,7 +425,13 @@ def enable_context_parallel(model: nn.Module, config) -> None:
         )
     with cpu_device_mesh():
         model.enable_parallelism(config=config, cp_plan=plan)
-    model.register_forward_pre_hook(_token_count_check(degree, config.ring_anything or config.ulysses_anything), with_kwargs=True)
+    # DiT ("trunk") and SANA ("layers") plans shard tokens around layers that must keep running MHLA
+    planned = frozenset() if family.context_parallel == "model" else frozenset(
+        name for name, mhla in _mhla_self_attention(model, family) if mhla
+    )
+    model.register_forward_pre_hook(
+        _token_count_check(degree, config.ring_anything or config.ulysses_anything, planned), with_kwargs=True
+    )
 
 
 # -- communication ----------------------------------------------------------------------------------

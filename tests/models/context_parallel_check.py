@@ -252,9 +252,36 @@ def case_wan_pipeline_generate(world: int) -> dict:
     return {"output": relative_error(torch.from_numpy(out), torch.from_numpy(ref)), "exchanges": log}
 
 
+def case_processor_changed_after_enable(world: int) -> dict:
+    """remove_mhla after enable_context_parallel. Wan: the stock processors put back run diffusers' context-parallel
+    attention (they get the config enable_parallelism gave the others), the stock model's output exactly. DiT: its
+    stock attention has no context parallelism and would see one shard: the next forward is refused."""
+    wan = tiny_wan(num_layers=2, heads=6, head_dim=8)  # Ulysses over 2 or 3 ranks (diffusers' CPU ring lacks the lse)
+    inputs = wan_inputs(batch=1, frames=2, size=(4, 6))  # 2 x 2 x 3 = 12 tokens
+    with torch.no_grad():
+        stock = _wan_call(inputs)(wan)
+    mhla_diffusers.apply_mhla(wan, layers="all", block_grid=(1, 2, 3))
+    mhla_diffusers.enable_context_parallel(wan, _config("ulysses", world))
+    mhla_diffusers.remove_mhla(wan)
+    with torch.no_grad():
+        wan_error = relative_error(_wan_call(inputs)(wan), stock)
+    dit = tiny_dit(num_layers=2, heads=2, head_dim=8, sample_size=12)
+    mhla_diffusers.apply_mhla(dit, layers="all", block_grid=(2, 3))
+    mhla_diffusers.enable_context_parallel(dit, _config("ring", world))
+    mhla_diffusers.remove_mhla(dit)
+    latent, timestep, labels = dit_inputs(batch=1, size=12)
+    try:
+        with torch.no_grad():
+            dit(latent, timestep=timestep, class_labels=labels, return_dict=False)
+        dit_error = None
+    except ValueError as err:
+        dit_error = str(err)
+    return {"output": wan_error, "error": dit_error}
+
+
 CASES = [
     case_wan_oneliner_ring, case_wan_hybrid_ulysses, case_wan_uneven_numerator, case_wan_uneven_ulysses, case_wan_indivisible_refused,
-    case_ulysses_heads_refused, case_sana_oneliner_ring, case_dit_ulysses, case_wan_pipeline_generate,
+    case_ulysses_heads_refused, case_sana_oneliner_ring, case_dit_ulysses, case_wan_pipeline_generate, case_processor_changed_after_enable,
 ]
 
 

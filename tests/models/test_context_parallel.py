@@ -137,6 +137,14 @@ def test_clear_errors_under_torchrun(results):
     assert heads and f"{world + 1} heads" in heads and f"ulysses_degree={world}" in heads
 
 
+def test_processor_changed_after_enable(results):
+    """remove_mhla under context parallelism: Wan's stock attention put back runs diffusers' context parallelism (the
+    stock output, not one shard's attention); DiT's, which has none, is refused at the next forward, never run on a shard."""
+    case = _case(results, "case_processor_changed_after_enable")
+    assert case["output"] < TOL
+    assert case["error"] and "now run the stock attention" in case["error"] and "transformer_blocks.0.attn1" in case["error"]
+
+
 # -- one process ------------------------------------------------------------------------------------
 def test_plans():
     """Wan: its own plan; DiT: split at the first block, gathered after proj_out_2; SANA: the MHLA layers alone."""
