@@ -438,6 +438,12 @@ def _check_mhla(mh: Any) -> None:
     for key, rule in _MHLA_RULES.items():
         if key in mh:
             mh[key] = rule.check(f"mhla.{key}", mh[key])
+    if mh.get("layers") == "auto":
+        raise ValueError(
+            "mhla.layers=auto is not available in the trainer (the selection needs calibration inputs and keep_softmax / "
+            "an attention budget): convert first with conversion/convert.py --layers auto --keep-softmax K (or "
+            "--attention-budget F) and fine-tune the converted folder (model.pretrained)"
+        )
 
 
 def _check_data(d: Mapping) -> None:

@@ -18,6 +18,7 @@ shipped demo configs hold the ones measured in ``docs/study/report.md``.
 
 from __future__ import annotations
 
+import numbers
 import os
 from pathlib import Path
 from typing import Iterable
@@ -71,13 +72,17 @@ def retrofit(
         ``conversion`` ones when phase 1 was skipped.
 
     Raises:
-        ValueError: ``finetune_steps < 1``, ``distill_steps < 0``, ``distill_lr <= 0``; config errors (see
+        ValueError: ``finetune_steps`` / ``distill_steps`` not an integer (``True``, ``2.5``: never truncated),
+            ``finetune_steps < 1``, ``distill_steps < 0``, ``distill_lr <= 0``; config errors (see
             :func:`~mhla_diffusers.training.load_config`).
     """
     if distill_lr is not None and not distill_lr > 0:
         raise ValueError(f"distill_lr must be > 0 or None; got {distill_lr!r}")
-    if int(finetune_steps) < 1 or int(distill_steps) < 0:
-        raise ValueError(f"retrofit needs finetune_steps >= 1 and distill_steps >= 0; got {finetune_steps}, {distill_steps}")
+    whole = [isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in (finetune_steps, distill_steps)]
+    if not all(whole) or finetune_steps < 1 or distill_steps < 0:
+        raise ValueError(
+            f"retrofit needs integers finetune_steps >= 1 and distill_steps >= 0; got {finetune_steps!r}, {distill_steps!r}"
+        )
     out, common = Path(output_dir), [*overrides, f"distill.teacher={teacher}", f"distill.output_weight={output_weight}"]
     runs, s1 = {"distill": None}, None
     if int(distill_steps) > 0 and read_mhla_config(pretrained) is not None:

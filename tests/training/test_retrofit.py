@@ -69,3 +69,7 @@ def test_retrofit_distils_then_finetunes_and_skips_distillation_for_the_control(
     assert control["heldout_teacher_mse"]["conversion"] == 0.0
     with pytest.raises(ValueError, match="finetune_steps"):
         training.retrofit(cfg, base, base, tmp_path / "x", distill_steps=0, finetune_steps=0)
+    for steps in (dict(distill_steps=0.5, finetune_steps=1), dict(distill_steps=1, finetune_steps=2.5),
+                  dict(distill_steps=True, finetune_steps=1)):  # were truncated (0.5: distillation silently skipped)
+        with pytest.raises(ValueError, match="integers finetune_steps >= 1 and distill_steps >= 0"):
+            training.retrofit(cfg, base, base, tmp_path / "x", **steps)

@@ -157,6 +157,8 @@ def test_config_loading_and_overrides(tmp_path):
         load_config(cfg_path, ["model.pretrained=somewhere"])
     with pytest.raises(ValueError, match="unknown mhla keys"):
         load_config(cfg_path, ["mhla.blocks=4"])
+    with pytest.raises(ValueError, match="mhla.layers=auto is not available in the trainer.*--layers auto"):
+        load_config(cfg_path, ["mhla.layers=auto"])  # was accepted, then failed at build time naming calibration=
     with pytest.raises(ValueError, match="positive integer"):
         load_config(cfg_path, ["data.batch_size=0"])
     with pytest.raises(ValueError, match="output_dir"):
