@@ -390,6 +390,20 @@ def _token_count_check(degree: int, anything: bool, planned: frozenset[str] = fr
     return check
 
 
+# diffusers 0.42 backends whose attention refuses return_lse=True (ring attention needs it); "native" is the default
+_NO_LSE_BACKENDS = frozenset({"native", "_native_efficient", "_native_math", "_native_npu", "_native_xla", "xformers"})
+
+
+def _attention_backend(attn: nn.Module) -> str:
+    """The name of the diffusers attention backend ``attn``'s processor dispatches to (its own, else the active one)."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    backend = getattr(getattr(attn, "processor", None), "_attention_backend", None)
+    if backend is None:
+        backend, _ = _AttentionBackendRegistry.get_active_backend()
+    return getattr(backend, "value", backend)
+
+
 def enable_context_parallel(model: nn.Module, config) -> None:
     """Put an MHLA transformer under diffusers' context parallelism, checked.
 
@@ -405,7 +419,9 @@ def enable_context_parallel(model: nn.Module, config) -> None:
     Raises:
         ValueError: no plan for the model (:func:`context_parallel_plan`); Ulysses mode with softmax
             self-attention layers on shards (a Wan hybrid) whose head count the Ulysses degree does not divide
-            (without ``ulysses_anything``); a degree larger than the world size.
+            (without ``ulysses_anything``); ring mode with softmax self-attention layers (a Wan hybrid) on an
+            attention backend that does not return the log-sum-exp (diffusers' default ``"native"``); a degree
+            larger than the world size.
         RuntimeError: torch.distributed not initialised.
     """
     if not (dist.is_available() and dist.is_initialized()):
@@ -423,6 +439,15 @@ def enable_context_parallel(model: nn.Module, config) -> None:
             f"{config.ulysses_degree}, which does not divide them: choose a degree that divides {softmax[0].heads}, "
             "ulysses_anything=True, or ring_degree"
         )
+    if family.context_parallel == "model" and softmax and config.ring_degree > 1:
+        backend = _attention_backend(softmax[0])
+        if backend in _NO_LSE_BACKENDS:
+            raise ValueError(
+                f"ring attention of the softmax layers (hybrid: {len(softmax)} of them) needs an attention backend that "
+                f"returns the log-sum-exp, and they use {backend!r}, which does not: call "
+                "transformer.set_attention_backend('_native_cudnn') (or 'flash') first, use ulysses_degree (Ulysses "
+                "mode; generate.py --context-parallel ulysses), or MHLA on every layer"
+            )
     with cpu_device_mesh():
         model.enable_parallelism(config=config, cp_plan=plan)
     # DiT ("trunk") and SANA ("layers") plans shard tokens around layers that must keep running MHLA

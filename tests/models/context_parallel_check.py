@@ -204,6 +204,18 @@ def case_ulysses_heads_refused(world: int) -> dict:
     return {"error": None}
 
 
+def case_hybrid_ring_native_refused(world: int) -> dict:
+    """A Wan hybrid in ring mode on diffusers' default "native" backend, which cannot return the log-sum-exp ring
+    attention needs: refused at enable time naming the fix (was diffusers' "Native attention does not support
+    return_lse=True" at the first forward, from generate.py --context-parallel ring too)."""
+    model = tiny_wan(num_layers=3, heads=2, head_dim=8)
+    mhla_diffusers.apply_mhla(model, layers="hybrid", block_grid=(2, 2, 2))
+    try:
+        mhla_diffusers.enable_context_parallel(model, _config("ring", world))
+    except ValueError as err:
+        return {"error": str(err)}
+    return {"error": None}
+
 def case_sana_oneliner_ring(world: int) -> dict:
     """SANA, the one-liner, ring mode, forward (SANA's plan: the MHLA layers alone are split)."""
     model = tiny_sana(num_layers=2, heads=2, head_dim=8)
@@ -282,6 +294,7 @@ def case_processor_changed_after_enable(world: int) -> dict:
 CASES = [
     case_wan_oneliner_ring, case_wan_hybrid_ulysses, case_wan_uneven_numerator, case_wan_uneven_ulysses, case_wan_indivisible_refused,
     case_ulysses_heads_refused, case_sana_oneliner_ring, case_dit_ulysses, case_wan_pipeline_generate, case_processor_changed_after_enable,
+    case_hybrid_ring_native_refused,
 ]
 
 

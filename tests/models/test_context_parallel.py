@@ -135,6 +135,8 @@ def test_clear_errors_under_torchrun(results):
     assert tokens and "175 tokens" in tokens and f"{world} ranks" in tokens and "ring_anything=True" in tokens
     heads = _case(results, "case_ulysses_heads_refused")["error"]
     assert heads and f"{world + 1} heads" in heads and f"ulysses_degree={world}" in heads
+    lse = _case(results, "case_hybrid_ring_native_refused")["error"]
+    assert lse and "log-sum-exp" in lse and "'native'" in lse and "set_attention_backend" in lse and "ulysses" in lse
 
 
 def test_processor_changed_after_enable(results):
