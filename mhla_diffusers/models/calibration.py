@@ -22,6 +22,7 @@ Synthetic latents are the offline default; calibration on real data is a list of
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import Mapping, Sequence
 
@@ -176,7 +177,8 @@ def calibration_inputs(
         in its dtype.
 
     Raises:
-        ValueError: unsupported model, ``num_samples < 1``, a bad ``latent_size``, a text-conditioned model
+        ValueError: unsupported model, ``num_samples < 1``, a bad ``latent_size`` (not integers, or not a multiple of
+            the patch size on every axis), a text-conditioned model
             without text encoder and without ``embeddings``, prompts / embeddings for a class-conditional one.
         FileNotFoundError: an embeddings file that does not exist.
     """
@@ -186,9 +188,19 @@ def calibration_inputs(
         raise ValueError(f"num_samples must be a positive integer; got {num_samples!r}")
     shape = family.native_latent_shape(transformer.config)
     if latent_size is not None:
-        size = tuple(int(n) for n in latent_size)
-        if len(size) != len(shape) - 1 or min(size) < 1:
+        size = tuple(latent_size)
+        if (len(size) != len(shape) - 1 or not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in size)
+                or min(size) < 1):
             raise ValueError(f"latent_size must be {len(shape) - 1} positive integers for a {family.name} model; got {latent_size!r}")
+        size = tuple(int(n) for n in size)
+        patch = transformer.config.get("patch_size", 1) or 1
+        patch = tuple(patch) if isinstance(patch, (tuple, list)) else (1,) * (len(size) - 2) + (int(patch),) * 2
+        patch = patch[-len(size):]
+        if any(n % p for n, p in zip(size, patch)):
+            # the patch embedding would drop the remainder: the forward would not run at the size asked for
+            raise ValueError(
+                f"latent_size {size} is not a multiple of the {family.name} model's patch size {patch} on every axis"
+            )
         shape = (shape[0], *size)
     generator = torch.Generator().manual_seed(int(seed))
     conditions = _condition(family, transformer, pipe, embeddings, prompts, int(num_samples), generator)

@@ -269,3 +269,7 @@ def test_calibration_inputs_text_families(tmp_path):
     with torch.no_grad():
         wan.transformer(**video[0])
         wan.transformer(**cached[1])
+    # sizes the patch embedding cannot take whole (it would drop the remainder), non-integers (were truncated)
+    for source, size in ((wan, (2, 7, 8)), (wan, (2, 8.5, 8)), (pipe.transformer, (1, 8, 8)), (pipe.transformer, (True, 8))):
+        with pytest.raises(ValueError, match="latent_size"):
+            calibration_inputs(source, num_samples=1, embeddings=text, latent_size=size)
