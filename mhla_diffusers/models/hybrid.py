@@ -6,6 +6,7 @@ most sensitive ones within an attention-cost budget). Pure Python: the scores co
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Mapping, Sequence
 
 __all__ = ["select_layers", "attention_flops", "select_auto", "scores_list"]
@@ -127,7 +128,8 @@ def select_auto(
         raise ValueError("layers='auto' needs exactly one of keep_softmax=K or max_attention_cost=F")
     ranking = sorted(range(num_layers), key=lambda i: (-scores[i], i))
     if keep_softmax is not None:
-        if isinstance(keep_softmax, bool) or int(keep_softmax) != keep_softmax or not 0 <= keep_softmax < num_layers:
+        whole = isinstance(keep_softmax, numbers.Real) and not isinstance(keep_softmax, bool) and math.isfinite(keep_softmax)
+        if not whole or int(keep_softmax) != keep_softmax or not 0 <= keep_softmax < num_layers:
             raise ValueError(
                 f"keep_softmax must be an integer in 0..{num_layers - 1} (the model has {num_layers} self-attention layers; "
                 f"keeping all of them converts nothing); got {keep_softmax!r}"

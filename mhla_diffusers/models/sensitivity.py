@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import time
 import warnings
 from collections.abc import Mapping
@@ -370,8 +371,12 @@ def layer_sensitivity(
     family = family_of(transformer)
     if is_mhla_model(transformer):
         raise ValueError("layer_sensitivity measures a stock model; this one has MHLA layers: call mhla_diffusers.remove_mhla first")
-    if int(fit_steps) != fit_steps or fit_steps < 0 or not lr > 0 or not mixing_lr > 0:
-        raise ValueError(f"fit_steps must be an integer >= 0 and the learning rates > 0; got {fit_steps!r}, {lr!r}, {mixing_lr!r}")
+    if (isinstance(fit_steps, bool) or not isinstance(fit_steps, numbers.Integral) or fit_steps < 0 or not lr > 0
+            or not mixing_lr > 0 or not 0 <= convergence_tol <= 1):
+        raise ValueError(
+            f"fit_steps must be an integer >= 0, the learning rates > 0 and convergence_tol in [0, 1]; got fit_steps="
+            f"{fit_steps!r}, lr={lr!r}, mixing_lr={mixing_lr!r}, convergence_tol={convergence_tol!r}"
+        )
     modules = self_attention_modules(transformer, family)
     chosen = list(range(len(modules))) if layers is None else [int(i) for i in layers]
     if not chosen or any(not 0 <= i < len(modules) for i in chosen):

@@ -126,6 +126,7 @@ def test_bad_selection_requests_are_refused():
     cases = [
         (dict(keep_softmax=3, sensitivity=scores), "keep_softmax must be an integer in 0..2"),
         (dict(keep_softmax=-1, sensitivity=scores), "keep_softmax must be an integer in 0..2"),
+        (dict(keep_softmax=float("nan"), sensitivity=scores), "keep_softmax must be an integer in 0..2"),  # was int()'s own error
         (dict(keep_softmax=1, max_attention_cost=0.5, sensitivity=scores), "exactly one of keep_softmax"),
         (dict(sensitivity=scores), "exactly one of keep_softmax"),
         (dict(keep_softmax=1), "needs calibration inputs"),
@@ -157,6 +158,10 @@ def test_bad_calibration_is_refused():
     ):
         with pytest.raises(ValueError, match=message):
             layer_sensitivity(model, calibration, **FIT)
+    calibration = _dit_calibration(1, 8)
+    for bad in (dict(fit_steps=True), dict(fit_steps=2.0), dict(convergence_tol=-1), dict(convergence_tol=float("nan"))):
+        with pytest.raises(ValueError, match="fit_steps must be an integer >= 0"):  # were accepted (a bool, a float)
+            layer_sensitivity(model, calibration, **{**FIT, **bad})
     apply_mhla(model, [0])
     with pytest.raises(ValueError, match="remove_mhla first"):
         layer_sensitivity(model, _dit_calibration(1, 8), **FIT)
