@@ -17,7 +17,9 @@
         --config ./Wan2.1-T2V-1.3B-Diffusers --out wan-mhla-authors
 
 A Wan 2.2 A14B pipeline (two experts: transformer for high noise, transformer_2 for low noise) has both
-converted with the same settings; --layers-2 gives transformer_2 its own layer selection (none: keep it stock).
+converted with the same settings; --layers-2 gives transformer_2 its own layer selection (none: keep it stock;
+--layers none --layers-2 all: convert the low-noise expert only). With --layers auto --layers-2 auto each expert is
+scored on calibration at its own timesteps (transformer: t >= boundary_ratio x 1000, transformer_2: below).
 
 --from authors imports the authors' released Wan MHLA weights (DAGroup-PKU/MHLA): layers, blocks,
 normaliser, feature epsilon, output norm are theirs, read from the file (mhla_diffusers.checkpoint.authors);
@@ -27,7 +29,8 @@ Writes the base checkpoint + transformer/mhla_config.json + transformer/mhla.saf
 (see mhla_diffusers.checkpoint.format). Exit code 2 for bad input, 3 if the source is already converted.
 --layers auto scores every self-attention layer (mhla_diffusers.layer_sensitivity) on calibration inputs made
 offline from the source (DiT: random class labels; SANA / Wan: generic prompts through the pipeline's own text
-encoder, or --calibration-embeddings) and records the selection and the scores in mhla_config.json.
+encoder, or --calibration-embeddings) and records the selection and the scores in mhla_config.json; --device cuda
+runs that measurement on a GPU, --calibration-latent-size (e.g. 5,30,52 for Wan) makes it smaller.
 """
 
 from __future__ import annotations
@@ -57,6 +60,18 @@ def parse_layers(text: str):
 
 def parse_layers_2(text: str):
     return "none" if text == "none" else parse_layers(text)
+
+
+def parse_latent_size(text: str):
+    try:
+        size = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        size = ()
+    if not 2 <= len(size) <= 3 or min(size) < 1:
+        raise argparse.ArgumentTypeError(
+            f"--calibration-latent-size takes H,W (dit / sana) or F,H,W (wan, latent frames) positive integers; got {text!r}"
+        )
+    return size
 
 
 def parse_block_grid(text: str):
@@ -97,8 +112,9 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
     parser.add_argument(
-        "--layers", type=parse_layers, default=None,
-        help="all (default) | hybrid | auto (the layers MHLA damages most keep their attention, measured on calibration "
+        "--layers", type=parse_layers_2, default=None,
+        help="all (default) | hybrid | none (Wan 2.2 A14B with --layers-2: convert transformer_2 only) | auto (the layers "
+        "MHLA damages most keep their attention, measured on calibration "
         "inputs: with --keep-softmax or --attention-budget) | comma-separated indices (negative ones count from the end: "
         "write --layers=-1,-2, with '=')",
     )
@@ -118,8 +134,19 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--layers-2", type=parse_layers_2, default=None,
-        help="Wan 2.2 A14B only: layer selection of the second expert (transformer_2): all | hybrid | none | indices "
+        help="Wan 2.2 A14B only: layer selection of the second expert (transformer_2, low noise): all | hybrid | none | "
+        "auto (with --layers auto: scored on calibration at its own timesteps, below boundary_ratio x 1000) | indices "
         "(default: as --layers)",
+    )
+    parser.add_argument(
+        "--calibration-latent-size", type=parse_latent_size, default=None, metavar="H,W|F,H,W",
+        help="--layers auto: latent size of the calibration inputs (default the model's native size; Wan 21,60,104: "
+        "give a smaller one such as 5,30,52 on a CPU)",
+    )
+    parser.add_argument(
+        "--device", default=None,
+        help="--layers auto: where the sensitivity measurement runs (e.g. cuda; default where the model loads, the CPU); "
+        "the written checkpoint is the same",
     )
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
@@ -179,6 +206,8 @@ def main(argv=None) -> int:
             calibration_seed=args.calibration_seed,
             calibration_embeddings=args.calibration_embeddings,
             layers_2=args.layers_2,
+            calibration_latent_size=args.calibration_latent_size,
+            device=args.device,
         )
     except AlreadyConvertedError as err:
         print(f"convert.py: {err}", file=sys.stderr)
@@ -199,7 +228,9 @@ def _import_authors(args) -> int:
         "--output-norm / --no-output-norm": args.output_norm is not None,
         "--eps": args.eps is not None,
         "--keep-softmax / --attention-budget": args.keep_softmax is not None or args.attention_budget is not None,
-        "--calibration-*": any(v is not None for v in (args.calibration_samples, args.calibration_seed, args.calibration_embeddings)),
+        "--calibration-*": any(v is not None for v in (args.calibration_samples, args.calibration_seed, args.calibration_embeddings,
+                                                       args.calibration_latent_size)),
+        "--device": args.device is not None,
         "--layers-2": args.layers_2 is not None,
     }
     fixed = [flag for flag, on in given.items() if on]

@@ -22,15 +22,16 @@ from mhla_diffusers.checkpoint.format import (
     MHLACheckpointError,
     _dtype_kwargs,
     _transformer_class,
+    expert_timestep_range,
     import_named_components,
     read_mhla_config,
     save_mhla_pipeline,
     save_mhla_transformer,
     transformer_folder,
 )
-from mhla_diffusers.models.calibration import calibration_inputs
+from mhla_diffusers.models.calibration import calibration_inputs, clip_timestep_range
 from mhla_diffusers.models.families import FAMILIES, family_of, get_family
-from mhla_diffusers.models.install import apply_mhla, mhla_spec
+from mhla_diffusers.models.install import apply_mhla, mhla_spec, record_selection
 from mhla_diffusers.models.provenance import is_hub_id
 
 __all__ = ["convert_checkpoint", "AlreadyConvertedError"]
@@ -195,7 +196,7 @@ def _load_source(src: str, torch_dtype: torch.dtype | None, config: str | None =
 
 
 def _check_calibration_options(
-    layers, keep_softmax, max_attention_cost, calibration, sensitivity, samples, seed, embeddings
+    layers, keep_softmax, max_attention_cost, calibration, sensitivity, samples, seed, embeddings, latent_size=None, device=None
 ) -> None:
     """``layers="auto"`` needs one of ``keep_softmax`` / ``max_attention_cost``; calibration settings apply
     only with it, and those that make calibration inputs only when none are given.
@@ -203,13 +204,14 @@ def _check_calibration_options(
     Raises:
         ValueError: naming the settings that would otherwise be ignored.
     """
-    made = {"calibration_samples": samples, "calibration_seed": seed, "calibration_embeddings": embeddings}
+    made = {"calibration_samples": samples, "calibration_seed": seed, "calibration_embeddings": embeddings,
+            "calibration_latent_size": latent_size}
     if isinstance(layers, str) and layers == "auto" and (keep_softmax is None) == (max_attention_cost is None):
         raise ValueError("layers='auto' needs exactly one of keep_softmax=K (--keep-softmax) or max_attention_cost=F (--attention-budget)")
     given = [name for name, value in made.items() if value is not None]
     if not (isinstance(layers, str) and layers == "auto"):
         others = (("keep_softmax", keep_softmax), ("max_attention_cost", max_attention_cost), ("calibration", calibration),
-                  ("sensitivity", sensitivity))
+                  ("sensitivity", sensitivity), ("device", device))
         given = [name for name, value in others if value is not None] + given
         if given:
             raise ValueError(f"{', '.join(given)} only apply with layers='auto' (--layers auto); got layers={layers!r}")
@@ -239,6 +241,8 @@ def convert_checkpoint(
     calibration_seed: int | None = None,
     calibration_embeddings: str | os.PathLike | Mapping[str, torch.Tensor] | None = None,
     layers_2: str | Sequence[int] | None = None,
+    calibration_latent_size: Sequence[int] | None = None,
+    device: str | torch.device | None = None,
 ) -> dict:
     """Load a pretrained checkpoint, install MHLA, write it as a converted checkpoint.
 
@@ -260,7 +264,13 @@ def convert_checkpoint(
         layers_2: a pipeline with a second transformer (Wan 2.2 A14B: ``transformer`` for high noise,
             ``transformer_2`` for low noise) converts both, with the same settings; ``layers_2`` is the
             layer selection of ``transformer_2`` (``None``: ``layers``; ``"none"``: leave it stock;
-            ``"auto"`` with ``layers="auto"``: each expert measured on the same calibration inputs).
+            ``"auto"`` with ``layers="auto"``: each expert measured on calibration inputs of its own timestep
+            range, see :func:`~mhla_diffusers.checkpoint.format.expert_timestep_range`); ``layers="none"`` with a
+            ``layers_2`` converts the low-noise expert only (``transformer`` stays stock).
+        calibration_latent_size: ``layers="auto"``, calibration made here: the latent size of
+            :func:`~mhla_diffusers.calibration_inputs` (default the model's native size).
+        device: ``layers="auto"``: where the sensitivity measurement (and the calibration made here) runs, e.g.
+            ``"cuda"``; each transformer goes back to its device afterwards, the written checkpoint is the same.
         torch_dtype: dtype to load (and save) the base weights in (for a pipeline: every component);
             ``None`` keeps the stored dtype of each local component (read from the safetensors
             headers); Hub ids and pickled single files then load as float32 (diffusers' default).
@@ -269,7 +279,8 @@ def convert_checkpoint(
             inputs are made from the loaded source by :func:`~mhla_diffusers.calibration_inputs`
             (``calibration_samples``, default 8; ``calibration_seed``, default 0; SANA / Wan: the
             pipeline's text encoder, or ``calibration_embeddings``, a file or dict of cached text states).
-            The selection is recorded in ``mhla_config.json`` (``"selection"``).
+            The selection is recorded in ``mhla_config.json`` (``"selection"``; with calibration made here,
+            its ``"calibration_timestep_range"`` ``[low, high]``).
 
     Returns:
         The MHLA spec written to ``mhla_config.json`` plus ``"out"``.
@@ -279,7 +290,9 @@ def convert_checkpoint(
         ValueError: unknown family, family mismatch, bad layer or block options (no layer selected:
             an empty list, ``"none"``, ``"hybrid"`` on a one-layer model), a single file
             without ``config`` (or ``config`` without a single file), a file of another model, a
-            ``layers_2`` for a source without a second transformer, ``layers_2="auto"`` without
+            ``layers_2`` for a source without a second transformer, ``layers="none"`` without one (or without
+            ``layers_2``), a ``device`` that cannot be used here, errors of ``transformer_2`` (prefixed with
+            ``(transformer_2, --layers-2)``), ``layers_2="auto"`` without
             ``layers="auto"``, ``sensitivity`` with both experts on ``"auto"``;
             ``layers="auto"`` errors (see :func:`~mhla_diffusers.apply_mhla`), calibration options without
             ``"auto"`` (or beside ``calibration`` / ``sensitivity``), calibration that cannot be made (a
@@ -288,14 +301,16 @@ def convert_checkpoint(
     """
     _check_calibration_options(
         layers, keep_softmax, max_attention_cost, calibration, sensitivity, calibration_samples, calibration_seed,
-        calibration_embeddings,
+        calibration_embeddings, calibration_latent_size, device,
     )
+    device = _check_device(device)
     if not isinstance(layers, str):
         layers = list(layers)
-    if layers == "none" or (not isinstance(layers, str) and not layers):
+    if (layers == "none" and layers_2 in (None, "none")) or (not isinstance(layers, str) and not layers):
         raise ValueError(
             f"no layers selected (layers={layers!r}): a conversion installs MHLA on at least one layer; "
-            "give 'all', 'hybrid' or a non-empty list of indices"
+            "give 'all', 'hybrid' or a non-empty list of indices (layers='none' only beside a layers_2 of a Wan 2.2 "
+            "transformer_2)"
         )
     src_path, out_path = Path(src).resolve(), Path(out).resolve()
     if Path(src).exists() and (src_path == out_path or src_path.is_relative_to(out_path)):
@@ -310,15 +325,20 @@ def convert_checkpoint(
     second = getattr(pipe, "transformer_2", None) if pipe is not None else None
     if layers_2 is not None and second is None:
         raise ValueError(f"layers_2 (--layers-2) selects layers of a second transformer (Wan 2.2's transformer_2); {src} has none")
+    if layers == "none" and second is None:
+        raise ValueError(f"layers='none' (--layers none) leaves the only transformer of {src} stock: nothing to convert")
     layers_2 = layers if layers_2 is None else layers_2
-    auto = _auto_settings(pipe, model, layers, layers_2 if second is not None else None, keep_softmax, max_attention_cost,
-                          calibration, sensitivity, calibration_samples, calibration_seed, calibration_embeddings)
+    _check_auto_settings(layers, layers_2 if second is not None else None, sensitivity)
     settings = dict(num_blocks=num_blocks, block_grid=block_grid, normalize=normalize, eps=eps, output_norm=output_norm)
-    if model is not None:
-        _convert_one(model, layers, {**settings, **(auto if layers == "auto" else {})}, src)
+    auto = dict(keep_softmax=keep_softmax, max_attention_cost=max_attention_cost, calibration=calibration, sensitivity=sensitivity,
+                samples=calibration_samples, seed=calibration_seed, embeddings=calibration_embeddings,
+                latent_size=calibration_latent_size, device=device)
+    if model is not None and layers != "none":
+        _convert_one(pipe, "transformer", model, layers, settings, auto if layers == "auto" else None, src)
     if second is not None and layers_2 != "none":
-        _convert_one(second, layers_2, {**settings, **(auto if layers_2 == "auto" else {})}, f"{src} (transformer_2)")
-    spec = mhla_spec(model) if model is not None else {}
+        _convert_one(pipe, "transformer_2", second, layers_2, settings, auto if layers_2 == "auto" else None,
+                     f"{src} (transformer_2, --layers-2)")
+    spec = (mhla_spec(model) if model is not None else None) or {}  # {}: transformer left stock (layers="none")
     if second is not None:
         spec = {**spec, "transformer_2": mhla_spec(second)}
     if pipe is not None:
@@ -328,38 +348,96 @@ def convert_checkpoint(
     return {**spec, "out": str(out)}
 
 
-def _auto_settings(pipe, model, layers, layers_2, keep_softmax, max_attention_cost, calibration, sensitivity,
-                   samples, seed, embeddings) -> dict:
-    """The ``apply_mhla`` arguments of ``layers="auto"`` (``{}`` when no transformer uses it): the calibration
-    inputs made once from the source when not given, and used for each expert that selects automatically
-    (``layers_2``: the second expert's selection, ``None`` without one).
-
-    Raises:
-        ValueError: ``layers_2="auto"`` without ``layers="auto"`` (the options belong to the latter), or
-            ``sensitivity`` (one model's scores) with two experts selecting automatically.
-    """
+def _check_auto_settings(layers, layers_2, sensitivity) -> None:
+    """Raises ``ValueError``: ``layers_2="auto"`` without ``layers="auto"`` (the options belong to the latter), or
+    ``sensitivity`` (one model's scores) with two experts selecting automatically."""
     if layers_2 == "auto" and layers != "auto":
         raise ValueError("layers_2='auto' (--layers-2 auto) needs layers='auto' too (its keep_softmax / attention budget apply to both)")
-    if layers != "auto":
-        return {}
-    if layers_2 == "auto" and sensitivity is not None:
+    if layers == "auto" and layers_2 == "auto" and sensitivity is not None:
         raise ValueError("sensitivity= holds one transformer's scores; with both experts on layers='auto' give calibration= instead")
-    if calibration is None and sensitivity is None:
+
+
+def _check_device(device) -> torch.device | None:
+    """``device`` (``--device``) as a ``torch.device`` that can hold a tensor here, or ``None``.
+
+    Raises:
+        ValueError: an unknown device name, or one this machine does not have.
+    """
+    if device is None:
+        return None
+    try:
+        device = torch.device(device)
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError, TypeError) as err:  # torch: bad name, or e.g. CUDA not compiled / no GPU
+        raise ValueError(
+            f"device {str(device)!r} (--device) cannot be used here: {err}; give cpu, or cuda / cuda:N on a GPU machine"
+        ) from err
+    return device
+
+
+def _auto_settings(pipe, name: str, model, auto: dict) -> tuple[dict, tuple[float, float] | None]:
+    """The ``apply_mhla`` arguments of ``layers="auto"`` for the expert ``name`` of ``pipe`` (``pipe`` may be
+    ``None``: a transformer alone): when neither calibration nor scores are given, the calibration inputs made
+    from the source for this expert, on its own timestep range (Wan 2.2 A14B:
+    :func:`~mhla_diffusers.checkpoint.format.expert_timestep_range`), at ``latent_size``, on ``model``'s device.
+
+    Returns ``(apply_mhla keyword arguments, timestep range of the calibration made or None)``.
+    """
+    calibration, timestep_range = auto["calibration"], None
+    if calibration is None and auto["sensitivity"] is None:
+        timestep_range = expert_timestep_range(pipe, name) if pipe is not None else None
         calibration = calibration_inputs(
-            pipe if pipe is not None else model, num_samples=8 if samples is None else samples, seed=seed or 0,
-            embeddings=embeddings,
+            pipe if pipe is not None else model, num_samples=8 if auto["samples"] is None else auto["samples"],
+            seed=auto["seed"] or 0, embeddings=auto["embeddings"], latent_size=auto["latent_size"], timestep_range=timestep_range,
         )
-    if calibration is not None:
-        calibration = list(calibration)  # measured on each expert
-    return dict(keep_softmax=keep_softmax, max_attention_cost=max_attention_cost, calibration=calibration, sensitivity=sensitivity)
+        # calibration_inputs reads pipe.transformer: the second expert gets its own inputs on its own device / dtype
+        parameter = next(model.parameters())
+        calibration = [{k: v.to(parameter.device, parameter.dtype if v.is_floating_point() and k != "timestep" else v.dtype)
+                        for k, v in entry.items()} for entry in calibration]
+    elif calibration is not None:
+        device = next(model.parameters()).device
+        calibration = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in entry.items()} for entry in calibration]
+    settings = dict(keep_softmax=auto["keep_softmax"], max_attention_cost=auto["max_attention_cost"], calibration=calibration,
+                    sensitivity=auto["sensitivity"])
+    return settings, timestep_range
 
 
-def _convert_one(model, layers, settings: dict, where: str) -> None:
-    """``apply_mhla(model, layers, **settings)``; raises ``ValueError`` when ``layers`` selects none of its layers."""
+def _convert_one(pipe, name: str, model, layers, settings: dict, auto: dict | None, where: str) -> None:
+    """``apply_mhla(model, layers, **settings)`` on the pipeline's transformer ``name`` (``auto``: the ``layers="auto"``
+    options, see :func:`_apply`).
+
+    Raises:
+        ValueError: ``layers`` selects none of the layers of ``model``; for ``transformer_2`` every error of
+            ``apply_mhla`` prefixed by ``where`` (it names the expert and ``--layers-2``).
+    """
     if not isinstance(layers, str):
         layers = list(layers)
     if layers == "none" or (not isinstance(layers, str) and not layers):
         raise ValueError(f"no layers selected for {where} (layers={layers!r}): give 'all', 'hybrid' or a non-empty list of indices")
-    apply_mhla(model, layers, **settings)
+    try:
+        _apply(pipe, name, model, layers, settings, auto)
+    except ValueError as err:
+        if name == "transformer":
+            raise
+        raise ValueError(f"{where}: {err}") from err
     if mhla_spec(model) is None:  # e.g. "hybrid" on a model with a single self-attention layer
         raise ValueError(f"no layers selected: layers={layers!r} picks none of the self-attention layers of {where}; nothing was written")
+
+
+def _apply(pipe, name: str, model, layers, settings: dict, auto: dict | None) -> None:
+    """``apply_mhla`` of :func:`_convert_one`; ``layers="auto"`` measured on ``auto["device"]`` (then ``model`` goes
+    back to its device), the timestep range of the calibration made here added to the selection record."""
+    if auto is None:
+        apply_mhla(model, layers, **settings)
+        return
+    home = next(model.parameters()).device
+    if auto["device"] is not None:
+        model.to(auto["device"])
+    try:
+        extra, timestep_range = _auto_settings(pipe, name, model, auto)
+        apply_mhla(model, layers, **settings, **extra)
+    finally:
+        model.to(home)
+    selection = (mhla_spec(model) or {}).get("selection")
+    if selection is not None and auto["calibration"] is None and auto["sensitivity"] is None:
+        record_selection(model, {**selection, "calibration_timestep_range": list(clip_timestep_range(timestep_range))})

@@ -366,6 +366,21 @@ def pipeline_transformers(pipe) -> dict[str, nn.Module]:
     return {name: t for name in TRANSFORMER_COMPONENTS if (t := getattr(pipe, name, None)) is not None}
 
 
+def expert_timestep_range(pipe, expert: str) -> tuple[float, float] | None:
+    """The timesteps ``[low, high)`` (the scale the transformer's ``timestep`` input takes, 0..num_train_timesteps)
+    on which ``pipe`` runs its transformer ``expert``; ``None`` when it runs one transformer on every timestep.
+
+    Wan 2.2 A14B switches experts at ``boundary = boundary_ratio * num_train_timesteps`` (diffusers'
+    ``WanPipeline``): ``transformer`` runs ``t >= boundary`` (high noise, ``(boundary, inf)``), ``transformer_2``
+    ``t < boundary`` (low noise, ``(-inf, boundary)``). The one source of these ranges (training, calibration).
+    """
+    boundary_ratio = getattr(pipe, "config", {}).get("boundary_ratio")
+    if len(pipeline_transformers(pipe)) < 2 or boundary_ratio is None:
+        return None
+    boundary = float(boundary_ratio) * int(pipe.scheduler.config.get("num_train_timesteps", 1000))
+    return (boundary, float("inf")) if expert == "transformer" else (float("-inf"), boundary)
+
+
 def save_mhla_pipeline(pipe, out_dir: str | os.PathLike, *, overwrite: bool = False, **save_kwargs) -> Path:
     """Write a diffusers pipeline whose transformers may have MHLA (atomic); the MHLA files of each go into
     its own folder (``<out_dir>/transformer/``, and ``<out_dir>/transformer_2/`` for Wan 2.2's second expert,

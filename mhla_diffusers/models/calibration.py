@@ -5,8 +5,9 @@ Sample ``i`` of ``n`` is one forward's keyword arguments (batch 1):
 
 * the latent: a smooth random "clean" latent ``x0`` (standard normal noise on a grid 4x coarser per
   axis, upsampled (bi/trilinear) to the native latent size and standardised: spatially correlated like
-  an image latent, without data), noised at the spread timestep fraction ``s = (i + 0.5) / n`` with the
-  family's training process: DiT ``x_t = sqrt(a_t) x0 + sqrt(1 - a_t) eps`` at ``t = floor(1000 s)``
+  an image latent, without data), noised at the spread timestep fraction ``s = (i + 0.5) / n`` (spread over
+  ``timestep_range / 1000`` when given) with the family's training process: DiT
+  ``x_t = sqrt(a_t) x0 + sqrt(1 - a_t) eps`` at ``t = floor(1000 s)``
   (the pipeline scheduler's ``alphas_cumprod``, else DDPM's linear betas 1e-4..0.02), timestep ``t``;
   SANA / Wan (flow matching) ``x_t = (1 - s) x0 + s eps``, timestep ``1000 s``;
 * the condition: DiT a random class label in ``[0, num_embeds_ada_norm)`` (never the null label);
@@ -32,7 +33,7 @@ from torch import nn
 
 from mhla_diffusers.models.families import family_of
 
-__all__ = ["GENERIC_PROMPTS", "calibration_inputs", "encode_calibration_prompts", "load_calibration_embeddings"]
+__all__ = ["GENERIC_PROMPTS", "calibration_inputs", "clip_timestep_range", "encode_calibration_prompts", "load_calibration_embeddings"]
 
 GENERIC_PROMPTS = (
     "a photograph of a cat sitting on a wooden windowsill in the afternoon sun",
@@ -149,6 +150,28 @@ def _condition(family, transformer, pipe, embeddings, prompts, num_samples, gene
     return [{key: t[i % rows: i % rows + 1] for key, t in embeddings.items()} for i in range(num_samples)]
 
 
+_TIMESTEPS = 1000  # the timestep scale of every family's forward (DDPM t in 0..999, flow 1000 sigma)
+
+
+def clip_timestep_range(timestep_range: Sequence[float] | None) -> tuple[float, float]:
+    """``timestep_range`` (``(low, high)``, ``None``: the whole process) clipped to ``[0, 1000]``, as
+    :func:`calibration_inputs` spreads its timesteps over it (and a selection record stores it).
+
+    Raises:
+        ValueError: not two numbers, or ``low >= high`` once clipped (no timestep in range).
+    """
+    if timestep_range is None:
+        return 0.0, float(_TIMESTEPS)
+    try:
+        low, high = (float(v) for v in timestep_range)
+    except (TypeError, ValueError):
+        raise ValueError(f"timestep_range must be (low, high), two numbers; got {timestep_range!r}") from None
+    low, high = max(low, 0.0), min(high, float(_TIMESTEPS))
+    if not low < high:  # NaN fails here too
+        raise ValueError(f"timestep_range {tuple(timestep_range)} holds no timestep of 0..{_TIMESTEPS}: give low < high")
+    return low, high
+
+
 def calibration_inputs(
     source,
     *,
@@ -157,6 +180,7 @@ def calibration_inputs(
     prompts: Sequence[str] | None = None,
     embeddings: Mapping[str, torch.Tensor] | str | os.PathLike | None = None,
     latent_size: Sequence[int] | None = None,
+    timestep_range: Sequence[float] | None = None,
 ) -> list[dict]:
     """Calibration inputs for :func:`~mhla_diffusers.layer_sensitivity` (see the module docstring).
 
@@ -170,6 +194,10 @@ def calibration_inputs(
             from :func:`encode_calibration_prompts`) instead of the text encoder.
         latent_size: the latent's spatial size ``(H, W)`` or, for video, ``(F, H, W)`` (latent frames);
             default the model's native size (Wan: 21 x 60 x 104; give a smaller one on a CPU).
+        timestep_range: ``(low, high)``: only timesteps ``low <= t < high`` (the transformer's ``timestep`` scale,
+            0..1000; clipped to it, infinite ends allowed), spread evenly over that range instead of the whole
+            process: a Wan 2.2 A14B expert runs only on its own range
+            (:func:`~mhla_diffusers.checkpoint.format.expert_timestep_range`); see :func:`clip_timestep_range`.
 
     Returns:
         ``[{"hidden_states": [1, C, (F,) H, W], "timestep": [1], "class_labels" [1] | "encoder_hidden_states"
@@ -177,7 +205,8 @@ def calibration_inputs(
         in its dtype.
 
     Raises:
-        ValueError: unsupported model, ``num_samples < 1``, a bad ``latent_size`` (not integers, or not a multiple of
+        ValueError: unsupported model, ``num_samples < 1``, a ``timestep_range`` holding no timestep of 0..1000,
+            a bad ``latent_size`` (not integers, or not a multiple of
             the patch size on every axis), a text-conditioned model
             without text encoder and without ``embeddings``, prompts / embeddings for a class-conditional one.
         FileNotFoundError: an embeddings file that does not exist.
@@ -202,12 +231,14 @@ def calibration_inputs(
                 f"latent_size {size} is not a multiple of the {family.name} model's patch size {patch} on every axis"
             )
         shape = (shape[0], *size)
+    low, high = clip_timestep_range(timestep_range)
     generator = torch.Generator().manual_seed(int(seed))
     conditions = _condition(family, transformer, pipe, embeddings, prompts, int(num_samples), generator)
     parameter = next(transformer.parameters())
     out = []
     for i, condition in enumerate(conditions):
-        latent, timestep = _noised(family, pipe, _smooth_latent(shape, generator), (i + 0.5) / num_samples, generator)
+        frac = (low + (i + 0.5) / num_samples * (high - low)) / _TIMESTEPS
+        latent, timestep = _noised(family, pipe, _smooth_latent(shape, generator), frac, generator)
         entry = {"hidden_states": latent, "timestep": timestep, **condition}
         out.append({
             k: v.to(parameter.device, parameter.dtype if v.is_floating_point() and k != "timestep" else v.dtype)

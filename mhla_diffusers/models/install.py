@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Iterable, Mapping, Sequence
 
 from torch import nn
@@ -165,6 +166,8 @@ def _auto_layers(transformer, num_layers, num_blocks, block_grid, normalize, *, 
     if sensitivity is None:
         select_auto([0.0] * num_layers, **budget)  # a request no ranking can meet fails before the measurement
         sensitivity = layer_sensitivity(transformer, calibration, num_blocks=num_blocks, block_grid=block_grid, normalize=normalize)
+    else:
+        _check_sensitivity_grid(transformer, sensitivity, num_blocks, block_grid)
     scores = scores_list(sensitivity, num_layers)
     chosen = select_auto(scores, **budget)
     record = {"method": "auto"}
@@ -178,6 +181,24 @@ def _auto_layers(transformer, num_layers, num_blocks, block_grid, normalize, *, 
     if isinstance(sensitivity, LayerSensitivity):
         record["sensitivity"] = dict(sensitivity.settings)
     return chosen, record
+
+
+def _check_sensitivity_grid(transformer, sensitivity, num_blocks, block_grid) -> None:
+    """Warn when precomputed scores (a :class:`~mhla_diffusers.models.sensitivity.LayerSensitivity`) were measured
+    at another block grid than the one these settings install: they rank the layers for that grid."""
+    measured = getattr(sensitivity, "settings", {}).get("block_grid")
+    if measured is None:
+        return
+    family = family_of(transformer)
+    grid = MHLAProcessor(num_blocks=num_blocks, block_grid=block_grid).resolve_block_grid(family.reference_grid(transformer.config), family)
+    if tuple(measured) != tuple(grid):
+        warnings.warn(
+            f"apply_mhla(layers='auto'): the sensitivity scores were measured with block grid {tuple(measured)} but this "
+            f"call installs block grid {tuple(grid)}: the ranking may differ; measure again with the installed grid "
+            f"(layer_sensitivity(..., num_blocks= / block_grid= as here)) or pass the grid the scores were measured at",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 _SELECTION = "_mhla_selection"  # transformer.__dict__ key: how apply_mhla(layers="auto") chose the layers

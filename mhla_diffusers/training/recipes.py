@@ -16,7 +16,13 @@ from diffusers import DDPMScheduler, DiTTransformer2DModel
 from diffusers.models.embeddings import LabelEmbedding
 
 from mhla_diffusers.autoencoder import SpaceToDepthAutoencoder
-from mhla_diffusers.checkpoint.format import load_mhla_pipeline, pipeline_transformers, save_mhla_pipeline, transformer_folder
+from mhla_diffusers.checkpoint.format import (
+    expert_timestep_range,
+    load_mhla_pipeline,
+    pipeline_transformers,
+    save_mhla_pipeline,
+    transformer_folder,
+)
 from mhla_diffusers.models.families import FAMILIES
 from mhla_diffusers.models.install import apply_mhla, is_mhla_model
 from mhla_diffusers.training.config import TRAINED_FAMILIES
@@ -264,10 +270,7 @@ def select_expert(pipe, expert: str | None, where="the pipeline") -> tuple[str, 
         expert = next(iter(present), "transformer")
     if expert not in present:
         raise ValueError(f"model.expert={expert}: {where} has no {expert} (it has {sorted(present) or 'none'})")
-    if len(present) == 1 or boundary_ratio is None:
-        return expert, None
-    boundary = float(boundary_ratio) * int(pipe.scheduler.config.get("num_train_timesteps", 1000))
-    return expert, ((boundary, float("inf")) if expert == "transformer" else (float("-inf"), boundary))
+    return expert, expert_timestep_range(pipe, expert)
 
 
 def _expert_folder(path, expert: str):
