@@ -68,6 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--distill-steps", type=int, default=30, help="label-free distillation steps per student")
     p.add_argument("--distill-lr", type=float, default=2e-4, help="distillation learning rate (fine-tuning: the config's)")
     p.add_argument("--finetune-steps", type=int, default=60, help="fine-tuning steps per student (data + output matching)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="MHLA blocks M at every size (default: 16 at 256 tokens, 64 at 1,024: sqrt(N) / 2)")
     p.add_argument("--keep-softmax", type=int, default=2, help="softmax layers kept by the hybrids (every third of 6 = 2)")
     p.add_argument("--calibration-samples", type=int, default=8, help="noised photo crops x 3 timesteps for layer_sensitivity")
     p.add_argument("--val-samples", type=int, default=128, help="held-out crops (fixed crops, noise, timesteps)")
@@ -97,7 +99,7 @@ def convert_variant(name: str, size: dict, out: Path, args) -> tuple[Path, dict 
         return size["base"], None, 0.0
     options = dict(VARIANTS[name])
     if "block_grid" not in options:
-        options["num_blocks"] = size["num_blocks"]
+        options["num_blocks"] = args.num_blocks or size["num_blocks"]
     if options["layers"] == "auto":
         pipe = load_mhla_pipeline(size["base"])
         options.update(keep_softmax=args.keep_softmax, calibration=calibration_batches(pipe, args.calibration_samples))
@@ -132,7 +134,7 @@ def study_size(tokens: str, args, out: Path) -> dict:
         pipe = load_mhla_pipeline(r["final_dir"])
         diag = None
         if not args.quick:
-            diag = diagnose_pipeline(pipe, num_samples=1, timesteps=(500,), num_blocks=size["num_blocks"])
+            diag = diagnose_pipeline(pipe, num_samples=1, timesteps=(500,), num_blocks=args.num_blocks or size["num_blocks"])
             plot_rank_entropy(diag["layers"], out / f"rank_entropy_{tokens}_{name}.png")
         t1 = time.perf_counter()
         images = generate_class_images(r["final_dir"], list(range(10)), steps=args.sample_steps, guidance_scale=4.0, seed=0, pipe=pipe)
