@@ -9,6 +9,7 @@ measured exchange bytes and what the formulas say. Usage: ``context_parallel_che
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -143,41 +144,42 @@ def shard_sizes_of(local: int, group) -> list[int]:
     return gather_size_by_comm(local, group)
 
 
+@contextlib.contextmanager
+def _padded_all_gather():
+    """diffusers' uneven output gather replaced by a padded one while inside (gloo's all_gather needs equal sizes)."""
+    from diffusers.hooks import context_parallel
+
+    original = context_parallel._all_gather_anything
+    context_parallel._all_gather_anything = _gloo_all_gather_anything
+    try:
+        yield
+    finally:
+        context_parallel._all_gather_anything = original
+
+
 def case_wan_uneven_numerator(world: int) -> dict:
     """Wan by apply_mhla, numerator only + output norm, 175 tokens (no degree divides them), ring_anything,
     gradient checkpointing (the exchange runs again in the recomputation)."""
-    from diffusers.hooks import context_parallel
-
     model = tiny_wan(num_layers=2, heads=2, head_dim=12)
     model.enable_gradient_checkpointing()
     mhla_diffusers.apply_mhla(model, layers="all", block_grid=(2, 2, 2), normalize=False)
     randomize_mixing_(model, low=0.0, high=1.0)
     inputs = wan_inputs(batch=1, frames=5, size=(10, 14))  # 5 x 5 x 7 = 175 tokens
-    original = context_parallel._all_gather_anything
-    context_parallel._all_gather_anything = _gloo_all_gather_anything
-    try:
+    with _padded_all_gather():
         return _compare(model, _wan_call(inputs), _config("ring", world, anything=True), train=True)
-    finally:
-        context_parallel._all_gather_anything = original
 
 
 def case_wan_uneven_ulysses(world: int) -> dict:
     """Wan by apply_mhla (normalised, RoPE), 175 tokens, ulysses_anything: MHLA per head after all-to-alls of
     uneven shards (6 heads: 2 and 3 divide them), the RoPE tables gathered once per forward; a training step
     with gradient checkpointing."""
-    from diffusers.hooks import context_parallel
-
     model = tiny_wan(num_layers=2, heads=6, head_dim=8)
     model.enable_gradient_checkpointing()
     mhla_diffusers.apply_mhla(model, layers="all", block_grid=(2, 2, 2))
     randomize_mixing_(model, low=0.0, high=1.0)
     inputs = wan_inputs(batch=2, frames=5, size=(10, 14))  # 5 x 5 x 7 = 175 tokens
-    original = context_parallel._all_gather_anything
-    context_parallel._all_gather_anything = _gloo_all_gather_anything
-    try:
+    with _padded_all_gather():
         return _compare(model, _wan_call(inputs), _config("ulysses", world, anything=True), train=True)
-    finally:
-        context_parallel._all_gather_anything = original
 
 
 def case_wan_indivisible_refused(world: int) -> dict:
