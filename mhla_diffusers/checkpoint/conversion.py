@@ -219,6 +219,28 @@ def _check_calibration_options(
         raise ValueError(f"{', '.join(given)} make calibration inputs; they do not apply with calibration= or sensitivity= given")
 
 
+def _check_request(src, out, family: str | None, layers, layers_2):
+    """The checks :func:`convert_checkpoint` makes before loading anything; returns ``layers`` (a list or a string).
+
+    Raises:
+        ValueError: no layer selected, ``out`` inside (or equal to) ``src``, an unknown family.
+    """
+    if not isinstance(layers, str):
+        layers = list(layers)
+    if (layers == "none" and layers_2 in (None, "none")) or (not isinstance(layers, str) and not layers):
+        raise ValueError(
+            f"no layers selected (layers={layers!r}): a conversion installs MHLA on at least one layer; "
+            "give 'all', 'hybrid' or a non-empty list of indices (layers='none' only beside a layers_2 of a Wan 2.2 "
+            "transformer_2)"
+        )
+    src_path, out_path = Path(src).resolve(), Path(out).resolve()
+    if Path(src).exists() and (src_path == out_path or src_path.is_relative_to(out_path)):
+        raise ValueError(f"--out {out} would replace the source {src}; write the converted checkpoint elsewhere")
+    if family is not None and family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
+    return layers
+
+
 def convert_checkpoint(
     src: str | os.PathLike,
     out: str | os.PathLike,
@@ -304,19 +326,7 @@ def convert_checkpoint(
         calibration_embeddings, calibration_latent_size, device,
     )
     device = _check_device(device)
-    if not isinstance(layers, str):
-        layers = list(layers)
-    if (layers == "none" and layers_2 in (None, "none")) or (not isinstance(layers, str) and not layers):
-        raise ValueError(
-            f"no layers selected (layers={layers!r}): a conversion installs MHLA on at least one layer; "
-            "give 'all', 'hybrid' or a non-empty list of indices (layers='none' only beside a layers_2 of a Wan 2.2 "
-            "transformer_2)"
-        )
-    src_path, out_path = Path(src).resolve(), Path(out).resolve()
-    if Path(src).exists() and (src_path == out_path or src_path.is_relative_to(out_path)):
-        raise ValueError(f"--out {out} would replace the source {src}; write the converted checkpoint elsewhere")
-    if family is not None and family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose one of {sorted(FAMILIES)}")
+    layers = _check_request(src, out, family, layers, layers_2)
     pipe, transformer = _load_source(str(src), torch_dtype, None if config is None else str(config), family)
     model = pipe.transformer if pipe is not None else transformer
     found = family_of(model if model is not None else pipe.transformer_2)
