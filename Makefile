@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo test margins bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,14 @@ demo: venv
 test: venv
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests
+
+# The tolerance audit: the suite once more, recording how close every float comparison comes to its
+# bound (tests/margins.py); MARGINS_LOG collects runs (other CPUs, OPENBLAS_CORETYPE=...), then merge them.
+MARGINS_LOG ?= margins.jsonl
+margins: venv
+	MHLA_MARGINS=$(abspath $(MARGINS_LOG)) PYTHONPYCACHEPREFIX=$(abspath .margins_pyc) \
+	  $(BIN)/python -m pytest -q -p no:cacheprovider -o enable_assertion_pass_hook=true tests
+	$(BIN)/python tests/margins.py $(MARGINS_LOG)
 
 bench: venv
 	$(BIN)/python benchmarks/bench_ops.py

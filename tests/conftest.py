@@ -21,3 +21,11 @@ torch.set_num_threads(1)
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+def pytest_configure(config):
+    # The tolerance audit (tests/margins.py, `make margins`): off unless MHLA_MARGINS names a log file.
+    if os.environ.get("MHLA_MARGINS"):
+        from margins import Plugin
+
+        config.pluginmanager.register(Plugin(os.environ["MHLA_MARGINS"]), "mhla-margins")
