@@ -9,7 +9,8 @@
   adapters: the model is then a plain diffusers model (plus MHLA) and saves as a converted
   checkpoint that :func:`mhla_diffusers.load_mhla_pipeline` reads. A model that still has peft
   layers must not be saved with ``save_pretrained`` (its ``base_layer`` keys are silently
-  re-initialised by ``from_pretrained``).
+  re-initialised by ``from_pretrained``); ``save_mhla_*`` refuse it, or write it merged with
+  ``merge_lora=True`` through :func:`lora_merged`, which leaves the model as it was.
 - :func:`save_lora` / :func:`load_lora` keep the adapter beside the checkpoint instead
   (``<pipeline>/transformer_lora/adapter_config.json`` + ``adapter_model.safetensors``, peft's
   format); ``load_mhla_pipeline`` / ``load_mhla_transformer`` apply an adapter found in that
@@ -21,10 +22,12 @@ Below the checkpoint format (``format.py`` imports this module; this module impo
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -37,6 +40,9 @@ __all__ = [
     "LORA_DIR_NAME",
     "add_lora",
     "has_lora",
+    "describe_lora",
+    "lora_is_fused",
+    "lora_merged",
     "lora_parameters",
     "mhla_parameters",
     "merge_lora_",
@@ -125,6 +131,69 @@ def _tuner_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def has_lora(model: nn.Module) -> bool:
     """Whether ``model`` has peft adapter layers."""
     return bool(_tuner_layers(model))
+
+
+def describe_lora(model: nn.Module) -> str | None:
+    """One phrase on the peft adapters of ``model`` for messages (``None`` without adapter layers): which
+    adapters, on how many layers (one named), and whether they are fused into the base weights, e.g.
+    ``"LoRA adapters ['default_0'] on 16 layers (blocks.0.attn1.to_q, ...), not fused"``."""
+    layers = _tuner_layers(model)
+    if not layers:
+        return None
+    adapters = sorted({a for _, layer in layers for a in layer.active_adapters})
+    merged = [bool(layer.merged) for _, layer in layers]
+    state = "fused into the weights" if all(merged) else "partly fused" if any(merged) else "not fused"
+    if any(layer.disable_adapters for _, layer in layers):
+        state += ", disabled"
+    return f"LoRA adapters {adapters} on {len(layers)} layers ({layers[0][0]}, ...), {state}"
+
+
+def lora_is_fused(model: nn.Module) -> bool:
+    """Whether every peft adapter layer of ``model`` has all its active adapters merged into its base
+    weights (diffusers' ``fuse_lora``); ``False`` without adapter layers."""
+    layers = _tuner_layers(model)
+    return bool(layers) and all(set(layer.active_adapters) <= set(layer.merged_adapters) for _, layer in layers)
+
+
+@contextlib.contextmanager
+def lora_merged(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, every peft adapter layer of ``model`` is replaced by its base layer holding the
+    merged weights (``W + scale * B A`` of the active adapters, peft's own merge), so that ``model.state_dict()``
+    and ``save_pretrained`` see a plain model computing what the adapted one computes. The model is
+    restored on exit, bit for bit: a layer fused already lends its base layer, any other is merged in a
+    copy (memory: one copy of each such base layer while the block runs).
+
+    Raises:
+        ValueError: adapters are disabled (the model computes the base weights: nothing to merge, say
+            which you mean), or peft's ``safe_merge`` finds a non-finite merged weight.
+    """
+    layers = _tuner_layers(model)
+    disabled = [name for name, layer in layers if layer.disable_adapters]
+    if disabled:
+        raise ValueError(
+            f"the LoRA adapters of {disabled[0]} (and {len(disabled) - 1} more layers) are disabled: the model computes "
+            "its base weights. Enable them (enable_lora()) to merge them, or remove them (unload_lora_weights()) to "
+            "save the base weights"
+        )
+    swapped, peft_loaded = [], model.__dict__.get("_hf_peft_config_loaded")
+    try:
+        if peft_loaded:  # transformers' save_pretrained would write the adapter alone
+            model._hf_peft_config_loaded = False
+        for name, layer in layers:
+            pending = [a for a in layer.active_adapters if a not in layer.merged_adapters]
+            if pending:
+                layer = copy.deepcopy(layer)
+                layer.merge(safe_merge=True, adapter_names=pending)
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            swapped.append((parent, child, parent._modules[child]))
+            parent._modules[child] = layer.get_base_layer()
+        yield model
+    finally:
+        for parent, child, original in reversed(swapped):
+            parent._modules[child] = original
+        if peft_loaded:
+            model._hf_peft_config_loaded = peft_loaded
 
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -45,7 +45,7 @@ from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffu
 from safetensors.torch import load_file
 
 from mhla_diffusers.checkpoint.conversion import _pipeline_around, _single_file_target
-from mhla_diffusers.checkpoint.format import save_mhla_pipeline, save_mhla_transformer
+from mhla_diffusers.checkpoint.format import check_loaded, save_mhla_pipeline, save_mhla_transformer
 from mhla_diffusers.models.families import family_of, self_attention_modules
 from mhla_diffusers.models.install import apply_mhla, mhla_spec
 
@@ -349,6 +349,7 @@ def load_authors_wan(
         AuthorsCheckpointError: see :func:`read_authors_state_dict`, :func:`split_authors_state_dict`,
             :func:`install_authors_mhla`; stock keys unknown, missing or mis-shaped for ``config``; a
             config of another model family.
+        MHLACheckpointError: a loaded model left tensors on the meta device (never returned so).
         FileNotFoundError: ``src`` or ``config`` does not exist.
     """
     name = "the state dict" if isinstance(src, Mapping) else str(src)
@@ -365,6 +366,7 @@ def load_authors_wan(
     dtype = torch_dtype or _storage_dtype(state)
     # the checked stock weights through diffusers' own single-file loader (its key mapping and dtype handling)
     model = cls.from_single_file(dict(stock), **load_kwargs, dtype=dtype)
+    check_loaded(model, name)  # never a model without values (the stock keys were checked above)
     install_authors_mhla(model, mhla, block_grid)
     model.register_to_config(**{NATIVE_SIZE_KEY: dict(AUTHORS_NATIVE_SIZE)})
     model.eval()

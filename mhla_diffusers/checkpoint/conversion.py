@@ -19,9 +19,13 @@ import torch
 from diffusers import DiffusionPipeline
 
 from mhla_diffusers.checkpoint.format import (
+    TRANSFORMER_COMPONENTS,
     MHLACheckpointError,
+    _check_base_weights,
+    _check_pipeline_loaded,
     _dtype_kwargs,
     _transformer_class,
+    check_loaded,
     expert_timestep_range,
     import_named_components,
     read_mhla_config,
@@ -154,6 +158,7 @@ def _pipeline_around(pipeline_folder, model, torch_dtype: torch.dtype | None):
     pipe = pipeline_class.from_pretrained(pipeline_folder, transformer=model, **_dtype_kwargs(dtypes or torch_dtype))
     if pipe.transformer is not model:  # never write the config's transformer in place of the converted one
         raise RuntimeError(f"diffusers did not take the converted transformer into the {type(pipe).__name__} of {pipeline_folder}")
+    _check_pipeline_loaded(pipe, pipeline_folder)
     return pipe
 
 
@@ -180,10 +185,17 @@ def _load_source(src: str, torch_dtype: torch.dtype | None, config: str | None =
             )
         if (path / "model_index.json").is_file():
             import_named_components(path)
+            for name in TRANSFORMER_COMPONENTS:
+                _check_base_weights(path / name)
             dtype = _pipeline_dtypes(path) if torch_dtype is None else torch_dtype
-            return DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(dtype)), None
+            pipe = DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(dtype))
+            _check_pipeline_loaded(pipe, path)
+            return pipe, None
+        _check_base_weights(folder)
         dtype = stored_dtype(folder) if torch_dtype is None else torch_dtype
-        return None, _transformer_class(folder).from_pretrained(folder, **_dtype_kwargs(dtype))
+        model = _transformer_class(folder).from_pretrained(folder, **_dtype_kwargs(dtype))
+        check_loaded(model, folder)
+        return None, model
     if not is_hub_id(src):
         raise FileNotFoundError(f"{src} does not exist (and does not look like a Hub id 'owner/name')")
     try:

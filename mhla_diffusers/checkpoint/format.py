@@ -25,11 +25,16 @@ Saving a model that runs :class:`~mhla_diffusers.MHLAProcessor` on self-attentio
 mixing matrices are not created yet (the bare one-liner ``model.set_attn_processor(MHLAProcessor())``
 before its first forward) creates them first, as that forward would: the checkpoint is always the
 MHLA model, never silently the stock one. A pipeline's ``id2label`` (DiT class names), which
-diffusers' ``save_pretrained`` drops, is written into ``model_index.json``.
+diffusers' ``save_pretrained`` drops, is written into ``model_index.json``. A model with peft adapter
+layers (LoRA, fused or not) is refused before anything is written, the message naming the fix, unless
+``merge_lora=True`` (written merged; the model is left as it is). Layers that keep a mixing matrix
+but run another processor are saved as they compute (stock), with a warning.
 
 Loading: the base ``from_pretrained``, ``apply_mhla`` from the config, then the MHLA weights
 strictly: a missing file, unknown, missing or mis-shaped key is an error, never a silent
-re-initialisation (CASES C14). Only safetensors is read; nothing is unpickled. Writes go to a
+re-initialisation (CASES C14). Base weights with peft-wrapped keys (``to_q.base_layer.weight``) are
+refused before loading, and no loader returns a model with tensors on the meta device
+(:func:`check_loaded`). Only safetensors is read; nothing is unpickled. Writes go to a
 temporary folder beside the target that is renamed into place when complete.
 
 A stock load is never silent: diffusers' own ``from_pretrained`` of a converted folder gives the
@@ -53,6 +58,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Iterator
@@ -67,10 +73,18 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import mhla_diffusers
-from mhla_diffusers.checkpoint.adapter import load_lora
+from mhla_diffusers.checkpoint.adapter import describe_lora, has_lora, load_lora, lora_is_fused, lora_merged
 from mhla_diffusers.checkpoint.io import atomic_directory
 from mhla_diffusers.models.families import FAMILIES, family_of, self_attention_modules
-from mhla_diffusers.models.install import apply_mhla, materialize_mhla, mhla_spec, pending_mhla_layers, record_selection
+from mhla_diffusers.models.install import (
+    apply_mhla,
+    idle_mhla_layers,
+    materialize_mhla,
+    mhla_spec,
+    pending_mhla_layers,
+    record_selection,
+)
+from mhla_diffusers.models.processor import MHLAProcessor
 from mhla_diffusers.models.provenance import (
     LOADING_CONVERTED,
     MHLA_CONFIG_NAME,
@@ -93,6 +107,7 @@ __all__ = [
     "pipeline_transformers",
     "TRANSFORMER_COMPONENTS",
     "transformer_folder",
+    "check_loaded",
     "CONFIG_MARKER_KEY",
     "converted_source",
     "warn_if_stock_loaded",
@@ -123,10 +138,12 @@ def _without_mixing(model: nn.Module) -> Iterator[dict[tuple[str, str], nn.Modul
 
 
 def _mhla_parameters(transformer: nn.Module) -> dict[str, torch.Tensor]:
-    """``{state-dict key: tensor}`` of every MHLA parameter / buffer of the self-attention layers:
-    ``<attention path>.<mhla_* submodule>.<name>`` (e.g. ``blocks.1.attn1.mhla_mixing.weight``)."""
+    """``{state-dict key: tensor}`` of every MHLA parameter / buffer of the self-attention layers that run
+    MHLA: ``<attention path>.<mhla_* submodule>.<name>`` (e.g. ``blocks.1.attn1.mhla_mixing.weight``)."""
     out = {}
     for name, attn in self_attention_modules(transformer):
+        if not isinstance(getattr(attn, "processor", None), MHLAProcessor):
+            continue  # idle matrices (the layer runs another processor) are not part of the model it computes
         for child, sub in attn._modules.items():
             if child.startswith("mhla_") and sub is not None:
                 for key, tensor in sub.state_dict(keep_vars=True).items():
@@ -193,6 +210,76 @@ def _write_mhla_files(transformer: nn.Module, folder: Path) -> None:
     save_file(tensors, str(folder / MHLA_WEIGHTS_NAME), metadata=metadata)
     config["weights_sha256"] = _sha256(folder / MHLA_WEIGHTS_NAME)
     (folder / MHLA_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+
+
+# -- what a save refuses or leaves out ---------------------------------------------------------------
+def _lora_fixes(model: nn.Module, ref: str, pipe=None, component: str | None = None) -> tuple[str, str | None]:
+    """``(keep, drop)``: the calls that leave ``model`` without peft layers, keeping the LoRA in its
+    weights or dropping it (``None`` where no call does it); ``ref`` names the model in them."""
+    fused = lora_is_fused(model)
+    if pipe is not None and hasattr(pipe, "unload_lora_weights") and component in getattr(pipe, "_lora_loadable_modules", ()):
+        fuse, unfuse, unload = "pipe.fuse_lora()", "pipe.unfuse_lora()", "pipe.unload_lora_weights()"
+    elif hasattr(model, "fuse_lora") and hasattr(model, "unload_lora"):  # diffusers' PeftAdapterMixin (SANA, Wan)
+        fuse, unfuse, unload = f"{ref}.fuse_lora()", f"{ref}.unfuse_lora()", f"{ref}.unload_lora()"
+    else:  # DiT (peft.inject_adapter_in_model), text encoders: the functions of mhla_diffusers.checkpoint.lora
+        merge, unload = (f"mhla_diffusers.checkpoint.lora.{f}({ref})" for f in ("merge_lora_", "unload_lora_"))
+        return (f"{unload} (the fused weights stay)", None) if fused else (merge, unload)
+    if fused:
+        return f"{unload} (the fused weights stay)", f"{unfuse} then {unload}"
+    return f"{fuse} then {unload}", unload
+
+
+def _check_saveable(models: dict[str, nn.Module], pipe=None, merge_lora: bool = False) -> None:
+    """Refuse, before anything is written, a model that carries peft adapters (unless ``merge_lora``);
+    warn about MHLA matrices a checkpoint leaves out (:func:`~mhla_diffusers.models.install.idle_mhla_layers`).
+
+    Args:
+        models: ``{component name: model}`` (one transformer, or every module of a pipeline).
+
+    Raises:
+        MHLACheckpointError: a model has LoRA adapters and ``merge_lora`` is False.
+    """
+    for name, model in models.items():
+        if merge_lora or not has_lora(model):  # merge_lora: merged by _merged_adapters
+            continue
+        ref = name if pipe is None else f"pipe.{name}"
+        keep, drop = _lora_fixes(model, ref, pipe, name)
+        raise MHLACheckpointError(
+            f"{ref} carries {describe_lora(model)}: saved as it is, it would write peft-wrapped keys "
+            "(to_q.base_layer.weight, to_q.lora_A.<adapter>.weight) that no loader restores; nothing was written. "
+            f"To save the LoRA in the weights: {keep}, or pass merge_lora=True (the model itself stays as it is)"
+            + (f"; to save without it: {drop}" if drop else "")
+        )
+    for name, model in models.items():
+        idle = idle_mhla_layers(model)
+        if idle:
+            warnings.warn(
+                f"{name}: the layers {sorted(idle)} keep MHLA mixing matrices but run {sorted(set(idle.values()))} "
+                "(set_attn_processor replaced MHLAProcessor), so they compute the stock attention: the checkpoint "
+                "holds the model as it computes, without those matrices. To save them, give those layers "
+                "MHLAProcessor back (set_attn_processor(MHLAProcessor())); to drop them, mhla_diffusers.remove_mhla",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
+@contextlib.contextmanager
+def _merged_adapters(models: dict[str, nn.Module], merge_lora: bool) -> Iterator[None]:
+    """With ``merge_lora``, every model with peft adapters is seen merged inside the block
+    (:func:`~mhla_diffusers.checkpoint.adapter.lora_merged`); unchanged afterwards.
+
+    Raises:
+        MHLACheckpointError: on entering the block (before anything is written), when adapters are
+            disabled or a merged weight is not finite.
+    """
+    with contextlib.ExitStack() as stack:
+        for name, model in models.items():
+            if merge_lora and has_lora(model):
+                try:
+                    stack.enter_context(lora_merged(model))
+                except ValueError as err:
+                    raise MHLACheckpointError(f"{name}: cannot save with merge_lora=True: {err}; nothing was written") from err
+        yield
 
 
 # -- what a stock load of a converted folder says ---------------------------------------------------
@@ -335,19 +422,28 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def save_mhla_transformer(transformer: nn.Module, out_dir: str | os.PathLike, *, overwrite: bool = False, **save_kwargs) -> Path:
+def save_mhla_transformer(
+    transformer: nn.Module, out_dir: str | os.PathLike, *, overwrite: bool = False, merge_lora: bool = False, **save_kwargs
+) -> Path:
     """Write ``transformer`` as a converted checkpoint folder (atomic). A model without MHLA is
     written as a plain diffusers folder. Extra keyword arguments go to ``save_pretrained``.
 
     Layers that run :class:`~mhla_diffusers.MHLAProcessor` without a mixing matrix yet (the bare
-    one-liner before any forward) get it now, as their first forward would.
+    one-liner before any forward) get it now, as their first forward would. Layers that keep a
+    mixing matrix but run another processor are written as they compute, stock (with a warning).
+
+    A model with peft adapters (``add_adapter``, ``load_lora_weights``, fused or not) is refused:
+    its peft-wrapped keys would load as missing weights. ``merge_lora=True`` writes the adapters
+    merged into the weights instead (the model itself is left as it is).
 
     Raises:
-        MHLACheckpointError: such matrices cannot be created (nothing is written).
+        MHLACheckpointError: such matrices cannot be created; the model has LoRA adapters and not
+            ``merge_lora`` (nothing is written; the message names the calls that fix it).
         ValueError: the MHLA layers disagree on settings (one config holds one setting).
     """
+    _check_saveable({"transformer": transformer}, merge_lora=merge_lora)
     _prepare_for_saving(transformer)
-    with atomic_directory(out_dir, overwrite) as tmp:
+    with _merged_adapters({"transformer": transformer}, merge_lora), atomic_directory(out_dir, overwrite) as tmp:
         with _without_mixing(transformer):
             transformer.save_pretrained(tmp, **save_kwargs)
         _write_mhla_files(transformer, tmp)
@@ -381,16 +477,22 @@ def expert_timestep_range(pipe, expert: str) -> tuple[float, float] | None:
     return (boundary, float("inf")) if expert == "transformer" else (float("-inf"), boundary)
 
 
-def save_mhla_pipeline(pipe, out_dir: str | os.PathLike, *, overwrite: bool = False, **save_kwargs) -> Path:
+def save_mhla_pipeline(
+    pipe, out_dir: str | os.PathLike, *, overwrite: bool = False, merge_lora: bool = False, **save_kwargs
+) -> Path:
     """Write a diffusers pipeline whose transformers may have MHLA (atomic); the MHLA files of each go into
     its own folder (``<out_dir>/transformer/``, and ``<out_dir>/transformer_2/`` for Wan 2.2's second expert,
     each with its own layers and settings). The pipeline's ``id2label`` (DiT class names), which
     diffusers' ``save_pretrained`` leaves out unless registered in ``pipe.config``, is written
-    into ``model_index.json`` (see :func:`_pipeline_id2label`). Raises as :func:`save_mhla_transformer`."""
+    into ``model_index.json`` (see :func:`_pipeline_id2label`). A component with peft adapters
+    (``pipe.load_lora_weights``, fused or not) is refused unless ``merge_lora=True``, as in
+    :func:`save_mhla_transformer`, whose errors this raises."""
     transformers = pipeline_transformers(pipe)
+    modules = {name: c for name, c in getattr(pipe, "components", {}).items() if isinstance(c, nn.Module)}
+    _check_saveable({**modules, **transformers}, pipe=pipe, merge_lora=merge_lora)
     for model in transformers.values():
         _prepare_for_saving(model)
-    with atomic_directory(out_dir, overwrite) as tmp:
+    with _merged_adapters({**modules, **transformers}, merge_lora), atomic_directory(out_dir, overwrite) as tmp:
         with contextlib.ExitStack() as stack:
             for model in transformers.values():
                 stack.enter_context(_without_mixing(model))
@@ -563,6 +665,73 @@ def _mhla_keys_in_base(folder: Path) -> list[str]:
     return found
 
 
+# A key of a model saved with peft layers in it: "<module>.base_layer.weight", "<module>.lora_A.<adapter>.weight".
+_PEFT_KEY = re.compile(r"\.(base_layer|lora_A|lora_B|lora_magnitude_vector)\.")
+_BASE_WEIGHTS = "diffusion_pytorch_model*"
+
+
+def _check_base_weights(folder: Path) -> None:
+    """Refuse a transformer folder whose base weights hold peft-wrapped keys (headers only, before loading):
+    diffusers would load the layers under them without weights (meta tensors or a fresh init).
+
+    Raises:
+        MHLACheckpointError: naming the file, a key and the fix.
+    """
+    for file in sorted(folder.glob(f"{_BASE_WEIGHTS}.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                wrapped = [key for key in f.keys() if _PEFT_KEY.search(key)]
+        except Exception:  # unreadable base weights: diffusers' own loader reports them
+            continue
+        if wrapped:
+            raise MHLACheckpointError(
+                f"{file} holds peft-wrapped keys ({wrapped[0]}, ... {len(wrapped)} in all): it was saved from a model "
+                "that still had LoRA adapters, and the layers under them would load without weights. Save the model "
+                "again from memory without peft layers (fuse_lora() then unload_lora_weights() keeps the LoRA in the "
+                "weights; unload_lora_weights() drops it), or with save_mhla_pipeline(..., merge_lora=True)"
+            )
+
+
+def _meta_tensors(model: nn.Module) -> list[str]:
+    """Names of the parameters and buffers of ``model`` on the meta device (no values), outside modules whose
+    weights accelerate's offload hooks (``_hf_hook``, ``device_map`` / sequential offload) hold elsewhere."""
+    offloaded = [f"{name}." if name else "" for name, m in model.named_modules() if hasattr(m, "_hf_hook")]
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    return [name for name, t in tensors if t.is_meta and not any(name.startswith(p) for p in offloaded)]
+
+
+def check_loaded(model: nn.Module, source: str | os.PathLike) -> None:
+    """Make sure a loaded model holds values everywhere: no parameter or buffer on the meta device (where
+    diffusers leaves weights whose keys its file lacks), except under accelerate's offload hooks.
+
+    Args:
+        source: the folder or file the model was loaded from (named in the error).
+
+    Raises:
+        MHLACheckpointError: naming ``source``'s weights file(s), how many tensors and which.
+    """
+    names = _meta_tensors(model)
+    if not names:
+        return
+    path = Path(source)
+    weights = path.iterdir() if path.is_dir() else ()
+    files = sorted(f for f in weights if f.suffix in (".safetensors", ".bin") and f.name != MHLA_WEIGHTS_NAME)
+    where = ", ".join(str(f) for f in files) or str(source)
+    raise MHLACheckpointError(
+        f"{where} left {len(names)} tensors of {type(model).__name__} without values (on the meta device: "
+        f"{names[:5]}{', ...' if len(names) > 5 else ''}): the file lacks their keys, and the model would fail at its "
+        "first forward. Save the model again from a complete copy (mhla_diffusers.save_mhla_pipeline / "
+        "save_mhla_transformer)"
+    )
+
+
+def _check_pipeline_loaded(pipe, path: str | os.PathLike) -> None:
+    """:func:`check_loaded` on every model of a pipeline loaded from the folder ``path`` (or a Hub id)."""
+    for name, component in getattr(pipe, "components", {}).items():
+        if isinstance(component, nn.Module):
+            check_loaded(component, Path(path) / name)
+
+
 def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike, expected_sha256: str | None = None) -> None:
     """Load ``mhla.safetensors`` from ``folder`` into a model with MHLA installed, strictly.
 
@@ -571,7 +740,7 @@ def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike, expecte
 
     Raises:
         MHLACheckpointError: file missing or corrupted (digest mismatch included), keys missing or
-            unexpected, shapes differ, non-finite values.
+            unexpected, shapes differ, non-finite values; the model's MHLA parameters on the meta device.
     """
     path = Path(folder) / MHLA_WEIGHTS_NAME
     if not path.is_file():
@@ -581,6 +750,12 @@ def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike, expecte
     except (SafetensorError, OSError, ValueError) as err:
         raise MHLACheckpointError(f"{path} is corrupted or not a safetensors file: {err}") from err
     params = _mhla_parameters(transformer)
+    meta = [key for key, param in params.items() if param.is_meta]
+    if meta:  # copy_ into a meta tensor is a no-op: the model would keep no values
+        raise MHLACheckpointError(
+            f"{path}: the model's {meta[0]} (and {len(meta) - 1} more) are on the meta device, so the weights cannot be "
+            "loaded into them: its base weights did not load (see mhla_diffusers.checkpoint.format.check_loaded)"
+        )
     missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
     if missing or unexpected:
         raise MHLACheckpointError(f"{path} does not match the model: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
@@ -726,13 +901,17 @@ def load_mhla_transformer(
 
     Raises:
         FileNotFoundError: no checkpoint at ``path`` (or no adapter at an explicit ``lora`` path).
-        MHLACheckpointError: see :func:`read_mhla_config` and :func:`load_mhla_weights`.
+        MHLACheckpointError: see :func:`read_mhla_config` and :func:`load_mhla_weights`; base weights
+            with peft-wrapped keys (saved with LoRA layers in the model) or that leave tensors on the
+            meta device (:func:`check_loaded`): never a model without values.
         ValueError: an adapter whose keys do not match the model.
     """
     folder = transformer_folder(path)
     config = read_mhla_config(folder)
+    _check_base_weights(folder)
     with _loading_converted():
         model = _transformer_class(folder).from_pretrained(folder, **_dtype_kwargs(torch_dtype), **kwargs)
+        check_loaded(model, folder)
         _forget_marker(model)
         if config is not None:
             _install_from_config(model, config, folder)
@@ -778,8 +957,11 @@ def load_mhla_pipeline(
     if not configs:
         transformer_folder(path)  # raises FileNotFoundError: a pipeline folder without a transformer
     import_named_components(path)
+    for name in configs:
+        _check_base_weights(path / name)
     with _loading_converted():
         pipe = DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(torch_dtype), **kwargs)
+        _check_pipeline_loaded(pipe, path)
         _register_id2label(pipe, path)
         for name, model in pipeline_transformers(pipe).items():
             _forget_marker(model)

@@ -29,6 +29,7 @@ __all__ = [
     "set_attn_processor",
     "attention_modules",
     "is_mhla_model",
+    "idle_mhla_layers",
     "mhla_spec",
     "pending_mhla_layers",
     "materialize_mhla",
@@ -133,6 +134,13 @@ def apply_mhla(
             )
     already = [modules[i][0] for i in chosen if getattr(modules[i][1], "mhla_mixing", None) is not None]
     if already:
+        idle = idle_mhla_layers(transformer)
+        if set(already) <= set(idle):
+            raise ValueError(
+                f"{already} keep the mixing matrices of an earlier MHLA install but run {sorted(set(idle.values()))} "
+                "(set by set_attn_processor): call mhla_diffusers.remove_mhla(transformer) first to install MHLA "
+                "afresh, or set_attn_processor(MHLAProcessor()) to run those matrices again"
+            )
         raise ValueError(f"MHLA is already installed on {already}; call mhla_diffusers.remove_mhla(transformer) first")
     warn_fresh_mixing(transformer)
     names = []
@@ -332,12 +340,34 @@ def set_attn_processor(model: nn.Module, processor) -> None:
 
 
 def is_mhla_model(model: nn.Module) -> bool:
-    """Whether any attention layer of ``model`` has MHLA installed: a mixing matrix, or an
-    :class:`MHLAProcessor` on a self-attention layer of a supported transformer whose matrix is
-    created at its first forward (the bare one-liner ``model.set_attn_processor(MHLAProcessor())``)."""
-    if any(getattr(attn, "mhla_mixing", None) is not None for attn in attention_modules(model).values()):
+    """Whether any attention layer of ``model`` runs MHLA: an :class:`MHLAProcessor` with its mixing
+    matrix, or one on a self-attention layer of a supported transformer whose matrix is created at its
+    first forward (the bare one-liner ``model.set_attn_processor(MHLAProcessor())``).
+
+    Layers that keep a mixing matrix but run another processor (diffusers' own
+    ``set_attn_processor(<stock processor>)`` after MHLA, see :func:`idle_mhla_layers`) do not count: a
+    model whose layers all run stock processors is a stock model."""
+    if any(_runs_mhla(attn) for attn in attention_modules(model).values()):
         return True
     return bool(pending_mhla_layers(model))
+
+
+def _runs_mhla(attn: nn.Module) -> bool:
+    return isinstance(getattr(attn, "processor", None), MHLAProcessor) and getattr(attn, "mhla_mixing", None) is not None
+
+
+def idle_mhla_layers(model: nn.Module) -> dict[str, str]:
+    """``{attention path: processor class name}`` of the layers that keep MHLA parameters (a mixing
+    matrix, an output norm) but run another processor, e.g. after diffusers' own
+    ``model.set_attn_processor(<stock processor>)``: those layers compute the stock attention, and
+    neither :func:`is_mhla_model` nor :func:`mhla_spec` (so no saved checkpoint) counts them. Their
+    matrices stay on the model: ``set_attn_processor(MHLAProcessor())`` runs them again,
+    :func:`remove_mhla` drops them."""
+    return {
+        key[: -len(".processor")]: type(attn.processor).__name__
+        for key, attn in attention_modules(model).items()
+        if any(name.startswith("mhla_") for name in attn._modules) and not isinstance(attn.processor, MHLAProcessor)
+    }
 
 
 def mhla_spec(transformer: nn.Module) -> dict | None:
@@ -352,7 +382,8 @@ def mhla_spec(transformer: nn.Module) -> dict | None:
     fraction reached, "softmax_layers", "scores": one per layer, "sensitivity": how they were measured}``.
     Self-attention layers that run an :class:`MHLAProcessor` whose mixing matrix is not created yet
     (the bare one-liner before its first forward) count as MHLA layers, with the block grid and
-    output norm their first forward would give them (see :func:`materialize_mhla`).
+    output norm their first forward would give them (see :func:`materialize_mhla`); layers that
+    keep a mixing matrix but run another processor (:func:`idle_mhla_layers`) do not.
 
     Raises:
         ValueError: when the MHLA layers disagree on settings (not representable in one config), or a
@@ -363,7 +394,7 @@ def mhla_spec(transformer: nn.Module) -> dict | None:
     modules = self_attention_modules(transformer, family)
     layers, specs = [], set()
     reference = None
-    for i, (name, attn) in enumerate(modules):
+    for i, (_, attn) in enumerate(modules):
         mixing = getattr(attn, "mhla_mixing", None)
         proc = getattr(attn, "processor", None)
         if mixing is None:
@@ -375,7 +406,7 @@ def mhla_spec(transformer: nn.Module) -> dict | None:
             output_norm = getattr(attn, "mhla_output_norm", None) is not None or proc.resolve_output_norm(family)
         else:
             if not isinstance(proc, MHLAProcessor):
-                raise ValueError(f"{name} has a mixing matrix but its processor is {type(proc).__name__}, not MHLAProcessor")
+                continue  # runs another processor: its matrix is idle, the layer computes that processor's attention
             reference = reference or family.reference_grid(transformer.config)
             proc.check_layer(attn, reference, family)  # a processor whose explicit spec the matrix contradicts
             block_grid = mixing.block_grid
