@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Retrofit a pretrained diffusers checkpoint with MHLA.
+r"""Retrofit a pretrained diffusers checkpoint with MHLA.
 
     python conversion/convert.py --family dit --src facebook/DiT-XL-2-256 --out dit-mhla --layers hybrid
     python conversion/convert.py --family dit --src demo/base_dit --out /tmp/dit-mhla --num-blocks 16
@@ -24,9 +24,11 @@ scored on calibration at its own timesteps (transformer: t >= boundary_ratio x 1
 --from authors imports the authors' released Wan MHLA weights (DAGroup-PKU/MHLA): layers, blocks,
 normaliser, feature epsilon, output norm are theirs, read from the file (mhla_diffusers.checkpoint.authors);
 --layers, --num-blocks, --no-normalize, --output-norm and --eps do not apply there.
+Their DDP training checkpoint (.pth, numpy RNG state beside the weights) is read with torch.load(weights_only=True).
 
 Writes the base checkpoint + transformer/mhla_config.json + transformer/mhla.safetensors
-(see mhla_diffusers.checkpoint.format). Exit code 2 for bad input, 3 if the source is already converted.
+(see mhla_diffusers.checkpoint.format). Exit code 2 for bad input (a damaged or truncated source file included),
+3 if the source is already converted.
 --layers auto scores every self-attention layer (mhla_diffusers.layer_sensitivity) on calibration inputs made
 offline from the source (DiT: random class labels; SANA / Wan: generic prompts through the pipeline's own text
 encoder, or --calibration-embeddings) and records the selection and the scores in mhla_config.json; --device cuda
@@ -108,7 +110,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--config",
         default=None,
-        help="single-file --src only: local diffusers pipeline folder (writes a pipeline), transformer folder, or Hub id",
+        help="a single-file --src, and --from authors (required there): the diffusers config to read it with, a local "
+        "pipeline folder (writes a pipeline), transformer folder, or Hub id; not for a diffusers folder or Hub id --src",
     )
     parser.add_argument("--out", required=True, help="output folder (must not exist, or be empty)")
     parser.add_argument(

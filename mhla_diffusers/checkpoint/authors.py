@@ -37,15 +37,23 @@ from __future__ import annotations
 
 import os
 import re
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from mhla_diffusers.checkpoint.conversion import _pipeline_around, _single_file_target
-from mhla_diffusers.checkpoint.format import check_loaded, save_mhla_pipeline, save_mhla_transformer
+from mhla_diffusers.checkpoint.conversion import _load_failure, _pipeline_around, _single_file_target
+from mhla_diffusers.checkpoint.format import (
+    MHLACheckpointError,
+    check_loaded,
+    read_safetensors_header,
+    save_mhla_pipeline,
+    save_mhla_transformer,
+)
 from mhla_diffusers.models.families import family_of, self_attention_modules
 from mhla_diffusers.models.install import apply_mhla, mhla_spec
 
@@ -90,35 +98,100 @@ def _listed(keys) -> str:
 def read_authors_state_dict(path: str | os.PathLike, state_dict_key: str | None = None) -> dict[str, torch.Tensor]:
     """The flat ``{key: tensor}`` state dict of the authors' checkpoint file, in their key names.
 
-    Reads ``.safetensors`` or a pickled ``.pth`` / ``.pt`` / ``.bin`` / ``.ckpt`` with
-    ``torch.load(weights_only=True)`` (nothing else is unpickled). A training checkpoint nesting the
-    weights (their trainer writes ``{"state_dict": ..., "state_dict_ema": ..., "optimizer": ...}``) is
-    unwrapped: ``state_dict_key`` names the entry to use; without it the one entry that is a dict of
-    tensors is taken. A prefix every key carries (``module.``, ``model.``, ``_orig_mod.``, ...) is removed.
-    Tensors keep their stored dtype (bfloat16 or float32).
+    Reads ``.safetensors`` (its header checked first, :func:`~mhla_diffusers.checkpoint.format.read_safetensors_header`)
+    or a pickled ``.pth`` / ``.pt`` / ``.bin`` / ``.ckpt`` with ``torch.load(weights_only=True)``: tensors,
+    containers and plain values only, plus, for this call alone, the numpy types of ``np.random.get_state()``
+    that their DDP training checkpoint pickles beside the weights (:func:`_torch_load_weights`); nothing else is
+    unpickled. A training checkpoint nesting the weights (their trainer writes ``{"state_dict": ...,
+    "state_dict_ema": ..., "optimizer": ..., "rng_state": ...}``) is unwrapped: ``state_dict_key`` names the
+    entry to use; without it the one entry that is a dict of tensors is taken. A prefix every key carries
+    (``module.``, ``model.``, ``_orig_mod.``, ...) is removed. Tensors keep their stored dtype (bfloat16 or float32).
 
     Raises:
         FileNotFoundError: no such file.
-        AuthorsCheckpointError: an unknown suffix, a file ``weights_only`` loading refuses, no dict of
+        AuthorsCheckpointError: an unknown suffix, a damaged or truncated file, a pickle holding objects
+            ``weights_only`` loading refuses (the message says how to extract the state dict), no dict of
             tensors, several candidate entries without ``state_dict_key``, or a ``state_dict_key`` it lacks.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
     if path.suffix == ".safetensors":
-        obj = load_file(str(path))
+        obj = _load_safetensors(path)
     elif path.suffix in (".pth", ".pt", ".bin", ".ckpt"):
-        try:
-            obj = torch.load(str(path), map_location="cpu", weights_only=True)
-        except Exception as err:  # pickled objects weights_only refuses (e.g. a numpy RNG state), or a damaged file
-            raise AuthorsCheckpointError(
-                f"{path} could not be read with torch.load(weights_only=True) ({type(err).__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else ''}); nothing else is unpickled. Save the model's "
-                "state dict alone (torch.save(ckpt['state_dict'], ...) or safetensors) and import that file"
-            ) from err
+        obj = _torch_load_weights(path)
     else:
         raise AuthorsCheckpointError(f"{path}: expected a .safetensors, .pth, .pt, .bin or .ckpt file")
     return _strip_wrapper_prefix(_unwrap(obj, state_dict_key, path))
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        read_safetensors_header(path)
+        return load_file(str(path))
+    except MHLACheckpointError as err:
+        raise AuthorsCheckpointError(str(err)) from err
+    except SafetensorError as err:
+        raise AuthorsCheckpointError(f"{path} is not a readable safetensors file: {err}") from err
+
+
+def _numpy_rng_globals() -> list:
+    """The numpy globals ``torch.load(weights_only=True)`` needs for ``np.random.get_state()`` (a tuple holding a
+    uint32 ndarray): the array rebuild function (under its numpy 2 and numpy 1 module names), ``ndarray``,
+    ``dtype`` and the uint32 dtype class."""
+    import numpy as np
+
+    reconstruct = np.empty(0).__reduce__()[0]  # numpy._core.multiarray._reconstruct (numpy.core.* in numpy 1)
+    names = {f"{module}.multiarray._reconstruct" for module in ("numpy._core", "numpy.core")}
+    return [np.ndarray, np.dtype, type(np.dtype(np.uint32)), *((reconstruct, name) for name in sorted(names))]
+
+
+_EXTRACT = (
+    "If you trust the file, save the state dict alone and import that file: ckpt = torch.load(path, weights_only=False); "
+    "torch.save(ckpt['state_dict'], 'model.pth') (the entry holding the weights)"
+)
+
+
+def _torch_load_weights(path: str | os.PathLike):
+    """``torch.load(path, map_location="cpu", weights_only=True)`` with the numpy types of a numpy RNG state
+    (:func:`_numpy_rng_globals`) allowed for this call only: torch's allow-list is as before afterwards.
+
+    Returns:
+        The loaded object (tensors, containers, plain values, numpy RNG state arrays).
+
+    Raises:
+        AuthorsCheckpointError: a damaged, truncated or foreign file, or a pickle holding other objects (naming
+            them and saying how to extract the state dict); nothing else is unpickled, no pickled code runs.
+    """
+    path = Path(path)
+    ours = [g for g in _numpy_rng_globals() if g not in torch.serialization.get_safe_globals()]
+    try:
+        with torch.serialization.safe_globals(ours):
+            return torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as err:
+        reason = _load_failure(err)
+        built = re.search(r"but got <class '([^']+)'>", reason)  # weights_only refusing to build an allowed global's type
+        reason = built.group(1) if built else reason
+        refused = _refused_globals(path, ours) if "weights only" in str(err).lower() else None
+        if refused or built or "GLOBAL" in reason:
+            raise AuthorsCheckpointError(
+                f"{path} holds pickled objects that torch.load(weights_only=True) does not load "
+                f"({', '.join(refused) if refused else reason}); nothing else is unpickled. {_EXTRACT}"
+            ) from err
+        raise AuthorsCheckpointError(
+            f"{path} is not a readable torch checkpoint ({reason}): the file is damaged, truncated or of another format"
+        ) from err
+
+
+def _refused_globals(path: Path, allowed: list) -> list[str] | None:
+    """The globals of a zip-format checkpoint that ``weights_only`` does not allow (``None``: not such a file)."""
+    if not zipfile.is_zipfile(path):
+        return None
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    except Exception:  # a damaged archive: reported as such by the caller
+        return None
 
 
 def _is_tensor_dict(obj) -> bool:

@@ -8,9 +8,9 @@ read by diffusers' ``from_single_file`` with a diffusers ``config``.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
-import struct
+import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -29,6 +29,7 @@ from mhla_diffusers.checkpoint.format import (
     expert_timestep_range,
     import_named_components,
     read_mhla_config,
+    read_safetensors_header,
     save_mhla_pipeline,
     save_mhla_transformer,
     transformer_folder,
@@ -55,13 +56,16 @@ def stored_dtype(path: str | os.PathLike) -> torch.dtype | None:
 
     diffusers and transformers load weights as float32 unless told otherwise, so converting "in the
     stored dtype" needs this.
+
+    Raises:
+        MHLACheckpointError: a file that is not a readable safetensors file (see
+            :func:`~mhla_diffusers.checkpoint.format.read_safetensors_header`).
     """
     path = Path(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path] if path.suffix == ".safetensors" else []
     counts: dict[torch.dtype, int] = {}
     for file in files:
-        with open(file, "rb") as f:
-            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        header = read_safetensors_header(file)
         for key, info in header.items():
             dtype = _SAFETENSORS_DTYPES.get(info.get("dtype")) if key != "__metadata__" else None
             if dtype is not None:
@@ -80,12 +84,58 @@ def _pipeline_dtypes(folder: Path) -> dict:
     return dtypes
 
 
+def _load_failure(err: BaseException) -> str:
+    """``"ErrorType: reason"`` of the first error behind ``err`` (loaders wrap it, e.g. diffusers' "Unable to load
+    weights from checkpoint file"); a ``torch.load(weights_only=True)`` refusal reduced to its reason, without
+    torch's advice to allow-list globals."""
+    root, here, seen = err, err, {id(err)}
+    while (here := here.__cause__ or here.__context__) is not None and id(here) not in seen:
+        seen.add(id(here))
+        if not isinstance(here, StopIteration):  # a parser's control flow (json's scanner), not the fault
+            root = here
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(root))
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1].lstrip().split("\n\n", 1)[0].split(" Please use ", 1)[0]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return f"{type(root).__name__}: {lines[0] if lines else repr(root)}"
+
+
+def _unreadable(src, err: BaseException) -> MHLACheckpointError:
+    """The error for a local source that diffusers failed to read (a damaged weights or config file)."""
+    first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+    cause = _load_failure(err)
+    detail = first if cause.endswith(first) else f"{first} ({cause})"
+    return MHLACheckpointError(f"{src} could not be loaded: {detail}; the file is damaged, truncated or not a checkpoint")
+
+
+@contextlib.contextmanager
+def _reading(src):
+    """Turn diffusers' ``OSError`` on a local source into :func:`_unreadable`'s one-line error."""
+    try:
+        yield
+    except OSError as err:
+        raise _unreadable(src, err) from err
+
+
+def _check_weight_files(path: Path) -> None:
+    """The header of every ``.safetensors`` file of a local source (a single file; a folder's own and its
+    component folders') checked before diffusers reads it (:func:`read_safetensors_header` raises)."""
+    files = [path] if path.is_file() else [*path.glob("*.safetensors"), *path.glob("*/*.safetensors")]
+    for file in sorted(files):
+        if file.suffix == ".safetensors":
+            read_safetensors_header(file)
+
+
 def _load_single_file(src: Path, config: str | None, family: str | None, torch_dtype: torch.dtype | None):
     """(pipeline or None, transformer) from an original single-file checkpoint and a diffusers config.
 
     ``config``: a local diffusers pipeline folder (the other components are loaded from it and the
     whole pipeline is written), a local transformer folder (the transformer alone is written), or a
     Hub id of a diffusers pipeline (online, or cached).
+
+    Raises:
+        MHLACheckpointError: a damaged, truncated or foreign file (also :class:`AlreadyConvertedError`).
+        ValueError: no ``config``, a file of another model or of other sizes.
     """
     if (src.parent / "mhla_config.json").is_file():
         raise AlreadyConvertedError(
@@ -101,10 +151,13 @@ def _load_single_file(src: Path, config: str | None, family: str | None, torch_d
     cls, load_kwargs, pipeline_folder = _single_file_target(src, config, family)
     if not hasattr(cls, "from_single_file"):
         raise ValueError(f"{cls.__name__} cannot be read from a single-file checkpoint (diffusers has no from_single_file for it)")
+    _check_weight_files(src)
     if torch_dtype is None:
         torch_dtype = stored_dtype(src)  # None for pickled files: diffusers' float32
     try:
         model = cls.from_single_file(str(src), **load_kwargs, **_dtype_kwargs(torch_dtype))
+    except OSError as err:  # diffusers' "Unable to load weights from checkpoint file": a damaged or foreign file
+        raise _unreadable(src, err) from err
     except (KeyError, IndexError) as err:  # diffusers' key mapping fails on another model's file
         raise ValueError(f"{src} is not an original {cls.__name__} checkpoint (missing key {err})") from err
     except (NotImplementedError, RuntimeError) as err:  # weights left on the meta device, or shape mismatches
@@ -152,10 +205,12 @@ def _pipeline_around(pipeline_folder, model, torch_dtype: torch.dtype | None):
     pipeline_class = getattr(diffusers, str(name), None)
     if pipeline_class is None:
         raise ValueError(f"{pipeline_folder}: model_index.json names an unknown pipeline class {name!r}")
-    dtypes = _pipeline_dtypes(Path(pipeline_folder)) if Path(pipeline_folder).is_dir() else {}
+    local = Path(pipeline_folder).is_dir()
+    dtypes = _pipeline_dtypes(Path(pipeline_folder)) if local else {}
     if dtypes and torch_dtype is not None:
         dtypes["transformer"] = torch_dtype
-    pipe = pipeline_class.from_pretrained(pipeline_folder, transformer=model, **_dtype_kwargs(dtypes or torch_dtype))
+    with _reading(pipeline_folder) if local else contextlib.nullcontext():
+        pipe = pipeline_class.from_pretrained(pipeline_folder, transformer=model, **_dtype_kwargs(dtypes or torch_dtype))
     if pipe.transformer is not model:  # never write the config's transformer in place of the converted one
         raise RuntimeError(f"diffusers did not take the converted transformer into the {type(pipe).__name__} of {pipeline_folder}")
     _check_pipeline_loaded(pipe, pipeline_folder)
@@ -185,15 +240,19 @@ def _load_source(src: str, torch_dtype: torch.dtype | None, config: str | None =
             )
         if (path / "model_index.json").is_file():
             import_named_components(path)
+            _check_weight_files(path)
             for name in TRANSFORMER_COMPONENTS:
                 _check_base_weights(path / name)
             dtype = _pipeline_dtypes(path) if torch_dtype is None else torch_dtype
-            pipe = DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(dtype))
+            with _reading(path):
+                pipe = DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(dtype))
             _check_pipeline_loaded(pipe, path)
             return pipe, None
+        _check_weight_files(folder)
         _check_base_weights(folder)
         dtype = stored_dtype(folder) if torch_dtype is None else torch_dtype
-        model = _transformer_class(folder).from_pretrained(folder, **_dtype_kwargs(dtype))
+        with _reading(folder):
+            model = _transformer_class(folder).from_pretrained(folder, **_dtype_kwargs(dtype))
         check_loaded(model, folder)
         return None, model
     if not is_hub_id(src):

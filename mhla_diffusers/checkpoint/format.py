@@ -68,7 +68,7 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.configuration_utils import FrozenDict
 from huggingface_hub import try_to_load_from_cache
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -99,6 +99,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MHLACheckpointError",
     "read_mhla_config",
+    "read_safetensors_header",
     "save_mhla_transformer",
     "save_mhla_pipeline",
     "load_mhla_transformer",
@@ -118,7 +119,7 @@ FORMAT_VERSION = 1
 
 
 class MHLACheckpointError(ValueError):
-    """A converted checkpoint is missing, corrupted or does not match the model."""
+    """A checkpoint (a converted one, or the source of a conversion) is missing, corrupted or does not match the model."""
 
 
 # -- writing --------------------------------------------------------------------------------------
@@ -504,6 +505,95 @@ def save_mhla_pipeline(
 
 
 # -- reading --------------------------------------------------------------------------------------
+# Bytes per element of the safetensors dtype names (the format's own table); names not listed are not size-checked.
+_SAFETENSORS_ITEM_SIZES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
+_SAFETENSORS_MAX_HEADER = 100_000_000  # bytes: safetensors itself refuses a larger header
+
+
+def read_safetensors_header(path: str | os.PathLike) -> dict:
+    """The header of a ``.safetensors`` file, checked, without reading the tensor data.
+
+    The file is an 8-byte little-endian header length ``n``, ``n`` bytes of JSON
+    (``{name: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, "__metadata__": {str: str}}``),
+    then the data, which the offsets (relative to the data's start) must tile exactly. At most ``8 + n``
+    bytes are read, and ``n`` is checked against the file's size first.
+
+    Returns:
+        The header as stored (``"__metadata__"`` included when present).
+
+    Raises:
+        FileNotFoundError: no such file.
+        MHLACheckpointError: one line naming the file and the fault: shorter than 8 bytes, a header length
+            past the end of the file (truncated, or not a safetensors file), a header that is not a UTF-8
+            JSON object of tensor entries, an entry without a dtype, a shape of non-negative integers or
+            two data offsets, offsets outside the data or not tiling it (truncated), or a byte length that
+            is not the dtype's size times the number of elements.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+
+    def bad(what: str) -> MHLACheckpointError:
+        return MHLACheckpointError(f"{path} is not a readable safetensors file: {what}")
+
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise bad(f"it holds {size} bytes, fewer than the 8 of the header length")
+        head = f.read(8)
+        if head == b"version " and f.read(16) == b"https://git-lfs.":
+            raise bad("it is a Git LFS pointer, not the weights (fetch them: git lfs pull)")
+        f.seek(8)
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise bad(f"its header length field says {n} bytes, but {size - 8} follow it (a truncated file, or not safetensors)")
+        if n > _SAFETENSORS_MAX_HEADER:
+            raise bad(f"its header length field says {n} bytes, more than the {_SAFETENSORS_MAX_HEADER} safetensors allows")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise bad(f"its {n}-byte header is not UTF-8 JSON ({err})") from err
+    if not isinstance(header, dict):
+        raise bad(f"its header is a JSON {type(header).__name__}, not an object of tensor entries")
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise bad("its __metadata__ is not an object of strings")
+    _check_tensor_entries({k: v for k, v in header.items() if k != "__metadata__"}, size - 8 - n, bad)
+    return header
+
+
+def _check_tensor_entries(entries: dict, data_size: int, bad) -> None:
+    """Each entry well formed, its byte length that of its dtype and shape, the offsets tiling ``[0, data_size)``."""
+    spans = []
+    for name, info in entries.items():
+        offsets, shape = (info.get("data_offsets"), info.get("shape")) if isinstance(info, dict) else (None, None)
+        if (not isinstance(info, dict) or not isinstance(info.get("dtype"), str)
+                or not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape)
+                or not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)):
+            raise bad(f"its entry {name!r} is not {{dtype, shape, data_offsets: [begin, end]}}")
+        begin, end = offsets
+        if not 0 <= begin <= end <= data_size:
+            raise bad(f"tensor {name!r} lies at bytes {begin}..{end} of a data section of {data_size} bytes (a truncated file)")
+        item = _SAFETENSORS_ITEM_SIZES.get(info["dtype"])
+        count = 1
+        for d in shape:
+            count *= d
+        if item is not None and end - begin != count * item:
+            raise bad(f"tensor {name!r} ({info['dtype']}, shape {tuple(shape)}) needs {count * item} bytes, its offsets give {end - begin}")
+        spans.append((begin, end, name))
+    position = 0
+    for begin, end, name in sorted(spans):
+        if begin != position:
+            raise bad(f"its tensors do not tile the data: {name!r} begins at byte {begin}, the data before it ends at {position}")
+        position = end
+    if position != data_size:
+        raise bad(f"its tensors cover {position} bytes of a data section of {data_size} (extra bytes at the end)")
+
+
 def transformer_folder(path: str | os.PathLike) -> Path:
     """The folder holding the transformer's ``config.json``: ``path`` itself or ``path/transformer``.
 
@@ -621,11 +711,7 @@ def _check_config_against_weights(config: dict, folder: Path) -> None:
     path = folder / MHLA_WEIGHTS_NAME
     if not path.is_file():
         raise MHLACheckpointError(f"{path} is missing: the MHLA mixing matrices of this checkpoint are lost")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-    except (SafetensorError, OSError, ValueError) as err:
-        raise MHLACheckpointError(f"{path} is corrupted or not a safetensors file: {err}") from err
+    metadata = read_safetensors_header(path).get("__metadata__", {})
     if _METADATA_KEY not in metadata:
         return  # written before the settings were recorded beside the weights
     try:
@@ -652,16 +738,16 @@ def _check_config_against_weights(config: dict, folder: Path) -> None:
 
 
 def _mhla_keys_in_base(folder: Path) -> list[str]:
-    """MHLA keys found in the base ``*.safetensors`` weights of a transformer folder (headers only)."""
+    """MHLA keys found in the base ``*.safetensors`` weights of a transformer folder (headers only).
+
+    Raises:
+        MHLACheckpointError: a base weights file that is not a readable safetensors file (see
+            :func:`read_safetensors_header`).
+    """
     found = []
     for file in sorted(folder.glob("*.safetensors")):
-        if file.name == MHLA_WEIGHTS_NAME:
-            continue
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                found += [key for key in f.keys() if ".mhla_" in key]
-        except Exception:  # unreadable base weights: diffusers' own loader reports them
-            continue
+        if file.name != MHLA_WEIGHTS_NAME:
+            found += [key for key in read_safetensors_header(file) if ".mhla_" in key]
     return found
 
 
@@ -678,11 +764,7 @@ def _check_base_weights(folder: Path) -> None:
         MHLACheckpointError: naming the file, a key and the fix.
     """
     for file in sorted(folder.glob(f"{_BASE_WEIGHTS}.safetensors")):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                wrapped = [key for key in f.keys() if _PEFT_KEY.search(key)]
-        except Exception:  # unreadable base weights: diffusers' own loader reports them
-            continue
+        wrapped = [key for key in read_safetensors_header(file) if _PEFT_KEY.search(key)]
         if wrapped:
             raise MHLACheckpointError(
                 f"{file} holds peft-wrapped keys ({wrapped[0]}, ... {len(wrapped)} in all): it was saved from a model "
@@ -738,13 +820,18 @@ def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike, expecte
     Args:
         expected_sha256: the digest recorded in ``mhla_config.json`` (checked when given).
 
+    Every tensor must be float32 (the format's dtype) of the model parameter's shape: a file whose
+    tensors were rewritten in another dtype is refused, not cast.
+
     Raises:
-        MHLACheckpointError: file missing or corrupted (digest mismatch included), keys missing or
-            unexpected, shapes differ, non-finite values; the model's MHLA parameters on the meta device.
+        MHLACheckpointError: file missing or corrupted (digest mismatch included; see
+            :func:`read_safetensors_header`), keys missing or unexpected, a dtype other than float32,
+            shapes differ, non-finite values; the model's MHLA parameters on the meta device.
     """
     path = Path(folder) / MHLA_WEIGHTS_NAME
     if not path.is_file():
         raise MHLACheckpointError(f"{path} is missing: the MHLA mixing matrices of this checkpoint are lost")
+    read_safetensors_header(path)
     try:
         tensors = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as err:
@@ -760,6 +847,11 @@ def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike, expecte
     if missing or unexpected:
         raise MHLACheckpointError(f"{path} does not match the model: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
     for key, param in params.items():
+        if tensors[key].dtype != torch.float32:
+            raise MHLACheckpointError(
+                f"{path}: {key} is stored as {_dtype_name(tensors[key].dtype)}; the format stores every MHLA parameter as "
+                f"float32 (this one of shape {tuple(param.shape)}): the file was rewritten. Restore it, or convert again"
+            )
         if tuple(tensors[key].shape) != tuple(param.shape):
             raise MHLACheckpointError(f"{path}: {key} has shape {tuple(tensors[key].shape)}, the model expects {tuple(param.shape)}")
         if not torch.isfinite(tensors[key]).all():
@@ -772,6 +864,10 @@ def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike, expecte
     with torch.no_grad():
         for key, param in params.items():
             param.copy_(tensors[key])
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _install_from_config(transformer: nn.Module, config: dict, folder: Path) -> None:
@@ -844,14 +940,15 @@ def import_named_components(pipeline_folder: str | os.PathLike) -> list[str]:
     diffusers' own rules. A folder without ``model_index.json`` (a Hub id) imports nothing.
 
     Raises:
-        MHLACheckpointError: ``model_index.json`` names an ``mhla_diffusers`` module that does not exist.
+        MHLACheckpointError: ``model_index.json`` is not a JSON object, or names an ``mhla_diffusers`` module
+            that does not exist.
     """
     index = Path(pipeline_folder) / "model_index.json"
     if not index.is_file():
         return []
     names = sorted({
         entry[0]
-        for entry in json.loads(index.read_text()).values()
+        for entry in _read_json_object(index).values()
         if isinstance(entry, list) and entry and isinstance(entry[0], str) and entry[0].startswith("mhla_diffusers.")
     })
     for name in names:
@@ -865,8 +962,23 @@ def import_named_components(pipeline_folder: str | os.PathLike) -> list[str]:
     return names
 
 
+def _read_json_object(path: Path) -> dict:
+    """The JSON object in ``path`` (a ``config.json`` or ``model_index.json``).
+
+    Raises:
+        MHLACheckpointError: unreadable, not JSON, or not an object (naming the file).
+    """
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise MHLACheckpointError(f"{path} is not readable JSON ({err}): the checkpoint is damaged") from err
+    if not isinstance(data, dict):
+        raise MHLACheckpointError(f"{path} holds a JSON {type(data).__name__}, not an object: the checkpoint is damaged")
+    return data
+
+
 def _transformer_class(folder: Path):
-    name = json.loads((folder / "config.json").read_text()).get("_class_name")
+    name = _read_json_object(folder / "config.json").get("_class_name")
     if name == "Transformer2DModel":  # the original DiT checkpoints
         name = "DiTTransformer2DModel"
     cls = getattr(diffusers, str(name), None)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
+import warnings
 from typing import Mapping, Sequence
 
 import torch
@@ -172,6 +173,39 @@ def clip_timestep_range(timestep_range: Sequence[float] | None) -> tuple[float, 
     return low, high
 
 
+def _latent_patch(config, ndim: int) -> tuple[int, ...]:
+    """The patch size on each of the ``ndim`` latent axes (``(H, W)`` or ``(F, H, W)``)."""
+    patch = config.get("patch_size", 1) or 1
+    patch = tuple(patch) if isinstance(patch, (tuple, list)) else (1,) * (ndim - 2) + (int(patch),) * 2
+    return patch[-ndim:]
+
+
+def _within_grid_bound(family, transformer, size: tuple[int, ...], patch: tuple[int, ...], given: bool) -> tuple[int, ...]:
+    """``size`` (latent axes) if its token grid fits the largest one the model's forward takes
+    (:attr:`~mhla_diffusers.models.families.Family.max_grid`; Wan: ``rope_max_seq_len`` per axis); else, for the
+    native size (``given=False``), the largest latent within it on each axis, with a warning saying so.
+
+    Raises:
+        ValueError: a ``given`` (``latent_size``) size beyond the bound, naming the largest one allowed.
+    """
+    if family.max_grid is None:
+        return size
+    bound = tuple(family.max_grid(transformer.config))[-len(size):]
+    limit = tuple(b * p for b, p in zip(bound, patch))
+    if all(n <= m for n, m in zip(size, limit)):
+        return size
+    what = (f"the {type(transformer).__name__}'s forward takes at most {bound} tokens per axis (its rotary table: "
+            f"config rope_max_seq_len), i.e. a latent of at most {limit}")
+    if given:
+        raise ValueError(f"latent_size {size} is too large: {what}; give a smaller latent_size (--calibration-latent-size)")
+    fitted = tuple(min(n, m) for n, m in zip(size, limit))
+    warnings.warn(
+        f"calibration at the native latent {size} cannot run: {what}. Calibrating at {fitted}; give latent_size= "
+        "(--calibration-latent-size) to choose another size", UserWarning, stacklevel=3,
+    )
+    return fitted
+
+
 def calibration_inputs(
     source,
     *,
@@ -193,7 +227,9 @@ def calibration_inputs(
         embeddings: SANA / Wan: cached text states (``{forward keyword: [P, ...]}`` or a safetensors file
             from :func:`encode_calibration_prompts`) instead of the text encoder.
         latent_size: the latent's spatial size ``(H, W)`` or, for video, ``(F, H, W)`` (latent frames);
-            default the model's native size (Wan: 21 x 60 x 104; give a smaller one on a CPU).
+            default the model's native size (Wan: 21 x 60 x 104; give a smaller one on a CPU), cut on each axis
+            to what the model's forward takes when its RoPE table is shorter (a Wan whose ``rope_max_seq_len`` is
+            below the native token grid), with a warning.
         timestep_range: ``(low, high)``: only timesteps ``low <= t < high`` (the transformer's ``timestep`` scale,
             0..1000; clipped to it, infinite ends allowed), spread evenly over that range instead of the whole
             process: a Wan 2.2 A14B expert runs only on its own range
@@ -206,8 +242,8 @@ def calibration_inputs(
 
     Raises:
         ValueError: unsupported model, ``num_samples < 1``, a ``timestep_range`` holding no timestep of 0..1000,
-            a bad ``latent_size`` (not integers, or not a multiple of
-            the patch size on every axis), a text-conditioned model
+            a bad ``latent_size`` (not integers, not a multiple of the patch size on every axis, or larger than
+            the model's RoPE table takes on an axis), a text-conditioned model
             without text encoder and without ``embeddings``, prompts / embeddings for a class-conditional one.
         FileNotFoundError: an embeddings file that does not exist.
     """
@@ -216,21 +252,21 @@ def calibration_inputs(
     if isinstance(num_samples, bool) or int(num_samples) != num_samples or num_samples < 1:
         raise ValueError(f"num_samples must be a positive integer; got {num_samples!r}")
     shape = family.native_latent_shape(transformer.config)
+    patch = _latent_patch(transformer.config, len(shape) - 1)
     if latent_size is not None:
         size = tuple(latent_size)
         if (len(size) != len(shape) - 1 or not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in size)
                 or min(size) < 1):
             raise ValueError(f"latent_size must be {len(shape) - 1} positive integers for a {family.name} model; got {latent_size!r}")
         size = tuple(int(n) for n in size)
-        patch = transformer.config.get("patch_size", 1) or 1
-        patch = tuple(patch) if isinstance(patch, (tuple, list)) else (1,) * (len(size) - 2) + (int(patch),) * 2
-        patch = patch[-len(size):]
         if any(n % p for n, p in zip(size, patch)):
             # the patch embedding would drop the remainder: the forward would not run at the size asked for
             raise ValueError(
                 f"latent_size {size} is not a multiple of the {family.name} model's patch size {patch} on every axis"
             )
-        shape = (shape[0], *size)
+        shape = (shape[0], *_within_grid_bound(family, transformer, size, patch, given=True))
+    else:
+        shape = (shape[0], *_within_grid_bound(family, transformer, tuple(shape[1:]), patch, given=False))
     low, high = clip_timestep_range(timestep_range)
     generator = torch.Generator().manual_seed(int(seed))
     conditions = _condition(family, transformer, pipe, embeddings, prompts, int(num_samples), generator)

@@ -126,6 +126,8 @@ class Family:
             self-attention alone is split (its input) and gathered (after ``to_out.0``), for models whose
             other parts mix tokens (SANA's feed-forward convolution). ``None``: no plan.
         cp_trunk: ``(first module, last module)`` of the ``"trunk"`` plan.
+        max_grid: ``config -> (T, H, W)``, the largest token count per axis the model's forward takes (Wan:
+            its RoPE table, ``rope_max_seq_len`` positions per axis); ``None``: no such bound.
     """
 
     name: str
@@ -154,6 +156,7 @@ class Family:
     encode_prompts: Callable[[object, list, object], dict] | None = None
     context_parallel: str | None = None
     cp_trunk: tuple[str, str] | None = None
+    max_grid: Callable[[dict], tuple[int, int, int]] | None = None
 
     def __post_init__(self):
         if self.attention_output_dtype not in ("query", "input"):
@@ -249,6 +252,13 @@ def _reference_grid_wan(config) -> tuple[int, int, int]:
     is_ti2v = config.get("out_channels") == WAN22_TI2V_LATENT_CHANNELS
     t, h, w = WAN22_TI2V_NATIVE_LATENT if is_ti2v else WAN_NATIVE_LATENT
     return (max(1, t // pt), max(1, h // ph), max(1, w // pw))
+
+
+def _max_grid_wan(config) -> tuple[int, int, int]:
+    """diffusers' ``WanRotaryPosEmbed`` holds ``rope_max_seq_len`` positions per axis (default 1024): a token grid
+    longer on an axis fails in the model's forward."""
+    n = int(config.get("rope_max_seq_len") or 1024)
+    return (n, n, n)
 
 
 class WanRotary(InterleavedRotary):
@@ -393,6 +403,7 @@ WAN = Family(
     noise="flow",
     encode_prompts=_encode_wan,
     context_parallel="model",  # WanTransformer3DModel._cp_plan: split at blocks.0 (RoPE with it), gathered after proj_out
+    max_grid=_max_grid_wan,
 )
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (DIT, SANA, WAN)}

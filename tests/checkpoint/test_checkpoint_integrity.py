@@ -335,3 +335,89 @@ def test_digest_removed_from_a_current_format_config_is_refused(saved, tmp_path)
     (folder / "mhla_config.json").write_text(json.dumps(config))
     with pytest.raises(MHLACheckpointError, match="has no weights_sha256"):
         load_mhla_transformer(folder)
+
+
+# -- 4. damaged safetensors files and rewritten MHLA weights ---------------------------------------
+def _damaged(kind: str, good: bytes) -> bytes:
+    """A damaged copy of the safetensors bytes ``good``."""
+    n = int.from_bytes(good[:8], "little")
+    header = json.loads(good[8: 8 + n])
+    if kind == "text":
+        return b"this is a text file, not weights\n" * 4
+    if kind == "random":
+        return torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8).numpy().tobytes()
+    if kind == "truncated":
+        return good[: len(good) - 12]
+    if kind == "truncated_header":
+        return good[: 8 + n // 2]
+    if kind == "huge_length":
+        return (1 << 63).to_bytes(8, "little") + good[8:]
+    if kind == "short":
+        return b"\x01\x02"
+    if kind == "lfs_pointer":
+        return b"version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 123456\n"
+    if kind == "not_json":
+        return len(b"{oops").to_bytes(8, "little") + b"{oops"
+    if kind == "offsets_outside":
+        name = next(k for k in header if k != "__metadata__")
+        header[name]["data_offsets"][1] += 10**9
+    elif kind == "wrong_length":
+        name = next(k for k in header if k != "__metadata__")
+        header[name]["shape"] = [d + 1 for d in header[name]["shape"]]
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + good[8 + n:]
+
+
+DAMAGE = {
+    "text": "header length field says", "random": "header length field says", "truncated": "a truncated file",
+    "truncated_header": "header length field says", "huge_length": "header length field says 9223372036854775808 bytes",
+    "short": "fewer than the 8", "lfs_pointer": "Git LFS pointer", "not_json": "not UTF-8 JSON",
+    "offsets_outside": "a truncated file", "wrong_length": "needs",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_read_safetensors_header_refuses_damaged_files(tmp_path, kind):
+    """Text, random bytes, a truncated file, a header length of 2^63 (stored_dtype asked to read that many bytes:
+    MemoryError / OverflowError): one line naming the file and the fault, never a read past the file's end."""
+    from mhla_diffusers.checkpoint.conversion import stored_dtype
+    from mhla_diffusers.checkpoint.format import read_safetensors_header
+
+    good = tmp_path / "good.safetensors"
+    save_file({"a": torch.ones(3, 4), "b": torch.zeros(5, dtype=torch.float16)}, str(good), metadata={"k": "v"})
+    assert read_safetensors_header(good)["__metadata__"] == {"k": "v"} and stored_dtype(good) == torch.float32
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(_damaged(kind, good.read_bytes()))
+    for reader in (read_safetensors_header, stored_dtype):
+        with pytest.raises(MHLACheckpointError, match=DAMAGE[kind]) as err:
+            reader(path)
+        assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("place", ["weights", "base"])
+def test_damaged_files_of_a_converted_checkpoint_are_clear_errors(saved, tmp_path, place):
+    folder = _copy(saved["folder"], tmp_path)
+    path = folder / ("mhla.safetensors" if place == "weights" else "diffusion_pytorch_model.safetensors")
+    path.write_bytes(_damaged("huge_length", path.read_bytes()))
+    if place == "base":  # a folder without mhla_config.json peeks into its base weights
+        (folder / "mhla_config.json").unlink()
+        (folder / "mhla.safetensors").unlink()
+    with pytest.raises(MHLACheckpointError, match=f"{path.name} is not a readable safetensors file"):
+        load_mhla_transformer(folder)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float16, torch.float64])
+def test_mhla_weights_rewritten_in_another_dtype_are_refused(saved, tmp_path, dtype):
+    """mhla.safetensors rewritten as int64 or float16, weights_sha256 updated: loaded silently and cast before (int64
+    changed the output by 0.067); refused now, naming the format's dtype and the expected shape."""
+    folder = _copy(saved["folder"], tmp_path)
+    path = folder / "mhla.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(path)
+    save_file({k: (v * 4).to(dtype) for k, v in tensors.items()}, str(path), metadata=metadata)
+    _edit(folder, weights_sha256=_sha256(path))
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(MHLACheckpointError, match=rf"is stored as {name}; the format stores every MHLA parameter as float32 "
+                                                  r"\(this one of shape \(4, 4\)\)"):
+        load_mhla_transformer(folder)

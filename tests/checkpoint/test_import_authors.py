@@ -11,6 +11,7 @@ complex RoPE on the features, mixing never clamped).
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -394,3 +395,72 @@ def test_feature_eps_operator_and_unclamped_mixing():
     assert clamp_mixing_(model) == 1
     assert float(model[0].weight.detach().min()) == 0.0 and float(model[1].weight.detach().min()) == -0.5
     assert torch.equal(model[1].clamped(), model[1].weight) and float(model[0].clamped().detach().min()) == 0.0
+
+
+def test_ddp_training_checkpoint_with_numpy_rng_state(files, tmp_path, capsys):
+    """Their DDP trainer pickles numpy's RNG state beside the weights ({"state_dict", "epoch", "rng_state": {"numpy":
+    np.random.get_state(), ...}}): refused before (weights_only). Imported now, with exactly the numpy globals
+    np.random.get_state() needs allowed for the call only: torch's allow-list is unchanged afterwards and a plain
+    torch.load(weights_only=True) of the file still refuses it."""
+    import random
+
+    import numpy as np
+
+    from mhla_diffusers import load_mhla_pipeline
+
+    path = tmp_path / "epoch_3_step_300.pth"
+    state = {"model": files["state"], "rng": np.random.get_state(), "epoch": 3, "step": 300,
+             "rng_state": {"numpy": np.random.get_state(), "python": random.getstate(), "torch": torch.get_rng_state()}}
+    torch.save(state, path)
+    before = torch.serialization.get_safe_globals()
+    code, err = run_main("conversion/convert.py", "--family", "wan", "--from", "authors", "--src", path, "--config",
+                         files["config"], "--out", tmp_path / "out", capsys=capsys)
+    assert code == 0, err
+    assert torch.serialization.get_safe_globals() == before
+    with pytest.raises(Exception, match="Weights only load failed"):
+        torch.load(path, weights_only=True)
+    mixing = load_mhla_pipeline(tmp_path / "out").transformer.blocks[1].attn1.mhla_mixing.weight
+    assert torch.equal(mixing.detach(), files["state"]["blocks.1.self_attn.block_attn.conv.weight"][:, :, 0, 0])
+
+
+class _RunsCode:
+    """Unpickling it would run ``exec`` (writing a marker file)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+@pytest.mark.parametrize("extra", ["code", "namespace", "float64 array"])
+def test_pickles_holding_other_objects_are_refused_and_never_run(files, tmp_path, extra):
+    """A pickle that runs code never runs (the numpy allow-list does not open that door), nor is any other object
+    unpickled: the error names what was refused and says how to extract the state dict from a trusted file."""
+    import argparse
+
+    import numpy as np
+
+    from mhla_diffusers.checkpoint.authors import AuthorsCheckpointError, read_authors_state_dict
+
+    marker = tmp_path / "ran.txt"
+    value, named = {"code": (_RunsCode(marker), "builtins.exec"), "namespace": (argparse.Namespace(lr=1e-4), "argparse.Namespace"),
+                    "float64 array": (np.zeros(3), "numpy.dtypes.Float64DType")}[extra]
+    path = tmp_path / "ckpt.pth"
+    torch.save({"state_dict": files["state"], "rng_state": {"numpy": np.random.get_state()}, "extra": value}, path)
+    with pytest.raises(AuthorsCheckpointError, match=rf"holds pickled objects .*\({re.escape(named)}\).*weights_only=False"):
+        read_authors_state_dict(path)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("kind", ["text", "truncated", "random"])
+def test_damaged_pickled_file_is_a_clear_error(files, tmp_path, kind):
+    from mhla_diffusers.checkpoint.authors import AuthorsCheckpointError, read_authors_state_dict
+
+    path = tmp_path / "ckpt.pth"
+    torch.save({"state_dict": files["state"]}, path)
+    data = path.read_bytes()
+    path.write_bytes({"text": b"not a checkpoint\n" * 8, "truncated": data[: len(data) // 2],
+                      "random": bytes(range(256)) * 16}[kind])
+    with pytest.raises(AuthorsCheckpointError, match="is not a readable torch checkpoint .*damaged, truncated"):
+        read_authors_state_dict(path)

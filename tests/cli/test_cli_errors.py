@@ -165,3 +165,93 @@ def test_generate_cli_refuses_an_unusable_device_before_loading(base_pipeline, t
                              "--device", device, "--out", tmp_path / "a.png", capsys=capsys)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert not list(tmp_path.iterdir())
+
+
+# conversion: damaged source files
+
+
+def _damage(path, kind: str) -> None:
+    data = path.read_bytes()
+    if kind == "text":
+        path.write_text("this is a text file, not weights\n" * 4)
+    elif kind == "random":
+        path.write_bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(1), dtype=torch.uint8).numpy().tobytes())
+    elif kind == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif kind == "huge_length":  # stored_dtype asked to read 2^63 bytes
+        path.write_bytes((1 << 63).to_bytes(8, "little") + data[8:])
+
+
+def _one_line_error(err: str, path) -> bool:
+    lines = [line for line in err.splitlines() if line.startswith("convert.py:")]
+    return len(lines) == 1 and str(path) in lines[0] and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def wan_files(tmp_path_factory):
+    """A tiny diffusers Wan transformer folder (the --config) and its weights in the original layout, as
+    .safetensors and .pth."""
+    from helpers_wan import original_wan_state_dict, tiny_wan
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("damaged")
+    model = tiny_wan(num_layers=1)
+    model.save_pretrained(root / "config")
+    state = original_wan_state_dict(model)
+    save_file(state, str(root / "wan.safetensors"))
+    torch.save(state, root / "wan.pth")
+    return root
+
+
+@pytest.mark.parametrize("source_kind", ["diffusers", "authors"])
+@pytest.mark.parametrize("name, kind", [("wan.safetensors", "text"), ("wan.safetensors", "random"),
+                                        ("wan.safetensors", "truncated"), ("wan.safetensors", "huge_length"),
+                                        ("wan.pth", "text"), ("wan.pth", "random"), ("wan.pth", "truncated")])
+def test_convert_refuses_a_damaged_single_file(wan_files, tmp_path, capsys, source_kind, name, kind):
+    """A text file, random bytes, a truncated file, a header length of 2^63 as --src: exit 1 before (MemoryError,
+    OverflowError, diffusers' OSError, safetensors' SafetensorError tracebacks); now exit 2 with one line naming it."""
+    src = tmp_path / name
+    src.write_bytes((wan_files / name).read_bytes())
+    _damage(src, kind)
+    code, err = run_main("conversion/convert.py", "--family", "wan", "--from", source_kind, "--src", src,
+                         "--config", wan_files / "config", "--out", tmp_path / "out", capsys=capsys)
+    assert code == 2 and _one_line_error(err, src), err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("dtype", [None, "fp32"])
+@pytest.mark.parametrize("damaged, kind", [("transformer/diffusion_pytorch_model.safetensors", "text"),
+                                           ("transformer/diffusion_pytorch_model.safetensors", "truncated"),
+                                           ("vae/diffusion_pytorch_model.safetensors", "truncated"),
+                                           ("transformer/config.json", "text")])
+def test_convert_refuses_a_folder_with_a_damaged_file(base_pipeline, tmp_path, capsys, damaged, kind, dtype):
+    """A diffusers pipeline folder (or its transformer folder) with a damaged weights or config file: exit 2 with
+    one line naming the damaged file (or the folder diffusers failed to read), whatever --dtype."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(base_pipeline, src)
+    _damage(src / damaged, kind)
+    extra = () if dtype is None else ("--dtype", dtype)
+    for source in (src, src / "transformer") if damaged.startswith("transformer/") else (src,):
+        code, err = run_main("conversion/convert.py", "--family", "dit", "--src", source, "--out", tmp_path / "out",
+                             *extra, capsys=capsys)
+        named = src / damaged if damaged.endswith(".safetensors") else source
+        assert code == 2 and _one_line_error(err, named), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_help_is_true_and_tidy(capsys):
+    """--config applies to --from authors too (required there); the description has no runs of spaces left by
+    backslash line continuations in the examples."""
+    import re
+
+    with pytest.raises(SystemExit):
+        run_main("conversion/convert.py", "--help", capsys=capsys)
+    text = capsys.readouterr().out
+    description = text.split("\noptions:")[0].split("\n\n", 1)[1]
+    assert [line for line in description.splitlines() if re.search(r"\S {2,}\S", line)] == []
+    assert "\\\n        --out sana-mhla --dtype bf16" in description  # the continuation kept, as a shell reads it
+    options = " ".join(text.split("\noptions:")[1].split())
+    config = options.split("--config CONFIG", 1)[1].split(" --out OUT", 1)[0]
+    assert "--from authors (required there)" in config and "single-file --src only" not in config

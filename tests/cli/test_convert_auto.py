@@ -7,6 +7,7 @@ import json
 import warnings
 
 import pytest
+import torch
 from helpers import run_main, tiny_dit_pipeline
 from helpers_sana import tiny_sana_pipeline
 
@@ -120,3 +121,44 @@ def test_bad_auto_options(dit_folder, tmp_path, capsys):
     code, err = run_main(SCRIPT, "--family", "wan", "--from", "authors", "--src", tmp_path / "m.safetensors", "--config",
                          dit_folder, "--out", tmp_path / "x", "--keep-softmax", "1", capsys=capsys)
     assert code == 2 and "--keep-softmax / --attention-budget" in err
+
+
+@pytest.fixture(scope="module")
+def short_rope_wan(tmp_path_factory):
+    """A tiny Wan pipeline whose RoPE table holds 4 positions per axis: the native latent (21 x 60 x 104, tokens
+    21 x 30 x 52) does not run through its forward."""
+    from diffusers import WanPipeline
+    from helpers_wan import tiny_wan, tiny_wan_pipeline
+
+    pipe = tiny_wan_pipeline(num_layers=2)
+    pipe = WanPipeline(**{**pipe.components, "transformer": tiny_wan(num_layers=2, rope_max_seq_len=4)})
+    folder = tmp_path_factory.mktemp("auto") / "wan"
+    pipe.save_pretrained(folder)
+    return pipe, folder
+
+
+def test_wan_calibration_fits_the_rope_table(short_rope_wan, tmp_path, capsys):
+    """--layers auto without --calibration-latent-size failed with "calibration entry 0 does not run through the
+    WanTransformer3DModel's forward (RuntimeError: shape '[21, 1, 1, -1]' is invalid ...)", blaming entries the tool made:
+    now the calibration is made at the largest latent the RoPE table takes (4 x 8 x 8), with a warning saying so; a
+    --calibration-latent-size beyond it is exit 2 naming the bound."""
+    pipe, folder = short_rope_wan
+    with pytest.warns(UserWarning, match=r"native latent \(21, 60, 104\) cannot run.*at most \(4, 4, 4\) tokens.*"
+                                         r"Calibrating at \(4, 8, 8\).*--calibration-latent-size"):
+        inputs = mhla_diffusers.calibration_inputs(pipe, num_samples=1)
+    assert tuple(inputs[0]["hidden_states"].shape) == (1, 16, 4, 8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a model whose table takes the native latent: no warning, the native size
+        assert tuple(mhla_diffusers.calibration_inputs(pipe.transformer.__class__.from_config(
+            {**pipe.transformer.config, "rope_max_seq_len": 64}), num_samples=1,
+            embeddings={"encoder_hidden_states": torch.zeros(1, 4, 32)})[0]["hidden_states"].shape) == (1, 16, 21, 60, 104)
+
+    out = tmp_path / "auto"
+    code, err = run_main(SCRIPT, "--family", "wan", "--src", folder, "--out", out, "--layers", "auto", "--keep-softmax", "1",
+                         "--calibration-samples", "1", "--block-grid", "1,2,2", capsys=capsys)
+    assert code == 0, err
+    assert len(_config(out)["layers"]) == 1
+    code, err = run_main(SCRIPT, "--family", "wan", "--src", folder, "--out", tmp_path / "x", "--layers", "auto",
+                         "--keep-softmax", "1", "--calibration-latent-size", "2,16,8", "--block-grid", "1,2,2", capsys=capsys)
+    assert code == 2 and "latent_size (2, 16, 8) is too large" in err and "a latent of at most (4, 8, 8)" in err, err
+    assert not (tmp_path / "x").exists()
