@@ -126,6 +126,10 @@ class Family:
             self-attention alone is split (its input) and gathered (after ``to_out.0``), for models whose
             other parts mix tokens (SANA's feed-forward convolution). ``None``: no plan.
         cp_trunk: ``(first module, last module)`` of the ``"trunk"`` plan.
+        fsdp_blocks: each transformer block (the module holding a self-attention layer) can be an
+            FSDP unit (``fully_shard``). ``False`` when the model's forward uses a block's submodule
+            outside that block's forward, where FSDP has not gathered its parameters (DiT's root calls
+            ``transformer_blocks[0].norm1.emb``): the whole model is then one unit.
     """
 
     name: str
@@ -154,6 +158,7 @@ class Family:
     encode_prompts: Callable[[object, list, object], dict] | None = None
     context_parallel: str | None = None
     cp_trunk: tuple[str, str] | None = None
+    fsdp_blocks: bool = True
 
     def __post_init__(self):
         if self.attention_output_dtype not in ("query", "input"):
@@ -345,6 +350,7 @@ DIT = Family(
     empty_blocks=True,  # a latent smaller than the block grid (e.g. 64 px with 4 x 4 blocks on 32 x 32 tokens)
     context_parallel="trunk",  # blocks: per-token MLP and adaLN; proj_out_2 before the unpatchify reshape
     cp_trunk=("transformer_blocks.0", "proj_out_2"),
+    fsdp_blocks=False,  # forward: conditioning = self.transformer_blocks[0].norm1.emb(...) for the output layer
 )
 
 SANA = Family(
