@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Fine-tune DiT, SANA or Wan 2.1 with or without MHLA on accelerate (or train a DiT from scratch).
+"""Fine-tune DiT, SANA or Wan (2.1; 2.2 one expert per run, model.expert) with or without MHLA on
+accelerate (or train a DiT from scratch).
 
     accelerate launch --config_file finetune/accelerate/single_gpu.yaml \\
         finetune/train.py --config finetune/configs/sana_hybrid.yaml
@@ -19,8 +20,10 @@ value parsed as YAML:
 
 The shortcuts --output_dir, --max_steps, --pretrained and --resume do the same for those keys.
 Writes output_dir/{config.yaml, loss.csv, loss.png, checkpoints/, final/, train_summary.json};
-final/ is the family's complete pipeline in the converted-checkpoint format (load it with
-mhla_diffusers.load_mhla_pipeline; with lora.export=separate, mhla_diffusers.checkpoint.lora.load_mhla_pipeline_with_lora).
+final/ is the family's complete pipeline in the converted-checkpoint format: load it with
+mhla_diffusers.load_mhla_pipeline (with lora.export=separate it applies the adapter in
+final/transformer_lora/ too; lora=False loads the base alone).
+Processes: finetune/accelerate/*.yaml (multi_cpu.yaml: DDP on CPU processes; fsdp.yaml: FSDP2 on GPUs).
 """
 
 import argparse

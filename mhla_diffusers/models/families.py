@@ -128,6 +128,10 @@ class Family:
         cp_trunk: ``(first module, last module)`` of the ``"trunk"`` plan.
         max_grid: ``config -> (T, H, W)``, the largest token count per axis the model's forward takes (Wan:
             its RoPE table, ``rope_max_seq_len`` positions per axis); ``None``: no such bound.
+        fsdp_blocks: each transformer block (the module holding a self-attention layer) can be an
+            FSDP unit (``fully_shard``). ``False`` when the model's forward uses a block's submodule
+            outside that block's forward, where FSDP has not gathered its parameters (DiT's root calls
+            ``transformer_blocks[0].norm1.emb``): the whole model is then one unit.
     """
 
     name: str
@@ -157,6 +161,7 @@ class Family:
     context_parallel: str | None = None
     cp_trunk: tuple[str, str] | None = None
     max_grid: Callable[[dict], tuple[int, int, int]] | None = None
+    fsdp_blocks: bool = True
 
     def __post_init__(self):
         if self.attention_output_dtype not in ("query", "input"):
@@ -355,6 +360,7 @@ DIT = Family(
     empty_blocks=True,  # a latent smaller than the block grid (e.g. 64 px with 4 x 4 blocks on 32 x 32 tokens)
     context_parallel="trunk",  # blocks: per-token MLP and adaLN; proj_out_2 before the unpatchify reshape
     cp_trunk=("transformer_blocks.0", "proj_out_2"),
+    fsdp_blocks=False,  # forward: conditioning = self.transformer_blocks[0].norm1.emb(...) for the output layer
 )
 
 SANA = Family(

@@ -17,6 +17,7 @@ accelerate / peft / yaml are needed only here. The modules, in the order a run u
 - :mod:`.evaluation` — :func:`evaluate_heldout` / :func:`evaluate_loss` on fixed noise and timesteps.
 - :mod:`.logs` — ``loss.csv`` and ``loss.png``; :mod:`.export` — the final pipeline, written atomically;
   :mod:`.resume` — checkpoints and resuming.
+- :mod:`.fsdp` — FSDP2 under accelerate: the launch checks and the units (one per transformer block).
 - :mod:`.loop` — :func:`train`; :mod:`.retrofit` — :func:`retrofit`: distillation then fine-tuning of a
   converted checkpoint (the recipe the demo and the study run).
 """

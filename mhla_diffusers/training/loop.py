@@ -39,6 +39,7 @@ from mhla_diffusers.training.data import build_dataset
 from mhla_diffusers.training.distill import AttentionRecorder, transfer_modules
 from mhla_diffusers.training.evaluation import evaluate_heldout
 from mhla_diffusers.training.export import export_model
+from mhla_diffusers.training.fsdp import check_fsdp_setup, set_fsdp_wrap
 from mhla_diffusers.training.logs import LOSS_CSV, LOSS_PNG, _read_rows, plot_loss_curves, read_loss_terms, write_loss_csv
 from mhla_diffusers.training.losses import training_loss
 from mhla_diffusers.training.optim import build_optimizer, clip_step_gradients, gradient_groups, prepare_parameter_dtypes
@@ -123,7 +124,8 @@ def train(config: dict) -> dict[str, Any]:
         teacher's output; ``None`` without teacher).
 
     Raises:
-        ValueError: invalid config (see :func:`load_config`), a dataset smaller than one batch,
+        ValueError: invalid config (see :func:`load_config`), an FSDP launch that would not shard
+            (:func:`~mhla_diffusers.training.fsdp.check_fsdp_setup`), a dataset smaller than one batch,
             ``resume`` without a complete checkpoint (or checkpoints without ``resume``), ``resume``
             with the latest checkpoint or the finished run (``train_summary.json``) past
             ``max_steps``, ``resume`` with a changed setting that shapes the trained parameters
@@ -221,8 +223,8 @@ class _Run:
 
     @property
     def fsdp(self) -> bool:
-        """FSDP (untested here: it needs GPUs): parameters are sharded across processes, so the main
-        process alone can neither evaluate nor export the wrapped model; see :func:`_final_model`."""
+        """FSDP2 (:mod:`~mhla_diffusers.training.fsdp`): parameters are sharded across processes, so the
+        main process alone can neither evaluate nor export the wrapped model; see :func:`_final_model`."""
         return self.accelerator.distributed_type == DistributedType.FSDP
 
     @property
@@ -232,7 +234,8 @@ class _Run:
 
 
 def _accelerator(t_cfg: Mapping, out: Path) -> Accelerator:
-    """A fresh ``Accelerator`` for this run; raises ``RuntimeError`` when it does not see every launched process."""
+    """A fresh ``Accelerator`` for this run; raises ``RuntimeError`` when it does not see every launched process,
+    ``ValueError`` for an FSDP launch it would not run as FSDP2 (:func:`check_fsdp_setup`)."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     # Several train() calls in one process (the demo, tests) may differ in mixed precision or
     # accumulation: forget the previous call's accelerate settings (the process group is kept).
@@ -258,6 +261,7 @@ def _accelerator(t_cfg: Mapping, out: Path) -> Accelerator:
             f"{world} processes were launched but accelerate set up {accelerator.num_processes}: they would train "
             "independently over the same output_dir. Check the accelerate config (finetune/accelerate/*.yaml)"
         )
+    check_fsdp_setup(accelerator)  # an FSDP config that would run as DDP / one process / FSDP1: refused
     return accelerator
 
 
@@ -332,18 +336,23 @@ def _build_optimization(run: _Run) -> None:
         eps=float(t_cfg["adam_eps"]),
     )
     run.trainable_params = [p for p in transformer.parameters() if p.requires_grad]
-    run.clip_groups = gradient_groups(transformer)  # clipped and logged one by one (clip_grad_norms_)
     # accelerate steps a prepared lr scheduler once per process per optimizer step.
     lr_scheduler = get_scheduler(
         t_cfg["lr_scheduler"], optimizer=optimizer,
         num_warmup_steps=int(t_cfg["warmup_steps"]) * accelerator.num_processes,
         num_training_steps=run.max_steps * accelerator.num_processes,
     )
+    wrap = set_fsdp_wrap(accelerator, transformer)  # FSDP: one unit per transformer block unless the config names one
+    if wrap:
+        accelerator.print(wrap)
     run.model, run.optimizer, run.lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
     run.num_parameters = sum(p.numel() for p in transformer.parameters())
-    # Gradient norms are clipped per group (clip_grad_norms_), except where accelerate clips sharded or
-    # engine-managed gradients itself: there the global norm is clipped (and logged as "all").
-    run.per_group_clip = accelerator.distributed_type not in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.XLA)
+    # Clipped and logged one by one (clip_grad_norms_). Taken after prepare: FSDP replaces the parameters
+    # by sharded ones (DTensors), and the groups must hold the parameters that receive the gradients.
+    run.clip_groups = gradient_groups(accelerator.unwrap_model(run.model))
+    # Per group everywhere (FSDP2 included: the norms of the gradient shards are reduced across processes),
+    # except where DeepSpeed / XLA manage the gradients: there the global norm is clipped (logged as "all").
+    run.per_group_clip = accelerator.distributed_type not in (DistributedType.DEEPSPEED, DistributedType.XLA)
     if run.fsdp and e_cfg["enabled"]:
         raise ValueError("ema.enabled with FSDP is not supported (the EMA would track parameter shards): use DDP or set ema.enabled=false")
     if e_cfg["enabled"]:

@@ -79,7 +79,7 @@ def training_loss(
         (those with a weight > 0).
     """
     recipe = parts.recipe
-    latents = recipe.latents(parts, batch, generator)
+    latents = recipe.latents(parts, batch, generator, rank=rank, world_size=world_size)  # posterior noise: global draw
     noise, draw, drop, random_labels = _step_draws(
         parts, latents, generator, rank=rank, world_size=world_size, dropout=dropout, condition=condition, num_classes=num_classes,
     )

@@ -153,6 +153,8 @@ def clip_grad_norms_(groups: Mapping[str, Sequence[torch.nn.Parameter]], max_nor
     ``torch.nn.utils.clip_grad_norm_`` does to all parameters at once), so one group's gradient
     spike leaves the others' as they are. ``max_norm`` 0 or ``None``: nothing is clipped, the norms
     are still measured. A group with a non-finite norm is not scaled (the caller skips the step).
+    Gradients may be FSDP2 shards (DTensors): DTensor's norm is then the whole gradient's, the same on
+    every process (a collective: every process calls this with the same groups).
 
     Args:
         groups: ``{name: parameters}`` (e.g. :func:`gradient_groups`); parameters without a
@@ -181,8 +183,8 @@ def clip_step_gradients(accelerator, model, groups: Mapping[str, Sequence[torch.
                     per_group: bool) -> dict[str, float]:
     """Unscale (fp16) and clip the gradients of one optimizer step; returns the norms before clipping.
 
-    ``per_group``: each of ``groups`` on its own (:func:`clip_grad_norms_`). Otherwise (FSDP, DeepSpeed,
-    XLA: accelerate clips sharded / engine-managed gradients itself) the global norm, as ``"all"``.
+    ``per_group``: each of ``groups`` on its own (:func:`clip_grad_norms_`; FSDP2's sharded gradients
+    included). Otherwise (DeepSpeed, XLA: engine-managed gradients) the global norm, as ``"all"``.
     """
     if per_group:
         accelerator.unscale_gradients()

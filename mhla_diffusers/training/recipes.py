@@ -33,7 +33,7 @@ from mhla_diffusers.training.optim import set_trainable
 
 __all__ = [
     "TrainingParts", "DiTRecipe", "SanaRecipe", "WanRecipe", "RECIPES", "get_recipe", "resolve_family", "build_models",
-    "check_resolution", "vae_scale_factor", "disable_internal_label_dropout", "select_expert",
+    "check_resolution", "vae_scale_factor", "disable_internal_label_dropout", "select_expert", "posterior_sample",
 ]
 
 
@@ -107,11 +107,37 @@ class TrainingParts:
         return get_recipe(self.family)
 
 
-def _encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """``vae.encode(pixels)`` -> fp32 latents times ``scaling_factor`` (KL: a posterior sample; DC-AE: ``.latent``)."""
+def posterior_sample(latent_dist, generator: torch.Generator | None = None, *, rank: int = 0, world_size: int = 1) -> torch.Tensor:
+    """A sample of a VAE posterior whose noise is drawn for the GLOBAL batch and sliced.
+
+    For diffusers' ``DiagonalGaussianDistribution`` (``mean + std * noise``, the KL autoencoders' and
+    Wan's posterior) the noise is drawn for ``world_size`` x the local batch from ``generator`` and
+    sample ``j`` of rank ``r`` takes global position ``j * world_size + r``, as the step's other draws
+    (:func:`~mhla_diffusers.training.losses.training_loss`): the same global batch gets the same
+    latents whatever the number of processes. One process: exactly ``latent_dist.sample(generator)``.
+    Other posteriors (e.g. the deterministic :class:`~mhla_diffusers.PointLatentDistribution`) sample
+    as they do.
+
+    Returns:
+        ``[B, ...]`` in the posterior's dtype.
+    """
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    if world_size == 1 or not isinstance(latent_dist, DiagonalGaussianDistribution):
+        return latent_dist.sample(generator=generator)
+    mean = latent_dist.mean
+    b = mean.shape[0]
+    noise = torch.randn((b * world_size,) + tuple(mean.shape[1:]), generator=generator, device=mean.device, dtype=mean.dtype)
+    return mean + latent_dist.std * noise[torch.arange(b, device=mean.device) * world_size + rank]
+
+
+def _encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None = None, *, rank: int = 0,
+                    world_size: int = 1) -> torch.Tensor:
+    """``vae.encode(pixels)`` -> fp32 latents times ``scaling_factor`` (KL: a posterior sample,
+    :func:`posterior_sample`; DC-AE: ``.latent``)."""
     out = vae.encode(pixels.to(vae.dtype))
     if hasattr(out, "latent_dist"):
-        z = out.latent_dist.sample(generator=generator)
+        z = posterior_sample(out.latent_dist, generator, rank=rank, world_size=world_size)
     elif hasattr(out, "latent"):
         z = out.latent
     else:
@@ -138,12 +164,14 @@ class _Recipe(abc.ABC):
         """Check the data against the model; returns ``[(module, attribute, value)]`` to restore before export."""
         return []
 
-    def latents(self, parts: TrainingParts, batch: Mapping, generator: torch.Generator | None = None) -> torch.Tensor:
-        """The clean latents of a batch: cached ``latents``, or the frozen vae on ``pixel_values``."""
+    def latents(self, parts: TrainingParts, batch: Mapping, generator: torch.Generator | None = None, *, rank: int = 0,
+                world_size: int = 1) -> torch.Tensor:
+        """The clean latents of a batch: cached ``latents``, or the frozen vae on ``pixel_values`` (a posterior
+        sample drawn for the global batch of ``world_size`` processes, :func:`posterior_sample`)."""
         if "latents" in batch:
             return batch["latents"].float()
         with torch.no_grad():
-            return _encode_latents(parts.vae, batch["pixel_values"], generator)
+            return _encode_latents(parts.vae, batch["pixel_values"], generator, rank=rank, world_size=world_size)
 
     @abc.abstractmethod
     def condition(self, parts, batch, drop, mode="dataset", random_labels=None) -> dict:
@@ -455,8 +483,9 @@ class WanRecipe(_TextRecipe):
             )
         return parts
 
-    def latents(self, parts, batch, generator=None):
-        """Normalised video latents ``[B, z, F', H/8, W/8]`` (``pixel_values`` ``[B, 3, F, H, W]`` or images ``[B, 3, H, W]``)."""
+    def latents(self, parts, batch, generator=None, *, rank=0, world_size=1):
+        """Normalised video latents ``[B, z, F', H/8, W/8]`` (``pixel_values`` ``[B, 3, F, H, W]`` or images
+        ``[B, 3, H, W]``); the posterior sample is drawn for the global batch (:func:`posterior_sample`)."""
         if "latents" in batch:
             return batch["latents"].float()
         pixels = batch["pixel_values"]
@@ -464,7 +493,7 @@ class WanRecipe(_TextRecipe):
             pixels = pixels.unsqueeze(2)
         vae = parts.vae
         with torch.no_grad():
-            z = vae.encode(pixels.to(vae.dtype)).latent_dist.sample(generator=generator).float()
+            z = posterior_sample(vae.encode(pixels.to(vae.dtype)).latent_dist, generator, rank=rank, world_size=world_size).float()
         shape = (1, vae.config.z_dim) + (1,) * (z.ndim - 2)
         mean = torch.tensor(vae.config.latents_mean, device=z.device, dtype=z.dtype).view(shape)
         std = torch.tensor(vae.config.latents_std, device=z.device, dtype=z.dtype).view(shape)
