@@ -77,8 +77,8 @@ class _Log:
         self.path = path
         self.test = "<collection>"
 
-    def write(self, where: str, kind: str, observed: float, bound: float) -> None:
-        record = {"test": self.test, "where": where, "kind": kind, "observed": observed, "bound": bound}
+    def write(self, where: str, kind: str, observed: float, bound: float, source: str = "library") -> None:
+        record = {"test": self.test, "where": where, "kind": kind, "observed": observed, "bound": bound, "source": source}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -111,7 +111,7 @@ def _wrap(log: _Log, fn, default_rtol: float, default_atol: float, keyword_rtol=
     def wrapped(actual, expected, *args, **kwargs):
         where = _caller()
         result = fn(actual, expected, *args, **kwargs)
-        if where is not None:
+        if where is not None and result is not False:  # False: a check that two things differ
             rtol = kwargs.get(keyword_rtol, args[0] if args else None)
             atol = kwargs.get(keyword_atol, args[1] if len(args) > 1 else None)
             rtol = default_rtol if rtol is None else rtol
@@ -171,7 +171,7 @@ class Plugin:
     def pytest_assertion_pass(self, item, lineno, orig, expl):
         where = f"{os.path.relpath(str(item.path), _TESTS)}:{lineno}"
         for kind, observed, bound in comparisons(expl):
-            self.log.write(where, kind, observed, bound)
+            self.log.write(where, kind, observed, bound, "assert")
 
 
 def margin(kind: str, observed: float, bound: float) -> float:
@@ -179,6 +179,23 @@ def margin(kind: str, observed: float, bound: float) -> float:
     if kind == "upper":
         return math.inf if observed <= 0 else bound / observed
     return math.inf if bound <= 0 else observed / bound
+
+
+def _is_tolerance(record: dict) -> bool:
+    """A comparison of a computed error with a tolerance, not a count, a budget or a negative check.
+
+    Library comparisons are recorded with bound 1 (the share of their allowance); a share above 1 is a
+    ``not torch.allclose(...)`` (a check that two things differ), which is no tolerance. Parsed
+    upper bounds above 0.1 are limits of another kind (budgets, counts, ratios).
+    """
+    observed, bound = float(record["observed"]), float(record["bound"])
+    if observed.is_integer() and bound.is_integer():
+        return False
+    if record.get("source") == "assert" and record["kind"] == "upper":
+        return bound <= 0.1
+    if record["kind"] == "upper" and bound == 1.0:
+        return observed <= 1.0
+    return record["kind"] == "lower" or bound <= 0.1
 
 
 def merge(paths: list[str]) -> dict[tuple[str, str, str], dict]:
@@ -189,7 +206,7 @@ def merge(paths: list[str]) -> dict[tuple[str, str, str], dict]:
             record = json.loads(line)
             if not all(math.isfinite(record[k]) for k in ("observed", "bound")):
                 continue
-            if all(float(record[k]).is_integer() for k in ("observed", "bound")):  # a count, not a tolerance
+            if not _is_tolerance(record):
                 continue
             key = (record["test"], record["where"], record["kind"])
             record["margin"] = margin(record["kind"], record["observed"], record["bound"])

@@ -4,6 +4,7 @@ import copy
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -334,8 +335,9 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
     Tolerance: the same samples, noise and timesteps reach both runs (draws are made for the global
     batch and sliced per rank); only the summation order of the gradient differs (two per-rank means
     averaged by all-reduce vs one mean over 8), ~1 ulp per gradient entry. Adam turns that into
-    weight differences of order lr * 1e-7 per step; atol 1e-5 after 4 steps leaves a margin of 100x
-    over what was measured (4.5e-8) while a single different sample or noise draw moves weights by >1e-3.
+    weight differences of order lr * 1e-7 per step; atol 1e-5 after 4 steps leaves a wide margin while a
+    single different sample or noise draw moves weights by >1e-3. The exception, softmax layers' key bias
+    (no gradient at all: Adam amplifies the noise), is named below.
     """
     sections = dict(mhla={"layers": "hybrid", "num_blocks": 4}, data={"crops_per_image": 8, "batch_size": 4},
                     train={"max_steps": 4, "gradient_accumulation_steps": 1, "warmup_steps": 2})
@@ -352,8 +354,15 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
     assert one["batch_size"] == 8
     a, b = _final_tensors(tmp_path / "one"), _final_tensors(tmp_path / "two")
     assert a.keys() == b.keys()
+    # A softmax layer's key bias gets no gradient (softmax is invariant to adding q . b to every score): its
+    # gradient is rounding noise, which Adam turns into steps of up to lr in either direction. Those weights
+    # are compared to within 2 lr per step; every other weight to 1e-5.
+    mhla_layers = json.loads((tmp_path / "one" / "final" / "transformer" / "mhla_config.json").read_text())["layers"]
+    key_biases = {k: re.search(r"blocks\.(\d+)\.attn1\.to_k\.bias$", k) for k in a}
+    noise_only = [k for k, m in key_biases.items() if m and int(m[1]) not in mhla_layers]
+    assert noise_only  # the hybrid keeps softmax layers
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5, msg=k)
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=2 * 1e-3 * 4 if k in noise_only else 1e-5, msg=k)
     la, lb = read_loss_csv(tmp_path / "one" / "loss.csv"), read_loss_csv(tmp_path / "two" / "loss.csv")
     assert [r[0] for r in la] == [r[0] for r in lb]
     for ra, rb in zip(la, lb):
