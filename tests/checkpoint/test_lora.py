@@ -64,7 +64,7 @@ def test_merge_unload_save_load(index, tmp_path):
     lora.unload_lora_(unloaded)
     assert torch.equal(run(unloaded, inputs), base)
     lora.load_lora(unloaded, tmp_path / "adapter")
-    torch.testing.assert_close(run(unloaded, inputs), adapted, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(run(unloaded, inputs), adapted, rtol=1e-4, atol=1e-5)
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
         lora.load_lora(copy.deepcopy(merged), tmp_path)
 

@@ -104,8 +104,8 @@ def test_compiled_operator_matches_eager(backend, variant):
     (out_e, grads_e), (out_c, grads_c) = results
     assert out_c.shape == out_e.shape and out_c.dtype == out_e.dtype
     torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
-    for a, b in zip(grads_c, grads_e):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads_c, grads_e):  # inductor fuses the backward's reductions its own way: fp32 at 1e-4
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_compiled_operator_keeps_diffusers_layout_and_no_grad():
@@ -176,7 +176,7 @@ def test_compiled_dit_training_step_matches_eager():
     mixing_seen = 0
     for name, p in model.named_parameters():
         q = named[name]  # module.compile() compiles in place: same names
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5)
         mixing_seen += "mhla_mixing" in name and p.grad.abs().max() > 0
     assert mixing_seen == 1  # the hybrid's one MHLA layer of two got a mixing gradient
 

@@ -25,7 +25,8 @@ import mhla_diffusers
 from mhla_diffusers.models.parallel import communication_bytes, context_parallel_plan, cpu_device_mesh, shard_sizes
 
 ROOT = Path(__file__).resolve().parents[2]
-TOL = 1e-5
+TOL = 1e-5  # outputs (fp32, relative); gradients sum more terms in another order: GRAD_TOL
+GRAD_TOL = 1e-4
 
 
 def _torchrun(nproc: int, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -60,7 +61,7 @@ def _exchanges(case: dict, direction: str, kind: str = "all_reduce") -> list[int
 def _check_exact(case: dict, grads: bool = True) -> None:
     assert case["output"] < TOL, case["output"]
     if grads:
-        assert case["grads"] and max(case["grads"].values()) < TOL, case["grads"]
+        assert case["grads"] and max(case["grads"].values()) < GRAD_TOL, case["grads"]
 
 
 def test_wan_oneliner_ring_output_gradients_and_bytes(results):

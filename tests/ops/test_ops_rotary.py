@@ -228,7 +228,7 @@ def test_interleaved_rotary_equals_the_slice_formula(dtype):
     expected = make_rotary(n, d)(x)
     got = rot(x.to(dtype))
     assert got.dtype == dtype and got.shape == x.shape
-    assert rel_err(got, expected) <= {torch.float64: 1e-15, torch.float32: 1e-6, torch.float16: 2e-3}[dtype]
+    assert rel_err(got, expected) <= {torch.float64: 1e-14, torch.float32: 1e-6, torch.float16: 5e-3}[dtype]
     assert (rot.num_tokens, rot.head_dim) == (n, d)
     c32, s32 = rot.tables(torch.device("cpu"))
     assert c32.dtype == torch.float32 and c32.is_contiguous() and torch.equal(c32, cos.float()) and torch.equal(s32, sin.float())

@@ -18,7 +18,7 @@ def test_flow_matching_inputs_follow_the_rectified_flow_formulas():
     view = sigma.view(-1, 1, 1, 1)
     torch.testing.assert_close(noisy, (1 - view) * x0 + view * noise, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(target, noise - x0)
-    torch.testing.assert_close(weights, sigma ** -2.0, rtol=1e-4, atol=0)
+    torch.testing.assert_close(weights, sigma ** -2.0, rtol=1e-3, atol=0)
     pred = target + 1.0
     assert Objective.loss(pred, target) == pytest.approx(1.0)
     assert Objective.loss(pred, target, weights) == pytest.approx(float(weights.mean()), rel=1e-5)
