@@ -163,6 +163,9 @@ class Family:
     max_grid: Callable[[dict], tuple[int, int, int]] | None = None
     fsdp_blocks: bool = True
 
+    def __reduce__(self):  # a registry entry: copies and pickles stand for the registered family itself
+        return get_family, (self.name,)
+
     def __post_init__(self):
         if self.attention_output_dtype not in ("query", "input"):
             raise ValueError(f"attention_output_dtype must be 'query' or 'input'; got {self.attention_output_dtype!r}")
@@ -452,13 +455,17 @@ def block_grid_preset_names() -> set[str]:
     return {name for f in FAMILIES.values() for name, _ in f.block_grid_presets}
 
 
+def supported_model_classes() -> list[str]:
+    """The class names of the transformers MHLA supports, sorted."""
+    return sorted(_BY_CLASS)
+
+
 def family_of(model: nn.Module) -> Family:
     """Like :func:`find_family` but raises ``ValueError`` naming the supported classes."""
     family = find_family(model)
     if family is None:
-        supported = sorted(_BY_CLASS)
         raise ValueError(
-            f"{type(model).__name__} is not a supported transformer; MHLA supports {supported}. "
+            f"{type(model).__name__} is not a supported transformer; MHLA supports {supported_model_classes()}. "
             f"Pass the pipeline's transformer (pipe.transformer), not the pipeline."
         )
     return family

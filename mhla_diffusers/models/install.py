@@ -123,6 +123,7 @@ def apply_mhla(
         backend=backend,
         output_norm=output_norm,
         feature_eps=feature_eps,
+        family=family,  # a layer called on its own (outside the model's forward) follows its family too
     )
     resolved = processor.resolve_block_grid(reference, family)
     processor.block_grid, processor.block_grid_preset = resolved, None

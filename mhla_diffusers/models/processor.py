@@ -8,6 +8,7 @@ map, numerator only), optionally a per-head RMSNorm on the output, project out.
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from functools import lru_cache
@@ -18,6 +19,7 @@ from diffusers.models.attention_processor import AttnProcessor2_0
 from torch import nn
 
 from mhla_diffusers.models.families import (
+    FAMILIES,
     attention_family,
     attention_modules,
     block_grid_preset_names,
@@ -25,6 +27,7 @@ from mhla_diffusers.models.families import (
     find_family,
     get_family,
     self_attention_modules,
+    supported_model_classes,
 )
 from mhla_diffusers.models.grid import (
     GridReader,
@@ -441,8 +444,10 @@ class MHLAProcessor(GridReader, nn.Module):
         model = current_model()
         if model is None:
             raise RuntimeError(
-                "this attention layer has no MHLA mixing matrix yet and no supported transformer is running; "
-                "install MHLA with mhla_diffusers.apply_mhla(transformer) (creates the matrices before training)"
+                f"this attention layer has no MHLA mixing matrix yet and runs outside a supported transformer: MHLA "
+                f"supports {supported_model_classes()} (another class is refused, never run by guess: its attention "
+                "may differ, e.g. q/k norms over all heads). In a supported transformer, install MHLA with "
+                "mhla_diffusers.apply_mhla(transformer)"
             )
         running = family_of(model)
         if not model.__dict__.get(_SOURCE_CHECKED):  # once per model, before its first matrix exists
@@ -482,8 +487,9 @@ class MHLAProcessor(GridReader, nn.Module):
                 )
             raise RuntimeError(
                 f"MHLA does not know the token grid of this call ({num_tokens} tokens) and never guesses it. "
-                "Run the layer inside a supported transformer's forward (apply_mhla / set_attn_processor "
-                "install the hooks), or wrap the call in `with mhla_diffusers.token_grid((T, H, W)):`."
+                f"Run the layer inside the forward of a supported transformer ({supported_model_classes()}; "
+                "apply_mhla / set_attn_processor install the hooks; another class is refused), or wrap the call in "
+                "`with mhla_diffusers.token_grid((T, H, W)):`."
             )
         if grid[0] * grid[1] * grid[2] != num_tokens and context_shard(num_tokens, grid[0] * grid[1] * grid[2]) is None:
             raise RuntimeError(
@@ -574,6 +580,8 @@ class MHLAProcessor(GridReader, nn.Module):
             The layer output, shaped and typed as the stock processor's.
         """
         family = self._family(attn)
+        if encoder_hidden_states is None and not getattr(attn, "is_cross_attention", False):
+            _check_stock_arguments(family, args, kwargs, temb=temb, rotary_emb=rotary_emb)
         if args:
             positional = family is not None and family.processor_call == "positional"
             if positional:
@@ -600,6 +608,8 @@ class MHLAProcessor(GridReader, nn.Module):
         if getattr(attn, "group_norm", None) is not None:
             hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
         batch, num_tokens, _ = hidden_states.shape
+        mixing = self._mixing(attn, family)  # before any computation: refused outside a supported transformer
+        grid = self._grid(attn, num_tokens)
 
         # the layer's own projections and q/k norms, where its stock processor applies them
         if getattr(attn, "fused_projections", False) and hasattr(attn, "to_qkv"):
@@ -625,8 +635,6 @@ class MHLAProcessor(GridReader, nn.Module):
             extra["rotary"] = family.rotary(rotary_emb)
 
         # MHLA over the blocks of this call's token grid (phi = ReLU, fp32 accumulation)
-        mixing = self._mixing(attn, family)
-        grid = self._grid(attn, num_tokens)
         shard = context_shard(num_tokens, grid[0] * grid[1] * grid[2], attn.heads)  # None unless under context parallelism
         layout, weight = self._blocks(mixing, grid, family)
         eps = self.eps if self.eps is not None else (1e-6 if family is None else family.default_eps)
@@ -660,6 +668,55 @@ class MHLAProcessor(GridReader, nn.Module):
             hidden_states = hidden_states + residual
         rescale = getattr(attn, "rescale_output_factor", 1.0)
         return hidden_states if rescale == 1.0 else hidden_states / rescale
+
+
+class _StockSignature:
+    """What a stock self-attention processor's ``__call__`` accepts after ``attn`` (read from its signature)."""
+
+    def __init__(self, processor):
+        params = list(inspect.signature(processor.__call__).parameters.values())[1:]  # after attn
+        kinds = inspect.Parameter
+        self.owner = type(processor).__name__
+        self.positional = tuple(p.name for p in params if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD))
+        self.keywords = frozenset(p.name for p in params if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY))
+        self.var_positional = any(p.kind == kinds.VAR_POSITIONAL for p in params)
+        self.var_keyword = any(p.kind == kinds.VAR_KEYWORD for p in params)
+
+
+def _read_stock_signatures() -> dict[str, _StockSignature]:
+    """Every family's stock self-attention signature by family name (``""``: the generic path, AttnProcessor2_0),
+    read once at import so that a traced call only looks one up."""
+    signatures = {name: _StockSignature(family.stock_self_processor()) for name, family in FAMILIES.items()}
+    signatures[""] = _StockSignature(AttnProcessor2_0())
+    return signatures
+
+
+def _check_stock_arguments(family, args: tuple, kwargs: dict, **named) -> None:
+    """Refuse the arguments that the family's stock self-attention processor would refuse.
+
+    ``args`` are the positional arguments after ``attention_mask``, ``kwargs`` the other keywords and
+    ``named`` the keywords :meth:`MHLAProcessor.__call__` names itself (``temb``, ``rotary_emb``; ``None``
+    = not given). DiT's ``AttnProcessor2_0`` takes (and ignores) anything; SANA's and Wan's processors
+    take a fixed list, so a misspelt keyword or an extra positional argument is an error there.
+
+    Raises:
+        TypeError: as Python's own for the stock ``__call__``: too many positional arguments, an
+            unexpected keyword, or one argument given twice.
+    """
+    signature = _STOCK_SIGNATURES["" if family is None else family.name]
+    given = 3 + len(args)  # hidden_states, encoder_hidden_states, attention_mask, *args
+    where = f"{signature.owner}.__call__ (MHLAProcessor takes what this layer's stock processor takes)"
+    if given > len(signature.positional) and not signature.var_positional:
+        raise TypeError(f"{where} takes {len(signature.positional)} positional arguments after attn but {given} were given")
+    keywords = list(kwargs) + [name for name, value in named.items() if value is not None]
+    for name in keywords:
+        if name not in signature.keywords and not signature.var_keyword:
+            raise TypeError(f"{where} got an unexpected keyword argument {name!r}")
+        if name in signature.positional[:given]:
+            raise TypeError(f"{where} got multiple values for argument {name!r}")
+
+
+_STOCK_SIGNATURES = _read_stock_signatures()
 
 
 @torch.compiler.disable  # first call under torch.compile: built outside the graph, then read from the cache

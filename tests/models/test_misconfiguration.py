@@ -343,3 +343,108 @@ def test_stock_loaded_converted_pipeline_warns_in_the_generation_helpers(tmp_pat
         ours = load_mhla_pipeline(folder)
         generate_class_images(folder, [1], steps=1, pipe=ours, device="cpu")
     assert log.messages == []
+
+
+# -- call arguments and unknown transformers (issue 19, section 3) ------------------------------------
+
+
+def _layer_calls(attn, *args, **kwargs):
+    """``attn.processor(attn, *args, **kwargs)``'s exception type (or ``None``) and message."""
+    try:
+        attn.processor(attn, *args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - the type is what is compared
+        return type(err), str(err)
+    return None, ""
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda hs, r: ((hs,), {"rotary_emb": r, "attention_maks": None}), id="misspelt-keyword"),
+        pytest.param(lambda hs, r: ((hs, None, None, r, 5), {}), id="extra-positional"),
+        pytest.param(lambda hs, r: ((hs, None, None, r), {"rotary_emb": r}), id="rotary-twice"),
+    ],
+)
+def test_wan_processor_refuses_what_the_stock_processor_refuses(call):
+    model = tiny_wan(num_layers=1)
+    inputs = wan_inputs(batch=1, frames=1)
+    stock_attn = wan_self_attn(model)[0]
+    hidden = torch.randn(1, 16, 24)
+    rotary = model.rope(inputs["hidden_states"])
+    args, kwargs = call(hidden, rotary)
+    stock_type, _ = _layer_calls(stock_attn, *args, **kwargs)
+    apply_mhla(model, num_blocks=4)
+    with torch.no_grad(), mhla_diffusers.token_grid((1, 4, 4)):
+        mhla_type, message = _layer_calls(wan_self_attn(model)[0], *args, **kwargs)
+        assert _layer_calls(wan_self_attn(model)[0], hidden, None, None, rotary) == (None, "")  # the stock call
+    assert stock_type is TypeError and mhla_type is TypeError, message
+    assert "WanAttnProcessor.__call__" in message
+
+
+def test_misspelt_keyword_through_the_wan_attention_module():
+    model = tiny_wan(num_layers=1)
+    rotary = model.rope(wan_inputs(batch=1, frames=1)["hidden_states"])
+    apply_mhla(model, num_blocks=4)
+    with torch.no_grad(), mhla_diffusers.token_grid((1, 4, 4)), pytest.raises(TypeError, match="attention_maks"):
+        wan_self_attn(model)[0](torch.randn(1, 16, 24), rotary_emb=rotary, attention_maks=None)
+
+
+def test_sana_and_dit_processors_take_what_their_stock_processors_take():
+    """SANA's stock processor has a fixed signature (a misspelt keyword or a ``temb`` is a TypeError);
+    DiT's ``AttnProcessor2_0`` takes ``*args, **kwargs`` and ignores them: MHLA does the same."""
+    sana, dit = tiny_sana(num_layers=1), tiny_dit(num_layers=1)
+    hidden = {
+        name: torch.randn(1, 16, attn.to_q.in_features)
+        for name, attn in (("sana", sana_self_attn(sana)[0]), ("dit", self_attn(dit)[0]))
+    }
+    stock = {
+        name: [_layer_calls(attn, hidden[name], **kw) for kw in ({"bogus": 1}, {"temb": None}, {"temb": hidden[name]})]
+        for name, attn in (("sana", sana_self_attn(sana)[0]), ("dit", self_attn(dit)[0]))
+    }
+    apply_mhla(sana, num_blocks=4)
+    apply_mhla(dit, num_blocks=4)
+    with torch.no_grad(), mhla_diffusers.token_grid((4, 4)):
+        for name, attn in (("sana", sana_self_attn(sana)[0]), ("dit", self_attn(dit)[0])):
+            ours = [_layer_calls(attn, hidden[name], **kw) for kw in ({"bogus": 1}, {"temb": None}, {"temb": hidden[name]})]
+            # temb=None is "not given" to MHLAProcessor (its own keyword, default None): the one call it takes more
+            expected = [t for t, _ in stock[name]]
+            assert [t for t, _ in ours] == expected[:1] + [None] + expected[2:], (name, ours, stock[name])
+    assert [t for t, _ in stock["sana"]] == [TypeError, TypeError, TypeError]
+    assert [t for t, _ in stock["dit"]] == [None, None, None]
+
+
+def test_unknown_transformer_is_refused_before_any_computation():
+    """The bare one-liner on a class MHLA does not know (SANA-Video): refused at the first forward, naming
+    the supported classes, before the layer's projections run (it died in attn.norm_q before)."""
+    from diffusers import SanaVideoTransformer3DModel
+
+    torch.manual_seed(0)
+    model = SanaVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12, num_layers=1,
+        num_cross_attention_heads=2, cross_attention_head_dim=12, cross_attention_dim=24, caption_channels=8,
+        sample_size=8, patch_size=(1, 2, 2),
+    ).eval()
+    model.set_attn_processor(MHLAProcessor(num_blocks=1))
+    projected = []
+    model.transformer_blocks[0].attn1.to_q.register_forward_hook(lambda *_: projected.append(1))
+    inputs = dict(
+        hidden_states=torch.randn(1, 4, 2, 8, 8), encoder_hidden_states=torch.randn(1, 3, 8), timestep=torch.tensor([1.0])
+    )
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"outside a supported transformer.*SanaTransformer2DModel"):
+        model(**inputs)
+    assert not projected
+    with pytest.raises(ValueError, match="SanaVideoTransformer3DModel is not a supported transformer"):
+        materialize_mhla(model)
+
+
+def test_assigning_a_stock_processor_is_refused_by_torch_and_set_processor_works():
+    """What the README says of ``attn.processor = <stock>``: torch's TypeError; ``set_processor`` replaces it."""
+    from diffusers.models.attention_processor import SanaLinearAttnProcessor2_0
+
+    model = tiny_sana(num_layers=1)
+    apply_mhla(model, num_blocks=4)
+    attn = sana_self_attn(model)[0]
+    with pytest.raises(TypeError, match="cannot assign"):
+        attn.processor = SanaLinearAttnProcessor2_0()
+    attn.set_processor(SanaLinearAttnProcessor2_0())
+    assert not mhla_diffusers.is_mhla_model(model)
