@@ -30,10 +30,11 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from mhla_diffusers.checkpoint.io import atomic_output, atomic_write_json
+from mhla_diffusers.checkpoint.safetensors_file import load_safetensors
 
 __all__ = [
     "DEFAULT_TARGET_MODULES",
@@ -294,7 +295,7 @@ def load_lora(model: nn.Module, folder: str | os.PathLike) -> None:
         model.add_adapter(config, adapter_name=_ADAPTER)
     else:
         inject_adapter_in_model(config, model, adapter_name=_ADAPTER)
-    tensors = load_file(str(folder / _WEIGHTS_FILE))
+    tensors = load_safetensors(folder / _WEIGHTS_FILE, "LoRA weights")
     expected = set(lora_state_dict(model))
     missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
     if missing or unexpected:

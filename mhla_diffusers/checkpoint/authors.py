@@ -43,17 +43,10 @@ from pathlib import Path
 
 import torch
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from mhla_diffusers.checkpoint.conversion import _load_failure, _pipeline_around, _single_file_target
-from mhla_diffusers.checkpoint.format import (
-    MHLACheckpointError,
-    check_loaded,
-    read_safetensors_header,
-    save_mhla_pipeline,
-    save_mhla_transformer,
-)
+from mhla_diffusers.checkpoint.format import check_loaded, save_mhla_pipeline, save_mhla_transformer
+from mhla_diffusers.checkpoint.safetensors_file import MHLACheckpointError, load_safetensors
 from mhla_diffusers.models.families import family_of, self_attention_modules
 from mhla_diffusers.models.install import apply_mhla, mhla_spec
 
@@ -98,7 +91,7 @@ def _listed(keys) -> str:
 def read_authors_state_dict(path: str | os.PathLike, state_dict_key: str | None = None) -> dict[str, torch.Tensor]:
     """The flat ``{key: tensor}`` state dict of the authors' checkpoint file, in their key names.
 
-    Reads ``.safetensors`` (its header checked first, :func:`~mhla_diffusers.checkpoint.format.read_safetensors_header`)
+    Reads ``.safetensors`` (its header checked first, :func:`~mhla_diffusers.checkpoint.safetensors_file.read_safetensors_header`)
     or a pickled ``.pth`` / ``.pt`` / ``.bin`` / ``.ckpt`` with ``torch.load(weights_only=True)``: tensors,
     containers and plain values only, plus, for this call alone, the numpy types of ``np.random.get_state()``
     that their DDP training checkpoint pickles beside the weights (:func:`_torch_load_weights`); nothing else is
@@ -127,12 +120,9 @@ def read_authors_state_dict(path: str | os.PathLike, state_dict_key: str | None 
 
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
-        read_safetensors_header(path)
-        return load_file(str(path))
+        return load_safetensors(path, "the authors' checkpoint")
     except MHLACheckpointError as err:
         raise AuthorsCheckpointError(str(err)) from err
-    except SafetensorError as err:
-        raise AuthorsCheckpointError(f"{path} is not a readable safetensors file: {err}") from err
 
 
 def _numpy_rng_globals() -> list:

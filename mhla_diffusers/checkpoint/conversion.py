@@ -59,7 +59,7 @@ def stored_dtype(path: str | os.PathLike) -> torch.dtype | None:
 
     Raises:
         MHLACheckpointError: a file that is not a readable safetensors file (see
-            :func:`~mhla_diffusers.checkpoint.format.read_safetensors_header`).
+            :func:`~mhla_diffusers.checkpoint.safetensors_file.read_safetensors_header`).
     """
     path = Path(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path] if path.suffix == ".safetensors" else []
@@ -259,9 +259,10 @@ def _load_source(src: str, torch_dtype: torch.dtype | None, config: str | None =
         raise FileNotFoundError(f"{src} does not exist (and does not look like a Hub id 'owner/name')")
     try:
         return DiffusionPipeline.from_pretrained(src, **_dtype_kwargs(torch_dtype)), None
-    except OSError as err:
-        raise OSError(
-            f"could not load {src!r} from the Hugging Face Hub or its local cache ({err}). Offline "
+    except OSError as err:  # FileNotFoundError (an OSError): the command lines' exit 2 with one line
+        cause = " ".join(str(err).split())
+        raise FileNotFoundError(
+            f"could not load {src!r} from the Hugging Face Hub or its local cache ({cause}). Offline "
             "(HF_HUB_OFFLINE=1) only cached repositories load; pass a local folder instead."
         ) from err
 

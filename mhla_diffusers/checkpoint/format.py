@@ -68,13 +68,14 @@ import torch
 from diffusers import DiffusionPipeline
 from diffusers.configuration_utils import FrozenDict
 from huggingface_hub import try_to_load_from_cache
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 import mhla_diffusers
 from mhla_diffusers.checkpoint.adapter import describe_lora, has_lora, load_lora, lora_is_fused, lora_merged
 from mhla_diffusers.checkpoint.io import atomic_directory
+from mhla_diffusers.checkpoint.safetensors_file import MHLACheckpointError, load_safetensors, read_safetensors_header
+from mhla_diffusers.checkpoint.safetensors_file import is_int as _is_int
 from mhla_diffusers.models.families import FAMILIES, family_of, self_attention_modules
 from mhla_diffusers.models.install import (
     apply_mhla,
@@ -116,10 +117,6 @@ __all__ = [
 
 MHLA_WEIGHTS_NAME = "mhla.safetensors"
 FORMAT_VERSION = 1
-
-
-class MHLACheckpointError(ValueError):
-    """A checkpoint (a converted one, or the source of a conversion) is missing, corrupted or does not match the model."""
 
 
 # -- writing --------------------------------------------------------------------------------------
@@ -505,95 +502,6 @@ def save_mhla_pipeline(
 
 
 # -- reading --------------------------------------------------------------------------------------
-# Bytes per element of the safetensors dtype names (the format's own table); names not listed are not size-checked.
-_SAFETENSORS_ITEM_SIZES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}
-_SAFETENSORS_MAX_HEADER = 100_000_000  # bytes: safetensors itself refuses a larger header
-
-
-def read_safetensors_header(path: str | os.PathLike) -> dict:
-    """The header of a ``.safetensors`` file, checked, without reading the tensor data.
-
-    The file is an 8-byte little-endian header length ``n``, ``n`` bytes of JSON
-    (``{name: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, "__metadata__": {str: str}}``),
-    then the data, which the offsets (relative to the data's start) must tile exactly. At most ``8 + n``
-    bytes are read, and ``n`` is checked against the file's size first.
-
-    Returns:
-        The header as stored (``"__metadata__"`` included when present).
-
-    Raises:
-        FileNotFoundError: no such file.
-        MHLACheckpointError: one line naming the file and the fault: shorter than 8 bytes, a header length
-            past the end of the file (truncated, or not a safetensors file), a header that is not a UTF-8
-            JSON object of tensor entries, an entry without a dtype, a shape of non-negative integers or
-            two data offsets, offsets outside the data or not tiling it (truncated), or a byte length that
-            is not the dtype's size times the number of elements.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist")
-
-    def bad(what: str) -> MHLACheckpointError:
-        return MHLACheckpointError(f"{path} is not a readable safetensors file: {what}")
-
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < 8:
-            raise bad(f"it holds {size} bytes, fewer than the 8 of the header length")
-        head = f.read(8)
-        if head == b"version " and f.read(16) == b"https://git-lfs.":
-            raise bad("it is a Git LFS pointer, not the weights (fetch them: git lfs pull)")
-        f.seek(8)
-        n = int.from_bytes(head, "little")
-        if n > size - 8:
-            raise bad(f"its header length field says {n} bytes, but {size - 8} follow it (a truncated file, or not safetensors)")
-        if n > _SAFETENSORS_MAX_HEADER:
-            raise bad(f"its header length field says {n} bytes, more than the {_SAFETENSORS_MAX_HEADER} safetensors allows")
-        raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as err:
-        raise bad(f"its {n}-byte header is not UTF-8 JSON ({err})") from err
-    if not isinstance(header, dict):
-        raise bad(f"its header is a JSON {type(header).__name__}, not an object of tensor entries")
-    metadata = header.get("__metadata__", {})
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise bad("its __metadata__ is not an object of strings")
-    _check_tensor_entries({k: v for k, v in header.items() if k != "__metadata__"}, size - 8 - n, bad)
-    return header
-
-
-def _check_tensor_entries(entries: dict, data_size: int, bad) -> None:
-    """Each entry well formed, its byte length that of its dtype and shape, the offsets tiling ``[0, data_size)``."""
-    spans = []
-    for name, info in entries.items():
-        offsets, shape = (info.get("data_offsets"), info.get("shape")) if isinstance(info, dict) else (None, None)
-        if (not isinstance(info, dict) or not isinstance(info.get("dtype"), str)
-                or not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape)
-                or not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)):
-            raise bad(f"its entry {name!r} is not {{dtype, shape, data_offsets: [begin, end]}}")
-        begin, end = offsets
-        if not 0 <= begin <= end <= data_size:
-            raise bad(f"tensor {name!r} lies at bytes {begin}..{end} of a data section of {data_size} bytes (a truncated file)")
-        item = _SAFETENSORS_ITEM_SIZES.get(info["dtype"])
-        count = 1
-        for d in shape:
-            count *= d
-        if item is not None and end - begin != count * item:
-            raise bad(f"tensor {name!r} ({info['dtype']}, shape {tuple(shape)}) needs {count * item} bytes, its offsets give {end - begin}")
-        spans.append((begin, end, name))
-    position = 0
-    for begin, end, name in sorted(spans):
-        if begin != position:
-            raise bad(f"its tensors do not tile the data: {name!r} begins at byte {begin}, the data before it ends at {position}")
-        position = end
-    if position != data_size:
-        raise bad(f"its tensors cover {position} bytes of a data section of {data_size} (extra bytes at the end)")
-
-
 def transformer_folder(path: str | os.PathLike) -> Path:
     """The folder holding the transformer's ``config.json``: ``path`` itself or ``path/transformer``.
 
@@ -641,10 +549,6 @@ def read_mhla_config(path: str | os.PathLike) -> dict | None:
             raise MHLACheckpointError(f"{config_file} lacks the key {key!r}")
     _validate_config(config, config_file)
     return config
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _validate_config(config: dict, config_file: Path) -> None:
@@ -831,11 +735,7 @@ def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike, expecte
     path = Path(folder) / MHLA_WEIGHTS_NAME
     if not path.is_file():
         raise MHLACheckpointError(f"{path} is missing: the MHLA mixing matrices of this checkpoint are lost")
-    read_safetensors_header(path)
-    try:
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise MHLACheckpointError(f"{path} is corrupted or not a safetensors file: {err}") from err
+    tensors = load_safetensors(path, "MHLA weights")
     params = _mhla_parameters(transformer)
     meta = [key for key, param in params.items() if param.is_meta]
     if meta:  # copy_ into a meta tensor is a no-op: the model would keep no values

@@ -21,10 +21,12 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
+
+from mhla_diffusers.checkpoint.safetensors_file import load_safetensors
 
 __all__ = ["module_fingerprint", "cache_key", "build_cache", "CachedDataset", "is_complete"]
 
@@ -152,7 +154,7 @@ class CachedDataset(Dataset):
         if not -self.length <= index < self.length:
             raise IndexError(f"index {index} out of range for a cache of {self.length} items")
         index %= self.length
-        item: dict = dict(load_file(str(_item_path(self.folder, index))))
+        item: dict = dict(load_safetensors(_item_path(self.folder, index), "cached training item"))
         if self.extra is not None:
             item.update(self.extra(index))
         return item

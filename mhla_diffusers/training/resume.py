@@ -13,6 +13,8 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from mhla_diffusers.checkpoint.safetensors_file import read_safetensors_header
+
 TRAIN_STATE = "train_state.json"
 EMA_WEIGHTS = "ema.safetensors"
 SUMMARY = "train_summary.json"
@@ -95,6 +97,7 @@ def _load_ema(ema, folder: Path) -> None:
     path = folder / EMA_WEIGHTS
     if not path.is_file():
         raise ValueError(f"{path} is missing: the checkpoint was written without EMA; set ema.enabled=false or start a new run")
+    read_safetensors_header(path)  # a damaged file: one line naming it
     with safe_open(str(path), framework="pt") as f:
         keys = sorted(f.keys())
         if len(keys) != len(ema.shadow_params):

@@ -137,3 +137,21 @@ def test_trainer_lora_run_trains_only_adapters_and_mixing(tmp_path):
     mhla_diffusers.apply_mhla(fresh, layers="all", num_blocks=4)
     init = {n: p for n, p in fresh.state_dict().items() if "mhla_mixing" in n}
     assert any(not torch.equal(mixing[k], init[k]) for k in mixing)  # the mixing matrices trained
+
+
+@pytest.mark.parametrize("kind", ["truncated", "huge_length", "text"])
+def test_load_lora_refuses_a_damaged_weights_file_naming_it(tmp_path, kind):
+    """safetensors' own SafetensorError (or a read of the claimed header length) before; now one
+    MHLACheckpointError naming the file, before any weight is touched."""
+    from helpers import tiny_dit
+
+    model = tiny_dit(num_layers=2)
+    lora.add_lora(model, rank=2)
+    folder = lora.save_lora(model, tmp_path / "a")
+    weights = next(folder.glob("*.safetensors"))
+    data = weights.read_bytes()
+    damaged = {"truncated": data[: len(data) // 2], "huge_length": (1 << 63).to_bytes(8, "little") + data[8:],
+               "text": b"not weights\n" * 8}[kind]
+    weights.write_bytes(damaged)
+    with pytest.raises(mhla_diffusers.MHLACheckpointError, match=str(weights).replace(".", r"\.")):
+        lora.load_lora(tiny_dit(num_layers=2), folder)

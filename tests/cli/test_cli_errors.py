@@ -255,3 +255,15 @@ def test_convert_help_is_true_and_tidy(capsys):
     options = " ".join(text.split("\noptions:")[1].split())
     config = options.split("--config CONFIG", 1)[1].split(" --out OUT", 1)[0]
     assert "--from authors (required there)" in config and "single-file --src only" not in config
+
+
+def test_convert_refuses_a_hub_id_that_is_not_cached_offline(tmp_path, capsys, monkeypatch):
+    """An uncached Hub id with HF_HUB_OFFLINE=1: exit 1 with diffusers' OSError traceback before; now exit 2,
+    one line naming the id and what to do."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # an empty cache
+    code, err = run_main("conversion/convert.py", "--family", "dit", "--src", "nobody/no-such-model",
+                         "--out", tmp_path / "out", capsys=capsys)
+    assert code == 2 and _one_line_error(err, "nobody/no-such-model"), err
+    assert "pass a local folder" in err
+    assert not (tmp_path / "out").exists()
