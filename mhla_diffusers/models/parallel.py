@@ -43,6 +43,12 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from diffusers.hooks import HookRegistry
+from diffusers.hooks.context_parallel import (
+    _CONTEXT_PARALLEL_OUTPUT_HOOK_TEMPLATE,
+    ContextParallelGatherHook,
+    _get_submodule_by_name,
+)
 from torch import nn
 
 from mhla_diffusers.models.families import attention_modules, family_of, self_attention_modules
@@ -450,6 +456,8 @@ def enable_context_parallel(model: nn.Module, config) -> None:
             )
     with cpu_device_mesh():
         model.enable_parallelism(config=config, cp_plan=plan)
+    if (config.ring_anything or config.ulysses_anything) and dist.get_backend(config._flattened_mesh.get_group()) == "gloo":
+        _pad_uneven_gathers(model, plan)
     # DiT ("trunk") and SANA ("layers") plans shard tokens around layers that must keep running MHLA
     planned = frozenset() if family.context_parallel == "model" else frozenset(
         name for name, mhla in _mhla_self_attention(model, family) if mhla
@@ -457,6 +465,63 @@ def enable_context_parallel(model: nn.Module, config) -> None:
     model.register_forward_pre_hook(
         _token_count_check(degree, config.ring_anything or config.ulysses_anything, planned), with_kwargs=True
     )
+
+
+# -- the output gather of uneven shards on gloo ------------------------------------------------------
+class _PaddedAllGather(torch.autograd.Function):
+    """Every rank's ``[..., n_r, ...]`` (along ``dim``) -> the concatenation in rank order, for ranks holding
+    different ``n_r``: each shard is padded to the longest, gathered, trimmed (gloo's all_gather needs equal
+    sizes; diffusers' gather of uneven shards sends them as they are). Backward: this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+        local = torch.tensor([tensor.shape[dim]], dtype=torch.int64)
+        counts = [torch.zeros_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(counts, local, group=group)
+        sizes = [int(c) for c in counts]
+        pad = list(tensor.shape)
+        pad[dim] = max(sizes) - tensor.shape[dim]
+        padded = torch.cat((tensor, tensor.new_zeros(pad)), dim=dim).contiguous()
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)
+        rank = dist.get_rank(group)
+        ctx.dim, ctx.start, ctx.length = dim, sum(sizes[:rank]), sizes[rank]
+        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.narrow(ctx.dim, ctx.start, ctx.length), None, None
+
+
+class _PaddedGatherHook(ContextParallelGatherHook):
+    """diffusers' output gather hook (``ContextParallelGatherHook``) with :class:`_PaddedAllGather` for the
+    gather of uneven shards."""
+
+    def post_forward(self, module, output):
+        single = isinstance(output, torch.Tensor)
+        outputs = [output] if single else list(output)
+        group = self.parallel_config._flattened_mesh.get_group()
+        for i, entry in enumerate(self.metadata):
+            if entry is not None:
+                outputs[i] = _PaddedAllGather.apply(outputs[i].contiguous(), entry.gather_dim, group)
+        return outputs[0] if single else tuple(outputs)
+
+
+def _pad_uneven_gathers(model: nn.Module, plan: dict) -> None:
+    """Replace, on ``model`` only, each output gather hook diffusers' ``enable_parallelism`` registered for
+    ``plan`` by a :class:`_PaddedGatherHook` (same registry name, so diffusers removes it as its own)."""
+
+    for module_id, entry in plan.items():
+        if isinstance(entry, dict):  # an input split: unchanged
+            continue
+        modules = _get_submodule_by_name(model, module_id)
+        for module in modules if isinstance(modules, list) else [modules]:
+            registry = HookRegistry.check_if_exists_or_initialize(module)
+            name = _CONTEXT_PARALLEL_OUTPUT_HOOK_TEMPLATE.format(module_id)
+            hook = registry.get_hook(name)
+            if hook is not None:
+                registry.remove_hook(name)
+                registry.register_hook(_PaddedGatherHook(hook.metadata, hook.parallel_config), name)
 
 
 # -- communication ----------------------------------------------------------------------------------

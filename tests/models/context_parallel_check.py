@@ -9,7 +9,6 @@ measured exchange bytes and what the formulas say. Usage: ``context_parallel_che
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -126,37 +125,6 @@ def case_wan_hybrid_ulysses(world: int) -> dict:
     return result
 
 
-def _gloo_all_gather_anything(tensor, dim, group):
-    """diffusers' ``_all_gather_anything`` (the final gather of uneven shards) for gloo, whose all_gather needs
-    equal sizes (NCCL takes uneven ones): pad every shard to the largest, gather, trim. Test-only."""
-    sizes = [int(s) for s in shard_sizes_of(tensor.shape[dim], group)]
-    pad = list(tensor.shape)
-    pad[dim] = max(sizes) - tensor.shape[dim]
-    padded = torch.cat((tensor, tensor.new_zeros(pad)), dim=dim).contiguous()
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
-    return torch.cat([p.narrow(dim, 0, s) for p, s in zip(parts, sizes)], dim=dim)
-
-
-def shard_sizes_of(local: int, group) -> list[int]:
-    from diffusers.models._modeling_parallel import gather_size_by_comm
-
-    return gather_size_by_comm(local, group)
-
-
-@contextlib.contextmanager
-def _padded_all_gather():
-    """diffusers' uneven output gather replaced by a padded one while inside (gloo's all_gather needs equal sizes)."""
-    from diffusers.hooks import context_parallel
-
-    original = context_parallel._all_gather_anything
-    context_parallel._all_gather_anything = _gloo_all_gather_anything
-    try:
-        yield
-    finally:
-        context_parallel._all_gather_anything = original
-
-
 def case_wan_uneven_numerator(world: int) -> dict:
     """Wan by apply_mhla, numerator only + output norm, 175 tokens (no degree divides them), ring_anything,
     gradient checkpointing (the exchange runs again in the recomputation)."""
@@ -165,8 +133,7 @@ def case_wan_uneven_numerator(world: int) -> dict:
     mhla_diffusers.apply_mhla(model, layers="all", block_grid=(2, 2, 2), normalize=False)
     randomize_mixing_(model, low=0.0, high=1.0)
     inputs = wan_inputs(batch=1, frames=5, size=(10, 14))  # 5 x 5 x 7 = 175 tokens
-    with _padded_all_gather():
-        return _compare(model, _wan_call(inputs), _config("ring", world, anything=True), train=True)
+    return _compare(model, _wan_call(inputs), _config("ring", world, anything=True), train=True)
 
 
 def case_wan_uneven_ulysses(world: int) -> dict:
@@ -178,8 +145,7 @@ def case_wan_uneven_ulysses(world: int) -> dict:
     mhla_diffusers.apply_mhla(model, layers="all", block_grid=(2, 2, 2))
     randomize_mixing_(model, low=0.0, high=1.0)
     inputs = wan_inputs(batch=2, frames=5, size=(10, 14))  # 5 x 5 x 7 = 175 tokens
-    with _padded_all_gather():
-        return _compare(model, _wan_call(inputs), _config("ulysses", world, anything=True), train=True)
+    return _compare(model, _wan_call(inputs), _config("ulysses", world, anything=True), train=True)
 
 
 def case_wan_indivisible_refused(world: int) -> dict:
