@@ -37,6 +37,7 @@ from diffusers.models.transformers.sana_transformer import SanaAttnProcessor2_0
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 from torch import nn
 
+from mhla_diffusers.models.family_calls import FamilyAttention, StockSignature
 from mhla_diffusers.ops.rotary import InterleavedRotary
 
 __all__ = [
@@ -55,8 +56,9 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class Family:
-    """Model-family facts used by the processor, the grid hooks and conversion.
+class Family(FamilyAttention):
+    """Model-family facts used by the processor, the grid hooks and conversion (the per-call steps of a
+    self-attention layer that read them: :class:`~mhla_diffusers.models.family_calls.FamilyAttention`).
 
     Attributes:
         name: short name used in configs and on the command line (``"dit"``).
@@ -202,6 +204,11 @@ class Family:
         grid = self.reference_grid(config)[-len(patch):] if len(patch) > 1 else self.reference_grid(config)[1:]
         patch = patch if len(patch) > 1 else patch * 2
         return (int(config["in_channels"]), *(n * p for n, p in zip(grid, patch)))
+
+    @property
+    def stock_signature(self) -> StockSignature:
+        """What the stock self-attention processor's ``__call__`` accepts (read once, at import)."""
+        return _STOCK_SIGNATURES[self.name]
 
     def make_stock_cross_processor(self):
         """A fresh instance of the stock cross-attention processor of this family."""
@@ -416,38 +423,54 @@ WAN = Family(
 )
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (DIT, SANA, WAN)}
+
+# Attention modules called alone, outside any supported transformer (with token_grid): diffusers'
+# generic AttnProcessor2_0 behaviour. Not a registered family.
+GENERIC = Family(
+    name="",
+    model_classes=(),
+    self_attention=r"(?!)",
+    patch_embed="",
+    grid_from_latent=_grid_2d,
+    reference_grid=_reference_grid_2d,
+    stock_self_processor=_attn_processor_2_0,
+)
+_STOCK_SIGNATURES = {f.name: StockSignature(f.stock_self_processor()) for f in (*FAMILIES.values(), GENERIC)}
 _BY_CLASS = {cls: f for f in FAMILIES.values() for cls in f.model_classes}
 _BY_ATTENTION_CLASS = {cls: f for f in FAMILIES.values() for cls in f.attention_classes}
 
 
-_BY_TYPE: dict[type, Family | None] = {}
+_BY_TYPE: dict[type, str | None] = {}
 
 
 def find_family(model: nn.Module) -> Family | None:
     """The :class:`Family` of ``model`` (by class name, walking the MRO; cached per type), or ``None``."""
-    return _family_of_type(type(model))
+    name = family_name_of_type(type(model))
+    return None if name is None else FAMILIES[name]  # a registry lookup: torch.compile can trace its methods
 
 
-@torch.compiler.assume_constant_result  # traced by torch.compile (the process-wide pre-hook): run, not traced
-def _family_of_type(model_type: type) -> Family | None:
+@torch.compiler.assume_constant_result  # traced by torch.compile: run once, a constant str of the graph
+def family_name_of_type(model_type: type) -> str | None:
+    """The name of the family whose transformer class ``model_type`` is (walking the MRO; cached), or ``None``."""
     try:
         return _BY_TYPE[model_type]
     except KeyError:
         pass
     family = next((_BY_CLASS[c.__name__] for c in model_type.__mro__ if c.__name__ in _BY_CLASS), None)
-    _BY_TYPE[model_type] = family
-    return family
+    _BY_TYPE[model_type] = None if family is None else family.name
+    return _BY_TYPE[model_type]
 
 
 def attention_family(attn: nn.Module) -> Family | None:
     """The family whose models alone use the attention module class of ``attn`` (Wan's ``WanAttention``),
     or ``None`` (the legacy diffusers ``Attention`` serves several families)."""
-    return _attention_family_of_type(type(attn))
+    name = _attention_family_name(type(attn))
+    return None if name is None else FAMILIES[name]
 
 
 @torch.compiler.assume_constant_result
-def _attention_family_of_type(attn_type: type) -> Family | None:
-    return next((_BY_ATTENTION_CLASS[c.__name__] for c in attn_type.__mro__ if c.__name__ in _BY_ATTENTION_CLASS), None)
+def _attention_family_name(attn_type: type) -> str | None:
+    return next((_BY_ATTENTION_CLASS[c.__name__].name for c in attn_type.__mro__ if c.__name__ in _BY_ATTENTION_CLASS), None)
 
 
 def block_grid_preset_names() -> set[str]:

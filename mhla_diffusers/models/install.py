@@ -10,15 +10,8 @@ from torch import nn
 from mhla_diffusers.models.families import attention_modules, family_of, self_attention_modules, stock_processor
 from mhla_diffusers.models.grid import install_grid_hooks, remove_grid_hooks
 from mhla_diffusers.models.hybrid import attention_flops, scores_list, select_auto, select_layers
-from mhla_diffusers.models.processor import (
-    _CHECKED_BY,
-    _SOURCE_CHECKED,
-    _WARNED,
-    MHLAProcessor,
-    materialize_mhla,
-    pending_mhla_layers,
-    remove_load_hook,
-)
+from mhla_diffusers.models.lazy import forget_first_forward, materialize_mhla, pending_mhla_layers, remove_load_hook
+from mhla_diffusers.models.processor import MHLAProcessor
 from mhla_diffusers.models.provenance import warn_fresh_mixing
 
 __all__ = [
@@ -115,34 +108,9 @@ def apply_mhla(
             raise ValueError(f"{', '.join(given)} only apply with layers='auto'; got layers={layers!r}")
         chosen = select_layers(len(modules), layers)
     reference = family.reference_grid(transformer.config)
-    processor = MHLAProcessor(
-        num_blocks=num_blocks,
-        block_grid=block_grid,
-        normalize=normalize,
-        eps=family.default_eps if eps is None else eps,
-        backend=backend,
-        output_norm=output_norm,
-        feature_eps=feature_eps,
-        family=family,  # a layer called on its own (outside the model's forward) follows its family too
-    )
-    resolved = processor.resolve_block_grid(reference, family)
-    processor.block_grid, processor.block_grid_preset = resolved, None
-    processor.output_norm = processor.resolve_output_norm(family)
-    for axis, (n, b) in enumerate(zip(reference, resolved)):
-        if b > n:
-            raise ValueError(
-                f"block grid {resolved} does not fit the model's native token grid {reference} on axis {'THW'[axis]}"
-            )
-    already = [modules[i][0] for i in chosen if getattr(modules[i][1], "mhla_mixing", None) is not None]
-    if already:
-        idle = idle_mhla_layers(transformer)
-        if set(already) <= set(idle):
-            raise ValueError(
-                f"{already} keep the mixing matrices of an earlier MHLA install but run {sorted(set(idle.values()))} "
-                "(set by set_attn_processor): call mhla_diffusers.remove_mhla(transformer) first to install MHLA "
-                "afresh, or set_attn_processor(MHLAProcessor()) to run those matrices again"
-            )
-        raise ValueError(f"MHLA is already installed on {already}; call mhla_diffusers.remove_mhla(transformer) first")
+    processor = _resolved_processor(family, reference, num_blocks=num_blocks, block_grid=block_grid, normalize=normalize,
+                                    eps=eps, backend=backend, output_norm=output_norm, feature_eps=feature_eps)
+    _refuse_installed(transformer, [modules[i] for i in chosen])
     warn_fresh_mixing(transformer)
     names = []
     for i in chosen:
@@ -155,6 +123,40 @@ def apply_mhla(
     if selection is not None:
         record_selection(transformer, selection)
     return names
+
+
+def _resolved_processor(family, reference, *, eps, **settings) -> MHLAProcessor:
+    """The one processor ``apply_mhla`` installs: its block grid and output norm resolved on the native
+    token grid ``reference`` (so a saved spec is explicit), its family set (a layer called alone follows it).
+
+    Raises:
+        ValueError: bad settings (see :class:`MHLAProcessor`), or a block grid larger than ``reference``.
+    """
+    processor = MHLAProcessor(eps=family.default_eps if eps is None else eps, family=family, **settings)
+    resolved = processor.resolve_block_grid(reference, family)
+    processor.block_grid, processor.block_grid_preset = resolved, None
+    processor.output_norm = processor.resolve_output_norm(family)
+    for axis, (n, b) in enumerate(zip(reference, resolved)):
+        if b > n:
+            raise ValueError(
+                f"block grid {resolved} does not fit the model's native token grid {reference} on axis {'THW'[axis]}"
+            )
+    return processor
+
+
+def _refuse_installed(transformer: nn.Module, chosen: list[tuple[str, nn.Module]]) -> None:
+    """Raise ``ValueError`` naming ``remove_mhla`` if a chosen layer already has a mixing matrix."""
+    already = [name for name, attn in chosen if getattr(attn, "mhla_mixing", None) is not None]
+    if not already:
+        return
+    idle = idle_mhla_layers(transformer)
+    if set(already) <= set(idle):
+        raise ValueError(
+            f"{already} keep the mixing matrices of an earlier MHLA install but run {sorted(set(idle.values()))} "
+            "(set by set_attn_processor): call mhla_diffusers.remove_mhla(transformer) first to install MHLA "
+            "afresh, or set_attn_processor(MHLAProcessor()) to run those matrices again"
+        )
+    raise ValueError(f"MHLA is already installed on {already}; call mhla_diffusers.remove_mhla(transformer) first")
 
 
 def _auto_layers(transformer, num_layers, num_blocks, block_grid, normalize, *, keep_softmax, max_attention_cost,
@@ -288,13 +290,11 @@ def remove_mhla(transformer: nn.Module) -> list[str]:
         if isinstance(attn.processor, MHLAProcessor):
             attn.set_processor(stock_processor(family, key[: -len(".processor")]))
             had = True
-        attn.__dict__.pop("_mhla_grids", None)
-        attn.__dict__.pop(_CHECKED_BY, None)
         remove_load_hook(attn)
         if had:
             removed.append(key[: -len(".processor")])
-    for key in (_WARNED, _SOURCE_CHECKED, _SELECTION):  # the one-liner's once-per-model warnings may come again
-        transformer.__dict__.pop(key, None)
+    transformer.__dict__.pop(_SELECTION, None)
+    forget_first_forward(transformer)  # the one-liner's once-per-model warnings may come again
     remove_grid_hooks(transformer)
     return removed
 
