@@ -11,13 +11,11 @@ cheap and never imports diffusers until a name that needs it is used:
 """
 
 import importlib
-import os as _os
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
-# Triton decides at import time whether its functions run in the CPU interpreter: remember whether
-# TRITON_INTERPRET was on when this package was imported, so that the Triton backend can say
-# clearly when it was switched on too late.
-_TRITON_INTERPRET_AT_IMPORT = _os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+# Imported first: it remembers the environment as it was at this import (a backend can then say
+# clearly when a setting its library fixes at import was switched on too late).
+from mhla_diffusers import env as _env  # noqa: F401
 
 __version__ = "0.1.0"
 

@@ -76,7 +76,6 @@ the matrix (OpenBLAS Haswell/Zen kernels), so a sample's tiles must sit at the s
 from __future__ import annotations
 
 import contextlib
-import os
 from functools import lru_cache
 
 import torch
@@ -84,7 +83,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-import mhla_diffusers
+from mhla_diffusers import env
 from mhla_diffusers.ops.layout import BlockLayout
 from mhla_diffusers.ops.rotary import InterleavedRotary
 from mhla_diffusers.ops.torch_ops import _empty_like_layout, mhla_attention_torch
@@ -92,6 +91,8 @@ from mhla_diffusers.ops.torch_ops import _empty_like_layout, mhla_attention_torc
 __all__ = ["mhla_attention_triton", "interpreter_enabled", "check_supported", "torch_fallback_reason", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 128
+# Triton's switch for its CPU interpreter (the backend module, which must not import this one, reads it too)
+_INTERPRET_VARIABLE = "TRITON_INTERPRET"
 
 # Programs per sample (heads x blocks x splits) the summary kernels aim for on a GPU before they
 # split blocks (P > 1): ~2 waves on an H100/H200 (132 SMs) for ONE sample, so batch-1 inference
@@ -116,7 +117,7 @@ _RECORD: list | None = None
 
 def interpreter_enabled() -> bool:
     """True when the Triton interpreter is on (``TRITON_INTERPRET=1``): kernels then run on CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+    return env.flag(_INTERPRET_VARIABLE)
 
 
 # Whether the kernels below are defined for the interpreter: Triton decides when they are defined.
@@ -687,7 +688,7 @@ def check_supported(q: torch.Tensor, *others: torch.Tensor) -> None:
     diffusers / triton were imported) and no bfloat16 input (the interpreter's bf16 arithmetic
     is wrong)."""
     if q.device.type == "cpu":
-        late = interpreter_enabled() and not (_INTERPRETED and getattr(mhla_diffusers, "_TRITON_INTERPRET_AT_IMPORT", True))
+        late = interpreter_enabled() and not (_INTERPRETED and env.flag(_INTERPRET_VARIABLE, at_import=True))
         if late:
             raise ValueError(
                 "TRITON_INTERPRET=1 was set after mhla_diffusers (which imports diffusers and triton) was imported: "
