@@ -92,7 +92,7 @@ from mhla_diffusers.models.provenance import (
     converted_source,
     warn_if_stock_loaded,
 )
-from mhla_diffusers.ops import available_backends
+from mhla_diffusers.ops import available_backends, get_backend
 
 __all__ = [
     "MHLA_CONFIG_NAME",
@@ -812,12 +812,13 @@ def _install_from_config(transformer: nn.Module, config: dict, folder: Path) -> 
 def _usable_backend(backend: str) -> str:
     """The recorded backend if it can run here, else ``"auto"`` (backends give the same numbers).
 
-    ``"triton"`` runs only on CUDA tensors: a checkpoint saved with it and loaded on a machine
-    without CUDA (triton installed or not) gets ``"auto"``, not a failure at the first forward.
+    A backend that is not installed here, or that says it is not kept on this machine
+    (:meth:`~mhla_diffusers.ops.Backend.kept_on_load`: e.g. GPU kernels without CUDA), gives
+    ``"auto"``, not a failure at the first forward.
     """
     if backend in ("auto", "torch"):
         return backend
-    if backend in available_backends() and (backend != "triton" or torch.cuda.is_available()):
+    if backend in available_backends() and get_backend(backend).kept_on_load():
         return backend
     warnings.warn(
         f"the checkpoint asks for MHLA backend {backend!r}, which is not available here; using 'auto'", stacklevel=2
