@@ -4,7 +4,7 @@ Their model is the original Wan 2.1 code (key names ``blocks.{i}.self_attn.q.wei
 ``blocks.{i}.ffn.0.weight``, ``head.head.weight``, ...) in which some self-attention layers are
 their ``MHLA_Video_Uni``. What their released configuration runs (their ``mhla_videogen`` code at
 commit ccf97b2: ``configs/Wan_1300M_hybrid_mhla.yaml`` as forwarded by ``init_model_configs``, and
-``diffusion/model/wan/mhla_utils.py``; ../shared/FACTS.md section 5), and how it is reproduced here:
+``diffusion/model/wan/mhla_utils.py``), and how it is reproduced here:
 
 * q, k, v, o linear layers with bias and ``norm_q`` / ``norm_k`` (RMSNorm over all heads): the
   stock Wan layer's, renamed by diffusers' own ``convert_wan_transformer_to_diffusers``;

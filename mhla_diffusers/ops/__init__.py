@@ -58,8 +58,8 @@ def mhla_attention(
         out = phi(q) S~_i / (phi(q) . z~_i + eps)     if normalize
         out = phi(q) S~_i                             otherwise
 
-    With ``rotary = R`` (Wan 2.1's RoPE after the feature map, as the authors' video model and
-    DESIGN.md do) the numerator uses rotated features and the denominator un-rotated ones::
+    With ``rotary = R`` (Wan 2.1's RoPE after the feature map, as the authors' video model
+    does) the numerator uses rotated features and the denominator un-rotated ones::
 
         S_b = (R phi(K_b))^T V_b,   out = (R phi(q)) S~_i / (phi(q) . z~_i + eps)
 
