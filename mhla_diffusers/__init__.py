@@ -33,13 +33,13 @@ _EXPORTS = {
     "InterleavedRotary": "mhla_diffusers.ops",
     "available_backends": "mhla_diffusers.ops",
     "token_grid": "mhla_diffusers.models.grid",
-    "select_layers": "mhla_diffusers.models.hybrid",
-    "select_auto": "mhla_diffusers.models.hybrid",
-    "attention_flops": "mhla_diffusers.models.hybrid",
-    "layer_sensitivity": "mhla_diffusers.models.sensitivity",
-    "LayerSensitivity": "mhla_diffusers.models.sensitivity",
-    "calibration_inputs": "mhla_diffusers.models.calibration",
-    "encode_calibration_prompts": "mhla_diffusers.models.calibration",
+    "select_layers": "mhla_diffusers.selection.hybrid",
+    "select_auto": "mhla_diffusers.selection.hybrid",
+    "attention_flops": "mhla_diffusers.selection.hybrid",
+    "layer_sensitivity": "mhla_diffusers.selection.sensitivity",
+    "LayerSensitivity": "mhla_diffusers.selection.sensitivity",
+    "calibration_inputs": "mhla_diffusers.selection.calibration",
+    "encode_calibration_prompts": "mhla_diffusers.selection.calibration",
     "MHLAProcessor": "mhla_diffusers.models.processor",
     "apply_mhla": "mhla_diffusers.models.install",
     "attention_cost": "mhla_diffusers.models.install",
@@ -92,9 +92,7 @@ if _TYPE_CHECKING:  # static analysers and IDEs see the eager imports
         save_mhla_pipeline,
         save_mhla_transformer,
     )
-    from mhla_diffusers.models.calibration import calibration_inputs, encode_calibration_prompts
     from mhla_diffusers.models.grid import token_grid
-    from mhla_diffusers.models.hybrid import attention_flops, select_auto, select_layers
     from mhla_diffusers.models.install import (
         apply_mhla,
         attention_cost,
@@ -107,7 +105,9 @@ if _TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     )
     from mhla_diffusers.models.parallel import context_parallel_plan, enable_context_parallel
     from mhla_diffusers.models.processor import MHLAProcessor
-    from mhla_diffusers.models.sensitivity import LayerSensitivity, layer_sensitivity
     from mhla_diffusers.ops import InterleavedRotary, available_backends, mhla_attention, mhla_attention_reference
     from mhla_diffusers.ops.layout import BlockLayout, choose_block_grid, default_num_blocks
     from mhla_diffusers.ops.mixing import MixingMatrix, clamp_mixing_, mixing_init, mixing_parameters
+    from mhla_diffusers.selection.calibration import calibration_inputs, encode_calibration_prompts
+    from mhla_diffusers.selection.hybrid import attention_flops, select_auto, select_layers
+    from mhla_diffusers.selection.sensitivity import LayerSensitivity, layer_sensitivity

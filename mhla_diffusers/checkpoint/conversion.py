@@ -34,10 +34,10 @@ from mhla_diffusers.checkpoint.format import (
     save_mhla_transformer,
     transformer_folder,
 )
-from mhla_diffusers.models.calibration import calibration_inputs, clip_timestep_range
 from mhla_diffusers.models.families import FAMILIES, family_of, get_family
 from mhla_diffusers.models.install import apply_mhla, mhla_spec, record_selection
 from mhla_diffusers.models.provenance import is_hub_id
+from mhla_diffusers.selection.calibration import calibration_inputs, clip_timestep_range
 
 __all__ = ["convert_checkpoint", "AlreadyConvertedError"]
 

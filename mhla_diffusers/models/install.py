@@ -9,7 +9,6 @@ from torch import nn
 
 from mhla_diffusers.models.families import attention_modules, family_of, self_attention_modules, stock_processor
 from mhla_diffusers.models.grid import install_grid_hooks, remove_grid_hooks
-from mhla_diffusers.models.hybrid import attention_flops, scores_list, select_auto, select_layers
 from mhla_diffusers.models.processor import (
     _CHECKED_BY,
     _SOURCE_CHECKED,
@@ -20,6 +19,7 @@ from mhla_diffusers.models.processor import (
     remove_load_hook,
 )
 from mhla_diffusers.models.provenance import warn_fresh_mixing
+from mhla_diffusers.selection.hybrid import attention_flops, scores_list, select_auto, select_layers
 
 __all__ = [
     "apply_mhla",
@@ -68,7 +68,7 @@ def apply_mhla(
             MHLA on 20 of 30), layer indices, or ``"auto"``: the layers MHLA damages most (per
             :func:`~mhla_diffusers.layer_sensitivity`) keep their stock attention — the ``keep_softmax``
             most sensitive ones, or the most sensitive ones that fit ``max_attention_cost`` (see
-            :func:`~mhla_diffusers.models.hybrid.select_auto`). The choice, the scores and how they were
+            :func:`~mhla_diffusers.selection.hybrid.select_auto`). The choice, the scores and how they were
             measured are recorded on the model for :func:`mhla_spec` (``"selection"`` in ``mhla_config.json``).
         num_blocks: target number of blocks ``M`` (block grid chosen from the model's native token
             grid, near-square blocks, ``M^2 <= N``); ``None``: the family default (Wan: 105, the
@@ -161,7 +161,7 @@ def _auto_layers(transformer, num_layers, num_blocks, block_grid, normalize, *, 
                  calibration, sensitivity) -> tuple[list[int], dict]:
     """``layers="auto"`` of :func:`apply_mhla`: ``(MHLA layer indices, the selection record)``."""
     # sensitivity.py builds on this module (it installs MHLA on one layer at a time): imported here, not above
-    from mhla_diffusers.models.sensitivity import LayerSensitivity, layer_sensitivity
+    from mhla_diffusers.selection.sensitivity import LayerSensitivity, layer_sensitivity
 
     if (calibration is None) == (sensitivity is None):
         raise ValueError(
@@ -193,7 +193,7 @@ def _auto_layers(transformer, num_layers, num_blocks, block_grid, normalize, *, 
 
 
 def _check_sensitivity_grid(transformer, sensitivity, num_blocks, block_grid) -> None:
-    """Warn when precomputed scores (a :class:`~mhla_diffusers.models.sensitivity.LayerSensitivity`) were measured
+    """Warn when precomputed scores (a :class:`~mhla_diffusers.selection.sensitivity.LayerSensitivity`) were measured
     at another block grid than the one these settings install: they rank the layers for that grid."""
     measured = getattr(sensitivity, "settings", {}).get("block_grid")
     if measured is None:
@@ -234,7 +234,7 @@ def layer_attention_flops(
     the family's :attr:`~mhla_diffusers.models.families.Family.reference_grid`) of the stock layer
     (softmax ``heads * 4 N^2 d``; SANA's linear attention ``heads * 4 N d^2``) and of MHLA with the block
     grid these settings give (``heads * (4 N d^2 + 2 M^2 d^2)``), see
-    :func:`~mhla_diffusers.models.hybrid.attention_flops`. Returns ``(stock, mhla)``, two lists of ints.
+    :func:`~mhla_diffusers.selection.hybrid.attention_flops`. Returns ``(stock, mhla)``, two lists of ints.
     """
     family = family_of(transformer)
     reference = family.reference_grid(transformer.config)
