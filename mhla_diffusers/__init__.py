@@ -42,13 +42,13 @@ _EXPORTS = {
     "encode_calibration_prompts": "mhla_diffusers.selection.calibration",
     "MHLAProcessor": "mhla_diffusers.models.processor",
     "apply_mhla": "mhla_diffusers.models.install",
-    "attention_cost": "mhla_diffusers.models.install",
+    "attention_cost": "mhla_diffusers.selection.cost",
     "materialize_mhla": "mhla_diffusers.models.install",
-    "remove_mhla": "mhla_diffusers.models.install",
-    "set_attn_processor": "mhla_diffusers.models.install",
+    "remove_mhla": "mhla_diffusers.models.installer",
+    "set_attn_processor": "mhla_diffusers.models.installer",
     "attention_modules": "mhla_diffusers.models.install",
-    "is_mhla_model": "mhla_diffusers.models.install",
-    "mhla_spec": "mhla_diffusers.models.install",
+    "is_mhla_model": "mhla_diffusers.models.installer",
+    "mhla_spec": "mhla_diffusers.models.installer",
     "context_parallel_plan": "mhla_diffusers.models.parallel",
     "enable_context_parallel": "mhla_diffusers.models.parallel",
     "MHLACheckpointError": "mhla_diffusers.checkpoint.format",
@@ -93,21 +93,14 @@ if _TYPE_CHECKING:  # static analysers and IDEs see the eager imports
         save_mhla_transformer,
     )
     from mhla_diffusers.models.grid import token_grid
-    from mhla_diffusers.models.install import (
-        apply_mhla,
-        attention_cost,
-        attention_modules,
-        is_mhla_model,
-        materialize_mhla,
-        mhla_spec,
-        remove_mhla,
-        set_attn_processor,
-    )
+    from mhla_diffusers.models.install import apply_mhla, attention_modules, materialize_mhla
+    from mhla_diffusers.models.installer import is_mhla_model, mhla_spec, remove_mhla, set_attn_processor
     from mhla_diffusers.models.parallel import context_parallel_plan, enable_context_parallel
     from mhla_diffusers.models.processor import MHLAProcessor
     from mhla_diffusers.ops import InterleavedRotary, available_backends, mhla_attention, mhla_attention_reference
     from mhla_diffusers.ops.layout import BlockLayout, choose_block_grid, default_num_blocks
     from mhla_diffusers.ops.mixing import MixingMatrix, clamp_mixing_, mixing_init, mixing_parameters
     from mhla_diffusers.selection.calibration import calibration_inputs, encode_calibration_prompts
+    from mhla_diffusers.selection.cost import attention_cost
     from mhla_diffusers.selection.hybrid import attention_flops, select_auto, select_layers
     from mhla_diffusers.selection.sensitivity import LayerSensitivity, layer_sensitivity

@@ -5,9 +5,10 @@ For each self-attention layer ``l`` (the others untouched):
 
 1. capture, on the calibration inputs, the layer's inputs and its stock output ``y_l`` (forward hooks;
    the forward stops after the layer);
-2. install MHLA on ``l`` alone (:func:`~mhla_diffusers.apply_mhla` with the same settings a conversion
-   uses) and, on a float32 copy of the layer, fit its MHLA parameters AND its own projections
-   (``to_q``, ``to_k``, ``to_v``, ``to_out``, q/k norms, output norm if any) to ``y_l``: Adam on the
+2. install MHLA on ``l`` alone (:func:`~mhla_diffusers.models.installer.install_mhla`, what
+   :func:`~mhla_diffusers.apply_mhla` runs, with the same settings a conversion uses) and, on a
+   float32 copy of the layer, fit its MHLA parameters AND its own projections (``to_q``, ``to_k``,
+   ``to_v``, ``to_out``, q/k norms, output norm if any) to ``y_l``: Adam on the
    relative squared error ``sum ||f(x) - y_l||^2 / sum ||y_l||^2`` over all calibration inputs (attention
    transfer). The mixing matrix starts from the better of the paper's locality init and all ones
    (plain linear attention), is clamped to ``[0, 1]`` after every step (the paper's projected update),
@@ -46,7 +47,7 @@ from tqdm.auto import tqdm
 
 from mhla_diffusers.models.families import attention_modules, family_of, self_attention_modules
 from mhla_diffusers.models.grid import token_grid
-from mhla_diffusers.models.install import apply_mhla, is_mhla_model, remove_mhla
+from mhla_diffusers.models.installer import install_mhla, is_mhla_model, remove_mhla
 from mhla_diffusers.models.processor import MHLAProcessor
 
 __all__ = ["LayerSensitivity", "layer_sensitivity", "check_calibration"]
@@ -291,7 +292,7 @@ def _score_layer(transformer, family, index: int, calibration, reference, mhla: 
     captured = _capture_layer(transformer, family, attn, calibration)
     state = _LayerState(attn)
     try:
-        apply_mhla(transformer, [index], **mhla)
+        install_mhla(transformer, [index], **mhla)
         block_grid = list(attn.mhla_mixing.block_grid)
         work = _working_copy(attn, family)
         record = _fit_layer(work, captured, **fit)
