@@ -10,7 +10,9 @@ from typing import Any, Mapping, Sequence
 import torch
 from diffusers import DDPMScheduler
 
+from mhla_diffusers.autoencoder import vae_scale_factor
 from mhla_diffusers.checkpoint.io import atomic_write_json, atomic_write_text
+from mhla_diffusers.data import PHOTO_NAMES, PhotoCrops
 from mhla_diffusers.diagnostics.attention import KINDS
 from mhla_diffusers.diagnostics.capture import _layer_mixing, capture_query_key, qk_statistics
 from mhla_diffusers.diagnostics.plots import plot_mixing_matrix, plot_rank_entropy
@@ -31,7 +33,7 @@ def diagnostic_inputs(
     """Real model inputs for a class-conditional DiT pipeline: photo crops, encoded and noised.
 
     ``num_samples`` crops of the photographs shipped in the scikit-image / scikit-learn wheels
-    (:class:`~mhla_diffusers.training.data.PhotoCrops`, seed ``seed``) at the checkpoint's resolution
+    (:class:`~mhla_diffusers.data.PhotoCrops`, seed ``seed``) at the checkpoint's resolution
     (``transformer.config.sample_size * vae factor`` pixels), encoded by ``pipe.vae``
     (``latent_dist.mode() * scaling_factor``) and noised with a ``DDPMScheduler`` built from
     ``pipe.scheduler.config`` at every timestep of ``timesteps``; sample ``(i, j)`` (crop ``i``,
@@ -48,11 +50,6 @@ def diagnostic_inputs(
         ValueError: non-positive ``num_samples``, empty ``timesteps`` or one outside
             ``[0, num_train_timesteps)``, a transformer without ``sample_size``.
     """
-    # function-level import: the photo dataset and the VAE's factor live with training, which imports
-    # accelerate and the training recipes; only real-image inputs need them, not `import diagnostics`
-    from mhla_diffusers.training.data import PHOTO_NAMES, PhotoCrops
-    from mhla_diffusers.training.recipes import vae_scale_factor
-
     if int(num_samples) != num_samples or num_samples < 1:
         raise ValueError(f"num_samples must be a positive integer; got {num_samples!r}")
     timesteps = [int(t) for t in timesteps]

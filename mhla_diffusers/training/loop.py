@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from tqdm.auto import tqdm
 
 from mhla_diffusers.checkpoint.io import atomic_write_json, atomic_write_text
+from mhla_diffusers.data import build_dataset
 from mhla_diffusers.models.install import is_mhla_model
 
 # clamp_mixing_ is looked up in the module at each step (tests patch it there)
@@ -35,7 +36,6 @@ from mhla_diffusers.ops import mixing as mixing_ops
 from mhla_diffusers.ops.mixing import mixing_parameters
 from mhla_diffusers.training.cache import CachedDataset, build_cache, cache_key, module_fingerprint
 from mhla_diffusers.training.config import validate_config
-from mhla_diffusers.training.data import build_dataset
 from mhla_diffusers.training.distill import AttentionRecorder, transfer_modules
 from mhla_diffusers.training.evaluation import evaluate_heldout
 from mhla_diffusers.training.export import export_model

@@ -1,4 +1,4 @@
-"""Image datasets for fine-tuning: real photos shipped in wheels, class folders, captioned folders.
+"""Image and video datasets (fine-tuning, diagnostics): real photos shipped in wheels, class folders, captioned folders.
 
 The class-labelled datasets return ``{"pixel_values": float32 [3, S, S] in [-1, 1], "class_labels": int64 []}``
 (the captioned one ``{"pixel_values", "caption": str}``) from random square crops (with random horizontal flips)
