@@ -14,7 +14,7 @@ from mhla_diffusers.autoencoder import vae_scale_factor
 from mhla_diffusers.checkpoint.io import atomic_write_json, atomic_write_text
 from mhla_diffusers.data import PHOTO_NAMES, PhotoCrops
 from mhla_diffusers.diagnostics.attention import KINDS
-from mhla_diffusers.diagnostics.capture import _layer_mixing, capture_query_key, qk_statistics
+from mhla_diffusers.diagnostics.capture import capture_query_key, layer_mixing, qk_statistics
 from mhla_diffusers.diagnostics.plots import plot_mixing_matrix, plot_rank_entropy
 from mhla_diffusers.models.families import family_of, self_attention_modules
 from mhla_diffusers.ops.mixing import mixing_init
@@ -137,7 +137,7 @@ def diagnose_pipeline(
     results = []
     for i in chosen:
         name, attn = modules[i]
-        mixing, grid = _layer_mixing(attn)
+        mixing, grid = layer_mixing(attn)
         stats = qk_statistics(captured[name], mixing=mixing, block_grid=grid, num_blocks=num_blocks, rtol=rtol)
         results.append({"layer": name, "index": i, "layer_kind": "mhla" if mixing is not None else "stock", **stats})
     return {
@@ -216,7 +216,7 @@ def write_report(result: Mapping[str, Any], out_dir: str | os.PathLike, pipe=Non
     init_done = False
     for s in result["layers"]:
         if s["mixing_source"] == "layer" and pipe is not None:
-            mixing, grid = _layer_mixing(pipe.transformer.get_submodule(s["layer"]))
+            mixing, grid = layer_mixing(pipe.transformer.get_submodule(s["layer"]))
             files[f"mixing_layer{s['index']}"] = plot_mixing_matrix(
                 mixing, grid, out / f"mixing_layer{s['index']}.png", title=f"{s['layer']}: mixing matrix (clamped)"
             )

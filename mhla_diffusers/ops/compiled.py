@@ -17,7 +17,7 @@ The layout travels as its ``grid`` and ``block_grid`` (every :class:`BlockLayout
 them); a fused rotation (:class:`InterleavedRotary`, backends with ``fuses_rotary_tables``) as its
 ``cos`` / ``sin`` tables. A composed rotation stays outside the operator, in the traced code,
 around plain calls. Outputs and gradients are returned in the memory layout the fake implementations promise (the
-backends' own rule, ``torch_ops._empty_like_layout``), so compiled code can rely on the strides.
+backends' own rule, ``torch_ops.empty_like_layout``), so compiled code can rely on the strides.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from mhla_diffusers.ops.backends import get_backend, registered_backends
 from mhla_diffusers.ops.layout import BlockLayout, get_layout
 from mhla_diffusers.ops.rotary import InterleavedRotary
-from mhla_diffusers.ops.torch_ops import _empty_like_layout
+from mhla_diffusers.ops.torch_ops import empty_like_layout
 
 __all__ = ["attention"]
 
@@ -60,12 +60,12 @@ def _attention_op(
 ) -> torch.Tensor:
     with torch.no_grad():
         out = _call_backend(q, k, v, mixing, grid, block_grid, normalize, eps, feature_map, backend, cos, sin)
-    return _in_layout(out, _empty_like_layout(q, v.shape[-1], q.dtype))
+    return _in_layout(out, empty_like_layout(q, v.shape[-1], q.dtype))
 
 
 @_attention_op.register_fake
 def _(q, k, v, mixing, grid, block_grid, normalize, eps, feature_map, backend, cos, sin):
-    return _empty_like_layout(q, v.shape[-1], q.dtype)
+    return empty_like_layout(q, v.shape[-1], q.dtype)
 
 
 @torch.library.custom_op("mhla_diffusers::attention_backward", mutates_args=())
@@ -92,9 +92,9 @@ def _attention_backward_op(
 def _grad_likes(q, k, v, mixing, needs):
     """Empty tensors in the layouts of dq, dk, dv, dmixing (size 0 where no gradient is needed)."""
     likes = (
-        _empty_like_layout(q, q.shape[-1], q.dtype),
-        _empty_like_layout(k, k.shape[-1], k.dtype),
-        _empty_like_layout(v, v.shape[-1], v.dtype),
+        empty_like_layout(q, q.shape[-1], q.dtype),
+        empty_like_layout(k, k.shape[-1], k.dtype),
+        empty_like_layout(v, v.shape[-1], v.dtype),
         mixing.new_empty(mixing.shape),
     )
     return [like if need else like.new_empty(0) for like, need in zip(likes, needs)]

@@ -86,7 +86,7 @@ from torch.autograd.function import once_differentiable
 from mhla_diffusers import env
 from mhla_diffusers.ops.layout import BlockLayout
 from mhla_diffusers.ops.rotary import InterleavedRotary
-from mhla_diffusers.ops.torch_ops import _empty_like_layout, mhla_attention_torch
+from mhla_diffusers.ops.torch_ops import empty_like_layout, mhla_attention_torch
 
 __all__ = ["mhla_attention_triton", "interpreter_enabled", "check_supported", "torch_fallback_reason", "MAX_HEAD_DIM"]
 
@@ -579,7 +579,7 @@ class _MHLATriton(torch.autograd.Function):
         cfg = _config(d, dv, length, device, prec)
         mix = mixing.to(device=device, dtype=acc)
         eps_t = torch.full((1,), eps, dtype=acc, device=device)
-        out = _empty_like_layout(q, dv, q.dtype)
+        out = empty_like_layout(q, dv, q.dtype)
         cos, sin = rotary.tables(device, acc) if rotary is not None else (order, order)  # placeholders when unused
 
         split = _split_tokens(length, heads * m, cfg["BLOCK_T"], device)
@@ -634,7 +634,7 @@ class _MHLATriton(torch.autograd.Function):
         z_mix = _mix(mix, z[None], prec, batch) if normalize else s_mix
         cos, sin = rotary.tables(device, acc) if rotary is not None else (order, order)
 
-        dq = _empty_like_layout(q, d, q.dtype) if need_q else s_mix  # placeholder pointer when unused
+        dq = empty_like_layout(q, d, q.dtype) if need_q else s_mix  # placeholder pointer when unused
         split = _split_tokens(length, heads * m, cfg["BLOCK_T_BWD"], device)
         parts = -(-length // split)
         ds_parts = torch.empty(parts, m, bh, d, dv, dtype=acc, device=device)
@@ -663,8 +663,8 @@ class _MHLATriton(torch.autograd.Function):
             mix_t = mix.t()
             ds = _mix(mix_t, ds_parts, prec, batch)
             dz = _mix(mix_t, dz_parts, prec, batch) if normalize else ds
-            dk = _empty_like_layout(k, d, k.dtype) if need_k else ds
-            dvv = _empty_like_layout(v, dv, v.dtype) if need_v else ds
+            dk = empty_like_layout(k, d, k.dtype) if need_k else ds
+            dvv = empty_like_layout(v, dv, v.dtype) if need_v else ds
             tiles = -(-length // cfg["BLOCK_T"])
             _launch(
                 _bwd_key, (m * tiles, bh),
@@ -780,6 +780,6 @@ def mhla_attention_triton(
             )
         return mhla_attention_torch(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map)
     if q.numel() == 0 or v.numel() == 0:
-        return _empty_like_layout(q, v.shape[-1], q.dtype) * mixing.sum().to(q.dtype)
+        return empty_like_layout(q, v.shape[-1], q.dtype) * mixing.sum().to(q.dtype)
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mixing))
     return _MHLATriton.apply(q, k, v, mixing, layout, bool(normalize), float(eps), bool(feature_map), rotary, need_grad)
