@@ -22,7 +22,7 @@ For each self-attention layer ``l`` (the others untouched):
    ``requires_grad`` and ``.grad`` untouched, the model's train / eval mode.
 
 Why the projections adapt: on the demo DiT the ReLU kernel on softmax-trained q, k is the larger part
-of the error (18-57% per layer) and the mixing matrix alone recovers at most ~25% of it (FACTS.md §6):
+of the error (18-57% per layer) and the mixing matrix alone recovers at most ~25% of it:
 a score from the mixing alone would rank layers by how badly frozen softmax features suit ReLU, not by
 how well MHLA can stand in after a retrofit. "Stock" means the layer's own processor: softmax for DiT
 and Wan; for SANA, whose stock self-attention is already ReLU linear attention, MHLA with an all-ones
@@ -353,7 +353,7 @@ def layer_sensitivity(
         fit_steps: Adam steps of each layer's fit (each a full pass over the calibration inputs).
         lr: learning rate of the layer's own parameters (projections, norms); mixing_lr: of the mixing
             matrix (values in [0, 1]).
-        fit_projections: ``False`` fits the mixing matrix alone (q, k, v, out frozen: the FACTS.md §6 setting).
+        fit_projections: ``False`` fits the mixing matrix alone (q, k, v, out frozen).
         convergence_tol: a fit whose last 20% of steps made more than this share of its total drop in log
             error is reported as not converged (still speeding up or steady: a ``UserWarning`` names the
             layers; raise ``fit_steps``).
