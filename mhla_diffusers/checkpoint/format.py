@@ -92,7 +92,7 @@ from mhla_diffusers.models.provenance import (
     converted_source,
     warn_if_stock_loaded,
 )
-from mhla_diffusers.ops import available_backends
+from mhla_diffusers.ops import available_backends, get_backend
 
 __all__ = [
     "MHLA_CONFIG_NAME",
@@ -660,7 +660,7 @@ _PEFT_KEY = re.compile(r"\.(base_layer|lora_A|lora_B|lora_magnitude_vector)\.")
 _BASE_WEIGHTS = "diffusion_pytorch_model*"
 
 
-def _check_base_weights(folder: Path) -> None:
+def check_base_weights(folder: Path) -> None:
     """Refuse a transformer folder whose base weights hold peft-wrapped keys (headers only, before loading):
     diffusers would load the layers under them without weights (meta tensors or a fresh init).
 
@@ -711,7 +711,7 @@ def check_loaded(model: nn.Module, source: str | os.PathLike) -> None:
     )
 
 
-def _check_pipeline_loaded(pipe, path: str | os.PathLike) -> None:
+def check_pipeline_loaded(pipe, path: str | os.PathLike) -> None:
     """:func:`check_loaded` on every model of a pipeline loaded from the folder ``path`` (or a Hub id)."""
     for name, component in getattr(pipe, "components", {}).items():
         if isinstance(component, nn.Module):
@@ -812,12 +812,13 @@ def _install_from_config(transformer: nn.Module, config: dict, folder: Path) -> 
 def _usable_backend(backend: str) -> str:
     """The recorded backend if it can run here, else ``"auto"`` (backends give the same numbers).
 
-    ``"triton"`` runs only on CUDA tensors: a checkpoint saved with it and loaded on a machine
-    without CUDA (triton installed or not) gets ``"auto"``, not a failure at the first forward.
+    A backend that is not installed here, or that says it is not kept on this machine
+    (:meth:`~mhla_diffusers.ops.Backend.kept_on_load`: e.g. GPU kernels without CUDA), gives
+    ``"auto"``, not a failure at the first forward.
     """
     if backend in ("auto", "torch"):
         return backend
-    if backend in available_backends() and (backend != "triton" or torch.cuda.is_available()):
+    if backend in available_backends() and get_backend(backend).kept_on_load():
         return backend
     warnings.warn(
         f"the checkpoint asks for MHLA backend {backend!r}, which is not available here; using 'auto'", stacklevel=2
@@ -825,7 +826,7 @@ def _usable_backend(backend: str) -> str:
     return "auto"
 
 
-def _dtype_kwargs(torch_dtype: torch.dtype | None) -> dict:
+def dtype_kwargs(torch_dtype: torch.dtype | None) -> dict:
     """diffusers 0.42 takes ``dtype=`` (``torch_dtype=`` is deprecated there)."""
     return {} if torch_dtype is None else {"dtype": torch_dtype}
 
@@ -877,7 +878,13 @@ def _read_json_object(path: Path) -> dict:
     return data
 
 
-def _transformer_class(folder: Path):
+def transformer_class_of(folder: Path):
+    """The diffusers model class named by ``folder/config.json`` (``_class_name``; the original DiT
+    checkpoints' ``Transformer2DModel`` is ``DiTTransformer2DModel``).
+
+    Raises:
+        MHLACheckpointError: a class diffusers does not have (or an unreadable ``config.json``).
+    """
     name = _read_json_object(folder / "config.json").get("_class_name")
     if name == "Transformer2DModel":  # the original DiT checkpoints
         name = "DiTTransformer2DModel"
@@ -920,9 +927,9 @@ def load_mhla_transformer(
     """
     folder = transformer_folder(path)
     config = read_mhla_config(folder)
-    _check_base_weights(folder)
+    check_base_weights(folder)
     with _loading_converted():
-        model = _transformer_class(folder).from_pretrained(folder, **_dtype_kwargs(torch_dtype), **kwargs)
+        model = transformer_class_of(folder).from_pretrained(folder, **dtype_kwargs(torch_dtype), **kwargs)
         check_loaded(model, folder)
         _forget_marker(model)
         if config is not None:
@@ -970,10 +977,10 @@ def load_mhla_pipeline(
         transformer_folder(path)  # raises FileNotFoundError: a pipeline folder without a transformer
     import_named_components(path)
     for name in configs:
-        _check_base_weights(path / name)
+        check_base_weights(path / name)
     with _loading_converted():
-        pipe = DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(torch_dtype), **kwargs)
-        _check_pipeline_loaded(pipe, path)
+        pipe = DiffusionPipeline.from_pretrained(path, **dtype_kwargs(torch_dtype), **kwargs)
+        check_pipeline_loaded(pipe, path)
         _register_id2label(pipe, path)
         for name, model in pipeline_transformers(pipe).items():
             _forget_marker(model)

@@ -30,6 +30,7 @@ __all__ = [
     "token_grid",
     "await_model",
     "grid_of_call",
+    "close_frame",
     "waiting_layers",
 ]
 
@@ -183,6 +184,11 @@ class _InFrame:
 
 
 def _exit(model: nn.Module, args, output) -> None:
+    close_frame(model)
+
+
+def close_frame(model: nn.Module) -> None:
+    """Close ``model``'s innermost open frame (what its always-called forward hook does; no-op without one)."""
     frames = _frames()
     for i in range(len(frames) - 1, -1, -1):
         if frames[i].model is model:

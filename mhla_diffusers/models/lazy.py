@@ -26,7 +26,7 @@ from mhla_diffusers.models.families import (
     self_attention_modules,
     supported_model_classes,
 )
-from mhla_diffusers.models.grid import GridReader, _exit, await_model, current_model, install_grid_hooks
+from mhla_diffusers.models.grid import GridReader, await_model, close_frame, current_model, install_grid_hooks
 from mhla_diffusers.models.layer_state import attach, create_layer_state, layer_requires_grad
 from mhla_diffusers.models.provenance import warn_fresh_mixing
 from mhla_diffusers.ops.mixing import MixingMatrix
@@ -63,7 +63,7 @@ def mixing_at_first_forward(processor, attn) -> MixingMatrix:
         # the running model's grid frame here, or it would outlive the export
         model = current_model()
         if model is not None:
-            _exit(model, None, None)
+            close_frame(model)
         raise RuntimeError(_NOT_MATERIALIZED.format(what="torch.export"))
     if torch.compiler.is_compiling():
         # traced first forward: every pending layer's parameters are created eagerly (graph breaks, this

@@ -6,7 +6,7 @@ A token grid ``(T, H, W)`` (``T = 1`` for images) is split into a block grid ``(
 token columns). Block ids are row-major over the block grid, tokens row-major over the token
 grid (``t * H * W + h * W + w``), which is how diffusers lays tokens out.
 
-Source: MHLA paper (arXiv 2601.07832), Sec. 3 "token-level multi-head"; DESIGN.md.
+Source: MHLA paper (arXiv 2601.07832), Sec. 3 "token-level multi-head".
 """
 
 from __future__ import annotations

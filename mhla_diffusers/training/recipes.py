@@ -15,7 +15,7 @@ import torch
 from diffusers import DDPMScheduler, DiTTransformer2DModel
 from diffusers.models.embeddings import LabelEmbedding
 
-from mhla_diffusers.autoencoder import SpaceToDepthAutoencoder
+from mhla_diffusers.autoencoder import SpaceToDepthAutoencoder, vae_scale_factor
 from mhla_diffusers.checkpoint.format import (
     expert_timestep_range,
     load_mhla_pipeline,
@@ -600,13 +600,6 @@ def resize_dit(transformer: torch.nn.Module, sample_size: int) -> torch.nn.Modul
     resized = type(transformer).from_config({**dict(transformer.config), "sample_size": sample_size})
     resized.load_state_dict(transformer.state_dict(), strict=True)
     return resized.to(dtype=next(transformer.parameters()).dtype)
-
-
-def vae_scale_factor(vae) -> int:
-    """Pixels per latent pixel: ``config.factor`` (SpaceToDepthAutoencoder) or ``2 ** (levels - 1)`` (AutoencoderKL)."""
-    if "factor" in vae.config:
-        return int(vae.config.factor)
-    return 2 ** (len(vae.config.block_out_channels) - 1)
 
 
 def check_resolution(transformer, vae, resolution: int) -> None:
