@@ -219,7 +219,8 @@ def test_wan_rotary_is_diffusers_rotation():
     x1, x2 = x[..., 0::2], x[..., 1::2]
     c, s_ = rotary_emb[0][..., 0::2].transpose(1, 2).double(), rotary_emb[1][..., 1::2].transpose(1, 2).double()
     want = torch.stack((x1 * c - x2 * s_, x1 * s_ + x2 * c), dim=-1).flatten(-2)
-    assert _rel(rot(x), want) < 1e-13 and _rel(rot(x.bfloat16()).double(), want) < 4e-2
+    # bf16: a few roundings of 2^-8 each (observed 4.2e-3); a wrong rotation is O(1)
+    assert _rel(rot(x), want) < 1e-13 and _rel(rot(x.bfloat16()).double(), want) < 6e-2
 
 
 # -- the operator: the Wan rotary variant against the dense float64 oracle ---------------------------
