@@ -1,4 +1,4 @@
-"""Held-out losses on fixed noise and timesteps (the same numbers for every model given the same arguments)."""
+"""Held-out losses on fixed noise and timesteps: the same numbers for every model given the same arguments."""
 
 from __future__ import annotations
 
@@ -23,17 +23,11 @@ def evaluate_heldout(
     seed: int = 12345,
     teacher: torch.nn.Module | None = None,
 ) -> dict[str, float | None]:
-    """Held-out losses on a fixed set: the same numbers for every model given the same arguments.
-
-    Item ``i`` of ``dataset`` (its current epoch; ``i`` wraps around ``len(dataset)``) with its own
-    condition (no dropout) gets the deterministic draw :meth:`Objective.evenly_spaced` (epsilon:
-    ``t = round(i (T - 1) / (n - 1))``; flow: ``u = (i + 0.5) / n``) and noise drawn from
-    ``torch.Generator().manual_seed(seed)`` on the CPU, batch by batch. Models run in eval mode
-    (restored after).
+    """Held-out losses of ``model`` on ``num_samples`` items, with deterministic draws and seeded CPU noise.
 
     Returns:
-        ``{"loss": the objective's MSE per element (unweighted), "distill_output": MSE per element
-        between the model's and the teacher's outputs (None without teacher)}``.
+        ``{"loss": ..., "distill_output": ...}``: the objective's MSE per element, and the MSE to the
+        teacher's output (``None`` without a teacher).
 
     Raises:
         ValueError: ``num_samples < 1`` or an empty dataset.
@@ -78,10 +72,7 @@ def evaluate_loss(
     batch_size: int = 16,
     seed: int = 12345,
 ) -> float:
-    """Held-out epsilon MSE of a DiT on a fixed set (see :func:`evaluate_heldout`, which it calls).
-
-    Returns:
-        Mean squared error per element, a Python float.
+    """Held-out epsilon MSE per element of a DiT (:func:`evaluate_heldout`).
 
     Raises:
         ValueError: ``num_samples < 1`` or an empty dataset.
