@@ -53,29 +53,25 @@ def mhla_attention(
     """Multi-Head Linear Attention over the blocks of ``layout`` (MHLA paper, Sec. 3.2).
 
     With ``S_b = phi(K_b)^T V_b``, ``z_b = sum_{t in b} phi(k_t)``, ``S~ = Mc S``, ``z~ = Mc z``, a query in
-    block ``i`` gets ``phi(q) S~_i / (phi(q) . z~_i + eps)`` (the numerator alone if not ``normalize``).
-    With ``rotary = R`` the numerator uses ``R phi(.)``, the denominator ``phi(.)``. Accumulates in fp32
-    (fp64 for fp64 inputs); differentiable in q, k, v and ``mixing``. See ``docs/operator.md``.
+    block ``i`` gets ``phi(q) S~_i / (phi(q) . z~_i + eps)`` (the numerator alone if not ``normalize``);
+    with ``rotary = R`` the numerator uses ``R phi(.)``. ``phi`` is ReLU (``feature_map="relu"``) or the
+    identity (``None``), plus ``feature_eps``. Accumulates in fp32 (fp64 for fp64 inputs). See
+    ``docs/operator.md``.
 
     Args:
-        q, k: ``[B, heads, N, d]``. v: ``[B, heads, N, d_v]``. fp16, bf16, fp32 or fp64, one device.
-        mixing: ``[M, M]`` mixing matrix (rows = query blocks), used as given (no clamping).
-        layout: :class:`~mhla_diffusers.BlockLayout` with ``layout.num_tokens == N``.
-        normalize: apply the denominator (default) or return the numerator.
-        eps: added to the denominator, in the accumulation dtype.
+        q, k: ``[B, heads, N, d]``; v: ``[B, heads, N, d_v]``; fp16, bf16, fp32 or fp64, one device.
+        mixing: ``[M, M]`` (rows = query blocks), used as given (no clamping).
+        layout: :class:`~mhla_diffusers.BlockLayout` with ``N`` tokens.
         backend: ``"auto"`` or one of :func:`available_backends`.
-        feature_map: ``"relu"`` (the paper's phi) or ``None`` (q, k are features already).
-        rotary: ``None``, an :class:`InterleavedRotary` (fused by backends that can), or any callable
-            mapping ``[B, heads, N, d]`` fp32/fp64 features to the same shape (composed).
-        feature_eps: added to every feature after the feature map (the authors' Wan model: 1e-6).
+        rotary: ``None``, an :class:`InterleavedRotary`, or a callable ``[B, heads, N, d] -> same``.
 
     Returns:
-        ``[B, heads, N, d_v]`` in ``q.dtype``.
+        ``[B, heads, N, d_v]`` in ``q.dtype``, differentiable in q, k, v and ``mixing``.
 
     Raises:
         TypeError: ``layout`` is not a ``BlockLayout``.
-        ValueError: mismatched shapes, layout or mixing; head dim 0; non-float dtypes; mixed devices;
-            ``eps < 0``; unknown backend or feature map; bad ``feature_eps``; a shape-changing ``rotary``.
+        ValueError: mismatched shapes, layout or mixing; non-float dtypes; mixed devices; ``eps < 0``;
+            an unknown backend or feature map; a bad ``feature_eps``; a shape-changing ``rotary``.
     """
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a mhla_diffusers.BlockLayout; got {type(layout).__name__}")

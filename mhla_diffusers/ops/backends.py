@@ -1,9 +1,7 @@
 """The registry of :func:`~mhla_diffusers.ops.mhla_attention` backends, by name.
 
-A backend is a :class:`Backend`; ``"torch"`` is registered here, the Triton kernels in their own
-module. A new backend: subclass :class:`Backend`, then :func:`register_backend`. ``forward`` takes
-validated ``(q, k, v, mixing, layout, *, normalize, eps, feature_map[, rotary])`` and returns
-``[B, heads, N, d_v]`` in ``q``'s dtype. See ``docs/operator.md``, "Backends".
+A new backend: subclass :class:`Backend`, then :func:`register_backend`. ``"torch"`` is registered
+here, the Triton kernels in their own module. See ``docs/operator.md``, "Backends".
 """
 
 from __future__ import annotations
@@ -26,11 +24,8 @@ DEFAULT_BACKEND = "torch"
 class Backend:
     """One MHLA backend: subclasses set :attr:`name` and define :meth:`forward`.
 
-    The other methods default to a backend that runs on every device and that ``"auto"`` never picks.
-
-    Attributes:
-        name: the ``backend=`` string it is registered under.
-        fuses_rotary_tables: whether :meth:`forward` may take ``rotary=`` (an ``InterleavedRotary``).
+    The defaults describe a backend that runs on every device and that ``"auto"`` never picks;
+    ``fuses_rotary_tables``: :meth:`forward` may take ``rotary=`` (an ``InterleavedRotary``).
     """
 
     name: str = ""
@@ -61,7 +56,7 @@ class Backend:
         return True
 
     def forward(self, q, k, v, mixing, layout, *, normalize: bool, eps: float, feature_map: bool, rotary=None) -> torch.Tensor:
-        """MHLA of validated inputs; differentiable in q, k, v and ``mixing``."""
+        """MHLA ``[B, heads, N, d_v]`` in ``q``'s dtype of validated inputs (``feature_map``: apply ReLU)."""
         raise NotImplementedError(f"{type(self).__name__} defines no forward")
 
     def __repr__(self) -> str:
@@ -99,22 +94,14 @@ def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
 
 
 def unregister_backend(name: str) -> Backend:
-    """Remove the backend registered as ``name`` and return it.
-
-    Raises:
-        ValueError: ``name`` is not registered, or is the default ``"torch"``.
-    """
+    """Remove and return the backend registered as ``name``; ``ValueError`` if unknown or the default ``"torch"``."""
     if name == DEFAULT_BACKEND:
         raise ValueError(f"the default backend {DEFAULT_BACKEND!r} cannot be unregistered")
     return _REGISTRY.pop(get_backend(name).name)
 
 
 def get_backend(name: str) -> Backend:
-    """The backend registered as ``name`` (available here or not).
-
-    Raises:
-        ValueError: no backend of that name is registered.
-    """
+    """The backend registered as ``name``, installed here or not; ``ValueError`` if none is."""
     backend = _REGISTRY.get(name)
     if backend is None:
         raise ValueError(f"unknown MHLA backend {name!r}; registered: {sorted(_REGISTRY)}")
@@ -161,7 +148,6 @@ register_backend(TorchBackend())
 
 
 class _FunctionBackend(Backend):
-    """A forward set through ``BACKENDS[name] = fn``; the rest is the replaced backend's."""
 
     def __init__(self, name: str, fn: Callable, replaced: Backend | None):
         self.name, self._fn, self._replaced = name, fn, replaced

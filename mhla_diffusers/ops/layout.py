@@ -1,9 +1,8 @@
 """Token grids, block grids and the index tensors the MHLA operator works with block by block.
 
-A token grid ``(T, H, W)`` is split into ``M = bt * bh * bw`` contiguous boxes: token ``(t, h, w)``
-belongs to block ``(t * bt // T, h * bh // H, w * bw // W)``, no divisibility required. Blocks and
-tokens are both row-major (diffusers' token order). MHLA paper (arXiv 2601.07832), Sec. 3;
-details in ``docs/operator.md``, "Layouts".
+Token ``(t, h, w)`` of a ``(T, H, W)`` grid belongs to block ``(t * bt // T, h * bh // H, w * bw // W)``,
+no divisibility required; blocks and tokens are row-major. MHLA paper (arXiv 2601.07832), Sec. 3;
+see ``docs/operator.md``, "Layouts".
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ __all__ = ["BlockLayout", "choose_block_grid", "default_num_blocks", "get_layout
 def normalize_grid(grid: int | Sequence[int], name: str = "grid") -> tuple[int, int, int]:
     """A 1-, 2- or 3-axis grid (or an int ``N``) as ``(T, H, W)``: ``(N,) -> (1, 1, N)``, ``(H, W) -> (1, H, W)``.
 
-    Raises:
-        ValueError: an empty or longer grid, a non-integer or a size below 1.
+    ``ValueError`` for an empty or longer grid, a non-integer or a size below 1.
     """
     if isinstance(grid, int):
         grid = (grid,)
@@ -47,16 +45,9 @@ _normal_tensors = torch.inference_mode(False)
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """How the tokens of a ``(T, H, W)`` grid fall into a ``(bt, bh, bw)`` grid of blocks.
+    """How the tokens of a ``(T, H, W)`` grid (1D, 2D or 3D) fall into a ``(bt, bh, bw)`` grid of blocks.
 
-    Args:
-        grid: token grid, 1D ``(N,)``, 2D ``(H, W)`` or 3D ``(T, H, W)``; stored as 3D.
-        block_grid: block grid with as many axes or fewer (leading axes = 1).
-
-    Attributes:
-        num_tokens: ``N = T * H * W``.
-        num_blocks: ``M = bt * bh * bw``.
-        block_index: ``[N]`` int64 (CPU), the block id of every token.
+    ``num_tokens`` is ``N``, ``num_blocks`` ``M``, ``block_index`` the ``[N]`` int64 block id of each token.
 
     Raises:
         ValueError: an axis with fewer tokens than blocks (use :func:`choose_block_grid`).

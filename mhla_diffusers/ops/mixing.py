@@ -37,17 +37,11 @@ def mixing_init(layout: BlockLayout | Iterable[int], dtype: torch.dtype = torch.
 
 
 class MixingMatrix(nn.Module):
-    """Per-layer MHLA state: the mixing matrix ``weight`` ``[M, M]`` and its block grid.
+    """Per-layer MHLA state: the mixing matrix ``weight`` ``[M, M]`` of ``block_grid``.
 
-    Installed as ``<attention module>.mhla_mixing`` (state-dict key ``...mhla_mixing.weight``).
-
-    Args:
-        block_grid: ``(bt, bh, bw)``.
-        init: ``"locality"`` (the paper's) or ``"uniform"`` (all ones: plain linear attention).
-        clamp: use the matrix clamped to ``[0, 1]`` (the paper's) or as stored (``False``: the authors'
-            Wan model, trained unclamped).
-
-    ``seen_grids`` and ``verified`` are bookkeeping attributes, not in ``state_dict`` (``docs/operator.md``).
+    Installed as ``<attention module>.mhla_mixing``. ``init``: ``"locality"`` (the paper's) or
+    ``"uniform"`` (all ones: plain linear attention); ``clamp=False`` uses the matrix as stored (the
+    authors' Wan model, trained unclamped). ``seen_grids`` and ``verified`` are bookkeeping, not state.
     """
 
     def __init__(self, block_grid: Iterable[int], init: str = "locality", clamp: bool = True):

@@ -34,15 +34,10 @@ def implied_attention(
     rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
     feature_eps: float = 0.0,
 ) -> torch.Tensor:
-    """The unnormalised implied attention matrix ``A`` ``[B, heads, N, N]``.
+    """The unnormalised implied attention matrix ``A`` ``[B, heads, N, N]`` of q, k ``[B, heads, N, d]``.
 
-    Args:
-        q, k: ``[B, heads, N, d]``.
-        mixing: ``[M, M]``, used as given.
-        layout: token grid with ``N`` tokens and ``M`` blocks.
-        dtype: compute dtype (default fp64 for fp64 inputs, else fp32).
-        feature_map, feature_eps: as :func:`~mhla_diffusers.ops.mhla_attention`.
-        rotary: optional map applied to ``phi(q)``, ``phi(k)`` (the RoPE numerator's matrix).
+    Computed in ``dtype`` (default fp64 for fp64 inputs, else fp32); ``mixing`` used as given; with
+    ``rotary``, the RoPE numerator's matrix.
     """
     dtype = dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
     idx = layout.block_index.to(q.device)
@@ -138,11 +133,7 @@ def mhla_attention_blockwise(
     rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
     feature_eps: float = 0.0,
 ) -> torch.Tensor:
-    """MHLA ``[B, heads, N, d_v]`` as ``num / den`` of :func:`blockwise_parts` (``num`` if not ``normalize``).
-
-    Raises:
-        ValueError: as :func:`blockwise_parts`.
-    """
+    """MHLA ``[B, heads, N, d_v]`` as ``num / den`` of :func:`blockwise_parts` (``num`` if not ``normalize``); raises as it does."""
     num, den = blockwise_parts(q, k, v, mixing, layout, eps=eps, feature_map=feature_map, rotary=rotary,
                                feature_eps=feature_eps)
     return num / den if normalize else num

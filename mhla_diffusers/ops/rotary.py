@@ -13,16 +13,13 @@ __all__ = ["InterleavedRotary"]
 
 
 class InterleavedRotary:
-    """The rotation of interleaved channel pairs by per-token angles.
+    """The rotation of interleaved channel pairs of ``[B, heads, N, d]`` features by per-token angles.
 
-    Args:
-        cos, sin: ``[N, d / 2]`` floating tensors (operator token order), cast to their promoted dtype.
-
-    Calling it on ``[B, heads, N, d]`` features returns them rotated, in their dtype; differentiable in
-    the features (and the tables, except inside the Triton kernels).
+    ``cos``, ``sin``: ``[N, d / 2]`` floating tables (operator token order). The result has the features'
+    dtype; differentiable in the features (and the tables, except inside the Triton kernels).
 
     Raises:
-        ValueError: ``cos``/``sin`` not equal-shaped 2-D floating tensors; features not ``[B, heads, N, d]``.
+        ValueError: tables not equal-shaped 2-D floating tensors; features not ``[B, heads, N, d]``.
     """
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor):

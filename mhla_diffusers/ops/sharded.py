@@ -38,11 +38,7 @@ class ShardBlocks:
 @lru_cache(maxsize=256)
 @torch.inference_mode(False)  # cached across calls: never inference tensors
 def shard_blocks(layout: BlockLayout, offset: int, length: int) -> ShardBlocks:
-    """The cached :class:`ShardBlocks` (CPU) of the tokens ``[offset, offset + length)`` of ``layout``.
-
-    Raises:
-        ValueError: an empty shard, or one outside the layout's tokens.
-    """
+    """The cached :class:`ShardBlocks` (CPU) of tokens ``[offset, offset + length)``; ``ValueError`` if empty or outside ``layout``."""
     if not (0 <= offset and 1 <= length and offset + length <= layout.num_tokens):
         raise ValueError(
             f"a shard of {length} tokens at offset {offset} does not fit the {layout.num_tokens} tokens of {layout}"
@@ -58,7 +54,6 @@ def shard_blocks(layout: BlockLayout, offset: int, length: int) -> ShardBlocks:
 
 
 def _blocked(x: torch.Tensor, sb: ShardBlocks) -> torch.Tensor:
-    """``[B, heads, n, w]`` -> block-major ``[B, heads, m, L, w]``, zero-padded."""
     b, h, _, w = x.shape
     m = sb.blocks.numel()
     out = x.new_zeros(b, h, m * sb.length, w).index_copy(2, sb.slots.to(x.device), x)
@@ -92,16 +87,9 @@ def shard_summaries(
 ) -> torch.Tensor:
     """One shard's packed partial summaries ``S_b = (R phi(K_b))^T V_b``, ``z_b = sum phi(K_b)``.
 
-    Args:
-        k: ``[B, heads, n, d]``, v: ``[B, heads, n, d_v]`` of tokens ``[offset, offset + n)``.
-        layout: the :class:`BlockLayout` of the whole sequence.
-        offset: the shard's first token in the whole sequence.
-        normalize: also compute z (the last column).
-        feature_map, feature_eps, rotary: as :func:`~mhla_diffusers.ops.mhla_attention`, the rotary
-            covering this shard's tokens.
-
-    Returns:
-        ``[B, heads, M, d, d_v + 1]`` (or ``d_v``), fp32 (fp64 for fp64 ``k``); zero for untouched blocks.
+    k ``[B, heads, n, d]`` and v ``[B, heads, n, d_v]`` are tokens ``[offset, offset + n)`` of ``layout``
+    (the whole sequence's); ``rotary`` covers this shard's tokens. Returns ``[B, heads, M, d, d_v + 1]``
+    (``normalize``; else ``d_v``), fp32 (fp64 for fp64 ``k``), zero for untouched blocks.
 
     Raises:
         ValueError: k and v of different ``[B, heads, n]``, a shard outside the layout, an unknown feature map.
@@ -135,12 +123,8 @@ def shard_attention(
 ) -> torch.Tensor:
     """The MHLA output ``[B, heads, n, d_v]`` (``q.dtype``) of one shard's queries from the summed summaries.
 
-    Args:
-        q: ``[B, heads, n, d]``, queries of tokens ``[offset, offset + n)``.
-        summaries: the sum over shards of :func:`shard_summaries` (same ``normalize``).
-        mixing: ``[M, M]``, used as given.
-        layout, offset, feature_map, rotary, feature_eps: as :func:`shard_summaries`.
-        normalize, eps: as :func:`~mhla_diffusers.ops.mhla_attention`.
+    q ``[B, heads, n, d]``: tokens ``[offset, offset + n)``; ``summaries``: the sum over shards of
+    :func:`shard_summaries` (same ``normalize``); ``mixing`` ``[M, M]`` used as given.
 
     Raises:
         ValueError: summaries or mixing of the wrong shape; a shard outside the layout.

@@ -33,7 +33,6 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class _Plan:
-    """The index tensors of a layout on one device, and where chunks may end."""
 
     num_blocks: int  # M
     length: int  # L, the padded block length
@@ -68,7 +67,6 @@ def _plan(layout: BlockLayout, device: torch.device) -> _Plan:
 
 @dataclass(frozen=True)
 class _Chunk:
-    """Heads ``h0:h1`` and blocks ``m0:m1`` (tokens ``t0:t1``) of one batch element, with its index tensors."""
 
     h0: int
     h1: int
@@ -227,12 +225,11 @@ def _mix(mixing: torch.Tensor, summaries: torch.Tensor, ws: _Workspace, name: st
 
 
 def _relu_grad_(grad: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
-    """``grad * [phi > 0]`` in place, by autograd's own ReLU kernel."""
+    """``grad * [phi > 0]`` in place."""
     return torch.ops.aten.threshold_backward.grad_input(grad, phi, 0, grad_input=grad)
 
 
 def _setup(q, v, mixing, layout):
-    """Accumulation dtype, plan, chunk groups, workspace and the mixing matrix in the accumulation dtype."""
     acc = compute_dtype(q.dtype)
     plan = _plan(layout, q.device)
     width = max(q.shape[-1], v.shape[-1])
@@ -361,17 +358,9 @@ def mhla_attention_torch(
 ) -> torch.Tensor:
     """MHLA in PyTorch; inputs validated by :func:`~mhla_diffusers.ops.mhla_attention`.
 
-    Args:
-        q, k: ``[B, heads, N, d]``; v: ``[B, heads, N, d_v]``; fp16, bf16, fp32 or fp64.
-        mixing: ``[M, M]``, used as given.
-        layout: the :class:`BlockLayout` of the ``N`` tokens.
-        normalize: divide by ``phi(q) . z~ + eps`` or return the numerator.
-        eps: added to the denominator, in the accumulation dtype.
-        feature_map: apply ``phi = ReLU`` to q and k (False: they are features already).
-
-    Returns:
-        ``[B, heads, N, d_v]`` in ``q``'s dtype and memory layout; differentiable (first order) in q, k,
-        v and ``mixing``.
+    q, k ``[B, heads, N, d]``, v ``[B, heads, N, d_v]`` (fp16, bf16, fp32 or fp64); ``feature_map``: apply
+    ``phi = ReLU``. Returns ``[B, heads, N, d_v]`` in ``q``'s dtype and memory layout, differentiable
+    (first order) in q, k, v and ``mixing``.
     """
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mixing))
     return _MHLA.apply(q, k, v, mixing, layout, normalize, float(eps), bool(feature_map), need_grad)

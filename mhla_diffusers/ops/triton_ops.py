@@ -438,7 +438,6 @@ def _sum_parts(parts: torch.Tensor) -> torch.Tensor:
 
 
 def _device_of(x: torch.Tensor):
-    """Launch on ``x``'s CUDA device."""
     return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
 
 
@@ -628,18 +627,10 @@ def mhla_attention_triton(
 ) -> torch.Tensor:
     """MHLA by the Triton kernels; inputs validated by :func:`~mhla_diffusers.ops.mhla_attention`.
 
-    Args:
-        q, k: ``[B, heads, N, d]``; v: ``[B, heads, N, d_v]``; fp16, bf16, fp32 or fp64 (no bf16 under
-            the interpreter); any strides.
-        mixing: ``[M, M]``, used as given.
-        layout: the :class:`BlockLayout` of the ``N`` tokens.
-        normalize, eps, feature_map: as :func:`~mhla_diffusers.ops.torch_ops.mhla_attention_torch`.
-        rotary: an :class:`~mhla_diffusers.ops.InterleavedRotary` applied in the kernels (no table
-            gradient; even ``d``), or ``None``.
-
-    Returns:
-        ``[B, heads, N, d_v]`` in ``q``'s dtype and memory layout; differentiable (first order).
-        Head dims above 128 and fp64 on a GPU run the torch backend (:func:`torch_fallback_reason`).
+    q, k ``[B, heads, N, d]``, v ``[B, heads, N, d_v]`` (no bf16 under the interpreter), any strides;
+    ``rotary``: an :class:`~mhla_diffusers.ops.InterleavedRotary` applied in the kernels (no table
+    gradient, even ``d``). Returns ``[B, heads, N, d_v]`` in ``q``'s dtype and memory layout. Head dims
+    above 128 and fp64 on a GPU run the torch backend (:func:`torch_fallback_reason`).
 
     Raises:
         ValueError: CPU tensors without the interpreter, other devices, or a fallback case with ``rotary``.
