@@ -42,28 +42,20 @@ class PointLatentDistribution:
         return torch.zeros_like(self.mean)
 
     def sample(self, generator: torch.Generator | None = None) -> torch.Tensor:
-        """The latents; ``generator`` is accepted and unused."""
         return self.mean
 
     def mode(self) -> torch.Tensor:
-        """The latents."""
         return self.mean
 
     def kl(self, other=None) -> torch.Tensor:
-        """Zeros ``[B]``."""
         return torch.zeros(self.mean.shape[0], dtype=self.mean.dtype, device=self.mean.device)
 
 
 class SpaceToDepthAutoencoder(ModelMixin, ConfigMixin):
-    """Exact, parameter-free autoencoder: ``pixel_unshuffle`` to encode, ``pixel_shuffle`` to decode.
+    """Exact, parameter-free autoencoder: ``pixel_unshuffle`` by ``factor`` to encode, ``pixel_shuffle`` to decode.
 
     A drop-in ``vae`` for ``DiTPipeline``; ``import mhla_diffusers`` before ``from_pretrained`` of a
-    pipeline that names it (diffusers resolves only imported modules).
-
-    Args:
-        factor: spatial downsampling ``f`` (int >= 1).
-        in_channels: image channels ``C``.
-        scaling_factor: multiplier of encoded latents before diffusion (not applied here).
+    pipeline that names it. ``scaling_factor`` is recorded, not applied.
 
     Raises:
         ValueError: a non-positive ``factor``, ``in_channels`` or ``scaling_factor``.
@@ -100,7 +92,6 @@ class SpaceToDepthAutoencoder(ModelMixin, ConfigMixin):
 
     @property
     def latent_channels(self) -> int:
-        """``in_channels * factor**2``."""
         return self.config.in_channels * self.config.factor**2
 
     def _check(self, x: torch.Tensor, channels: int, what: str, divisible: bool) -> None:
@@ -119,11 +110,9 @@ class SpaceToDepthAutoencoder(ModelMixin, ConfigMixin):
             )
 
     def encode(self, x: torch.Tensor, return_dict: bool = True) -> AutoencoderKLOutput | tuple:
-        """Fold ``f x f`` pixel patches of ``x`` ``[B, C, H, W]`` into channels (unscaled).
+        """Fold ``x`` ``[B, C, H, W]`` into ``z`` ``[B, C*f*f, H/f, W/f]``: ``AutoencoderKLOutput(latent_dist=PointLatentDistribution(z))``.
 
-        Returns:
-            ``AutoencoderKLOutput(latent_dist=PointLatentDistribution(z))``, ``z`` ``[B, C*f*f, H/f, W/f]``
-            in ``x``'s dtype and device (a 1-tuple if not ``return_dict``).
+        Unscaled, in ``x``'s dtype and device; a 1-tuple if not ``return_dict``.
 
         Raises:
             ValueError: wrong rank or channel count, or ``H``, ``W`` not divisible by ``factor``.
@@ -136,13 +125,9 @@ class SpaceToDepthAutoencoder(ModelMixin, ConfigMixin):
         return AutoencoderKLOutput(latent_dist=dist)
 
     def decode(self, z: torch.Tensor, return_dict: bool = True, generator=None) -> DecoderOutput | tuple:
-        """Unfold ``z`` ``[B, C*f*f, h, w]`` back into pixels ``[B, C, h*f, w*f]`` (no clamping; ``generator`` ignored).
+        """``DecoderOutput(sample=x)``: ``z`` ``[B, C*f*f, h, w]`` unfolded into ``x`` ``[B, C, h*f, w*f]`` (no clamping).
 
-        Returns:
-            ``DecoderOutput(sample=x)`` (a 1-tuple if not ``return_dict``).
-
-        Raises:
-            ValueError: wrong rank or channel count.
+        ``ValueError`` for a wrong rank or channel count.
         """
         self._check(z, self.latent_channels, "decode input", divisible=False)
         x = F.pixel_shuffle(z, self.config.factor)

@@ -177,7 +177,6 @@ class _RandomCrops(Dataset, abc.ABC):
         return {"pixel_values": pixels.contiguous(), **self._target(k)}
 
     def fingerprint(self) -> dict:
-        """What defines the items (for latent caches)."""
         return {
             "class": type(self).__name__,
             "resolution": self.resolution,
@@ -206,15 +205,9 @@ class _ClassCrops(_RandomCrops):
 class PhotoCrops(_ClassCrops):
     """Random crops of the photographs shipped in the scikit-image / scikit-learn wheels; one photo, one class.
 
-    Args:
-        resolution: crop side ``S`` in pixels.
-        short_side: short side each photo is resized to first (>= ``resolution``; default ``1.5 S``).
-        crops_per_photo: crops of each photo per epoch.
-        seed: base seed of crop positions and flips.
-        hflip: random horizontal flips.
-        photos: subset / order of ``PHOTO_NAMES`` (default: all).
-
-    Item: ``{"pixel_values": float32 [3, S, S] in [-1, 1], "class_labels": int64 scalar}``.
+    ``short_side`` (default ``1.5 * resolution``) is the short side photos are resized to first;
+    ``photos`` a subset / order of ``PHOTO_NAMES``. Item: ``{"pixel_values": float32 [3, S, S] in
+    [-1, 1], "class_labels": int64}`` with ``S = resolution`` pixels.
 
     Raises:
         ValueError: bad sizes, an empty or duplicated photo list.
@@ -263,14 +256,7 @@ class PhotoCrops(_ClassCrops):
 
 
 class ImageFolderCrops(_ClassCrops):
-    """Random crops of ``root/<class name>/<images>`` (classes: sorted sub-folders; images found recursively).
-
-    Args:
-        root: the folder.
-        resolution: crop side ``S`` in pixels.
-        short_side: short side each image is resized to first (>= ``resolution``; default ``S``).
-        crops_per_image: crops of each image per epoch.
-        seed, hflip: as in :class:`PhotoCrops`.
+    """Random crops of ``root/<class name>/<images>``, items as :class:`PhotoCrops` (``short_side`` default: ``resolution``).
 
     Raises:
         FileNotFoundError: ``root`` is not a folder.
@@ -361,8 +347,7 @@ def _read_image(path: str, short_side: int) -> torch.Tensor:
 def read_captions(root: str | os.PathLike, files: Sequence[str], caption_column: str = "text") -> list[str | None]:
     """The caption of each file under ``root`` (``None`` where none): ``metadata.jsonl``, else a sidecar ``.txt``.
 
-    Raises:
-        ValueError: a malformed ``metadata.jsonl`` line, or one naming a missing file.
+    ``ValueError`` for a malformed ``metadata.jsonl`` line, or one naming a missing file.
     """
     root = os.fspath(root)
     from_metadata: dict[str, str] = {}
@@ -406,14 +391,10 @@ def _captioned_root(root, kind: str, missing_caption: str) -> str:
 
 
 class CaptionedImageCrops(_RandomCrops):
-    """Random crops of captioned images under ``root`` (text-to-image, e.g. SANA); captions by :func:`read_captions`.
+    """Random crops of captioned images under ``root`` (text-to-image); captions by :func:`read_captions`.
 
-    Args:
-        root, resolution, short_side, crops_per_image, seed, hflip: as in :class:`ImageFolderCrops`.
-        caption_column: the ``metadata.jsonl`` key of the caption.
-        missing_caption: ``"error"`` or ``"empty"`` (an uncaptioned image gets ``""``).
-
-    Item: ``{"pixel_values": float32 [3, S, S] in [-1, 1], "caption": str}``.
+    Item: ``{"pixel_values": float32 [3, S, S] in [-1, 1], "caption": str}``; ``missing_caption``:
+    ``"error"`` or ``"empty"`` (an uncaptioned image gets ``""``).
 
     Raises:
         FileNotFoundError: ``root`` is not a folder.
@@ -553,15 +534,8 @@ def _video_length(path: str) -> int:
 class VideoClips(Dataset):
     """Random clips of captioned videos or frame folders under ``root`` (text-to-video, e.g. Wan).
 
-    Args:
-        root: the folder.
-        resolution: ``S`` or ``(height, width)`` in pixels.
-        num_frames: frames per clip (Wan: ``4 k + 1``).
-        frame_stride: take every ``frame_stride``-th frame.
-        clips_per_video: items per video per epoch.
-        seed, hflip, caption_column, missing_caption: as in :class:`CaptionedImageCrops`.
-
-    Item: ``{"pixel_values": float32 [3, F, H, W] in [-1, 1], "caption": str}``.
+    A clip is ``num_frames`` frames (Wan: ``4 k + 1``) ``frame_stride`` apart, at ``resolution`` (``S`` or
+    ``(height, width)`` pixels). Item: ``{"pixel_values": float32 [3, F, H, W] in [-1, 1], "caption": str}``.
 
     Raises:
         FileNotFoundError: ``root`` is not a folder.
@@ -618,11 +592,9 @@ class VideoClips(Dataset):
         return len(self.videos) * self.clips_per_video
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the clips of ``epoch``."""
         self.epoch = int(epoch)
 
     def fingerprint(self) -> dict:
-        """What defines the items (for latent caches)."""
         return {
             "class": type(self).__name__, "size": list(self.size), "num_frames": self.num_frames, "stride": self.frame_stride,
             "clips_per_video": self.clips_per_video, "seed": self.seed, "hflip": self.hflip,
@@ -668,11 +640,7 @@ class VideoClips(Dataset):
 
 
 def build_dataset(data: Mapping[str, Any]):
-    """The dataset of ``config["data"]`` by ``kind``: photos, folder, captions or video.
-
-    Raises:
-        ValueError, FileNotFoundError: from the dataset constructors.
-    """
+    """The dataset of ``config["data"]`` by ``kind`` (photos, folder, captions, video); raises as its constructor."""
     if data["kind"] == "video":
         return VideoClips(
             data["root"], resolution=data["resolution"], num_frames=data.get("num_frames", 17), frame_stride=data.get("frame_stride", 1),

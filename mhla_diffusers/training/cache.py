@@ -70,14 +70,10 @@ def build_cache(
     barrier: Callable[[], None] | None = None,
     progress: bool = False,
 ) -> Path:
-    """Encode every item of ``dataset`` (epoch 0) into ``folder``, unless complete; returns ``folder``.
+    """Encode every item of ``dataset`` (epoch 0) into ``folder`` unless complete; returns ``folder``.
 
-    Args:
-        dataset: items are dicts of tensors (and strings).
-        encode: ``batch -> {name: tensor [B, ...]}``, run under ``torch.no_grad``; stored per item on CPU.
-        folder: ``<cache_dir>/<cache_key(...)>``.
-        rank, world_size, barrier: item ``i`` is encoded on rank ``i % world_size``; ``barrier`` around
-            the completion marker rank 0 writes.
+    ``encode`` maps a batch to ``{name: tensor [B, ...]}`` (run without grad; stored per item on the
+    CPU); item ``i`` is encoded on rank ``i % world_size``, and ``barrier`` brackets the completion marker.
     """
     folder = Path(folder)
     if is_complete(folder):
@@ -113,11 +109,7 @@ def build_cache(
 
 
 class CachedDataset(Dataset):
-    """The items of a cache written by :func:`build_cache`, plus ``extra(index)`` if given.
-
-    Raises:
-        FileNotFoundError: the folder holds no complete cache.
-    """
+    """The items of a :func:`build_cache` folder, plus ``extra(index)``; ``FileNotFoundError`` if incomplete."""
 
     def __init__(self, folder: str | os.PathLike, extra: Callable[[int], dict] | None = None):
         self.folder = Path(folder)

@@ -178,11 +178,7 @@ def _merge(base: dict, update: Mapping, path: tuple[str, ...] = ()) -> dict:
 
 
 def apply_overrides(config: dict, overrides: Iterable[str]) -> dict:
-    """Apply ``"dotted.key=value"`` overrides (values parsed as YAML); a key in a null section creates it.
-
-    Raises:
-        ValueError: malformed override or unknown key.
-    """
+    """Apply ``"dotted.key=value"`` overrides (YAML values; a null section is created); ``ValueError`` if malformed or unknown."""
     config = copy.deepcopy(config)
     for item in overrides:
         if "=" not in item:
@@ -364,11 +360,7 @@ _MHLA_RULES: dict[str, Choice | Integer | Number | Boolean] = {
 
 
 def validate_config(config: dict) -> None:
-    """Check a merged config in place (numeric strings become floats, YAML booleans the choice written).
-
-    Raises:
-        ValueError: naming the offending key and what to do.
-    """
+    """Check a merged config in place (numbers to float, YAML booleans to the choice); ``ValueError`` naming key and fix."""
     if not config.get("output_dir"):
         raise ValueError("output_dir is not set: add `output_dir: <folder>` to the YAML or pass --set output_dir=<folder>")
     _check_model(config["model"])

@@ -42,11 +42,7 @@ def make_teacher(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Modul
 
 
 def load_teacher(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module:
-    """The frozen transformer of a pipeline or transformer folder, as a teacher.
-
-    Raises:
-        FileNotFoundError, MHLACheckpointError: from :func:`mhla_diffusers.load_mhla_transformer`.
-    """
+    """The frozen transformer of a pipeline or transformer folder, as a teacher (errors: ``load_mhla_transformer``'s)."""
     teacher = load_mhla_transformer(path, torch_dtype=torch.float32)
     teacher.requires_grad_(False).eval()
     if dtype is not None:
@@ -55,11 +51,7 @@ def load_teacher(path: str | os.PathLike, dtype: torch.dtype | None = None) -> n
 
 
 def transfer_modules(model: nn.Module, which: str = "mhla") -> dict[str, nn.Module]:
-    """``{name: module}`` matched by attention transfer: ``"mhla"`` (MHLA layers, or all if none) or ``"all"``.
-
-    Raises:
-        ValueError: unknown ``which``.
-    """
+    """``{name: module}`` for attention transfer: ``"mhla"`` (MHLA layers, or all) or ``"all"``; else ``ValueError``."""
     if which not in TRANSFER_LAYERS:
         raise ValueError(f"attention-transfer layers must be one of {TRANSFER_LAYERS}; got {which!r}")
     modules = self_attention_modules(model)

@@ -23,11 +23,10 @@ def evaluate_heldout(
     seed: int = 12345,
     teacher: torch.nn.Module | None = None,
 ) -> dict[str, float | None]:
-    """Held-out losses of ``model`` on ``num_samples`` items, with deterministic draws and seeded CPU noise.
+    """Held-out losses of ``model`` on ``num_samples`` items: deterministic draws, noise seeded on the CPU.
 
-    Returns:
-        ``{"loss": ..., "distill_output": ...}``: the objective's MSE per element, and the MSE to the
-        teacher's output (``None`` without a teacher).
+    Returns ``{"loss", "distill_output"}``: the objective's MSE per element, and the MSE to the
+    teacher's output (``None`` without a teacher).
 
     Raises:
         ValueError: ``num_samples < 1`` or an empty dataset.
@@ -72,10 +71,6 @@ def evaluate_loss(
     batch_size: int = 16,
     seed: int = 12345,
 ) -> float:
-    """Held-out epsilon MSE per element of a DiT (:func:`evaluate_heldout`).
-
-    Raises:
-        ValueError: ``num_samples < 1`` or an empty dataset.
-    """
+    """Held-out epsilon MSE per element of a DiT (:func:`evaluate_heldout`, whose errors it raises)."""
     parts = TrainingParts("dit", transformer, vae, noise_scheduler, Objective("epsilon", noise_scheduler))
     return evaluate_heldout(parts, transformer, dataset, num_samples=num_samples, batch_size=batch_size, seed=seed)["loss"]

@@ -21,26 +21,19 @@ LOSS_WEIGHTING = ("none", "sigma_sqrt", "cosmap")
 
 
 def flow_match_scheduler(shift: float = 1.0, num_train_timesteps: int = 1000):
-    """A ``FlowMatchEulerDiscreteScheduler`` whose sigma table is the training one (``shift`` applied).
-
-    Raises:
-        ValueError: ``shift <= 0``.
-    """
+    """A ``FlowMatchEulerDiscreteScheduler`` with the training sigma table (``shift`` applied; ``ValueError`` if ``<= 0``)."""
     if not shift > 0:
         raise ValueError(f"the flow-matching shift must be > 0; got {shift!r}")
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=int(num_train_timesteps), shift=float(shift))
 
 
 class Objective:
-    """The noising and the regression target of one training objective.
+    """The noising and the regression target of one objective, ``kind`` ``"epsilon"`` or ``"flow"``.
 
-    Args:
-        kind: ``"epsilon"`` or ``"flow"``.
-        scheduler: ``DDPMScheduler``-like (epsilon) or :func:`flow_match_scheduler`'s table (flow).
-        timestep_sampling: flow: ``"logit_normal"``, ``"mode"`` or ``"uniform"``.
-        logit_mean, logit_std, mode_scale: parameters of those densities.
-        loss_weighting: flow: ``"none"``, ``"sigma_sqrt"`` or ``"cosmap"``.
-        timestep_range: flow: ``(low, high)`` in transformer timestep units (Wan 2.2's experts), or ``None``.
+    ``scheduler``: ``DDPMScheduler``-like (epsilon) or :func:`flow_match_scheduler`'s table (flow). Flow
+    only: ``timestep_sampling`` (``"logit_normal"``, ``"mode"``, ``"uniform"``) and its parameters,
+    ``loss_weighting`` (``"none"``, ``"sigma_sqrt"``, ``"cosmap"``), ``timestep_range`` (``(low, high)``
+    in transformer timestep units: Wan 2.2's experts).
 
     Raises:
         ValueError: unknown options; a ``timestep_range`` for epsilon or holding no timestep of the table.

@@ -16,11 +16,7 @@ def fsdp_requested() -> bool:
 
 
 def check_fsdp_setup(accelerator) -> None:
-    """Refuse an FSDP launch that would not run as FSDP2.
-
-    Raises:
-        ValueError: accelerate set up another distributed type (CPU processes, one process), or FSDP1.
-    """
+    """``ValueError`` for an FSDP launch that would not run as FSDP2 (CPU processes, one process, FSDP1)."""
     if not fsdp_requested() and accelerator.distributed_type != DistributedType.FSDP:
         return
     if accelerator.distributed_type != DistributedType.FSDP:
@@ -49,13 +45,9 @@ def transformer_block_classes(model: nn.Module) -> list[str]:
 
 
 def set_fsdp_wrap(accelerator, model: nn.Module) -> str | None:
-    """Choose the FSDP units before ``accelerator.prepare``: each transformer block, or the whole model (DiT).
+    """Choose the FSDP units before ``accelerator.prepare``; a line saying them, or ``None`` (no FSDP, other policy).
 
-    Returns:
-        A line saying the units, or ``None`` (no FSDP, or another wrap policy).
-
-    Raises:
-        ValueError: a class to wrap the model lacks, or blocks that cannot be FSDP units.
+    ``ValueError`` for a class to wrap the model lacks, or blocks that cannot be FSDP units.
     """
     if accelerator.distributed_type != DistributedType.FSDP:
         return None

@@ -61,7 +61,6 @@ def _step_seed(seed: int, step: int, micro: int, rank: int = 0) -> int:
 
 
 def _flat_config(config: Mapping, prefix: str = "") -> dict[str, Any]:
-    """Scalars of a nested config as ``{"a/b": value}`` for trackers."""
     out = {}
     for k, v in config.items():
         key = f"{prefix}{k}"
@@ -85,15 +84,11 @@ def _cached_dataset(parts: TrainingParts, dataset, cache_dir: Path, accelerator,
 
 
 def train(config: dict) -> dict[str, Any]:
-    """Train / fine-tune as ``config`` says (:data:`DEFAULT_CONFIG`); run it under accelerate.
+    """Train / fine-tune as ``config`` says (:data:`DEFAULT_CONFIG`), under accelerate; the run's summary.
 
-    Writes ``config.yaml``, ``loss.csv``, ``loss.png``, ``checkpoints/``, ``final/`` (or ``export.dir``)
-    and ``train_summary.json`` into ``output_dir``; with ``train.resume`` continues from the latest
-    complete checkpoint (bitwise on the CPU). Step draws are made for the global batch, so ``N``
-    processes of batch ``B`` follow one process of batch ``N B``. Details: ``docs/training.md``.
-
-    Returns:
-        The summary dict (also ``train_summary.json``; empty on non-main processes).
+    Writes ``config.yaml``, ``loss.csv``, ``loss.png``, ``checkpoints/``, the final pipeline and
+    ``train_summary.json`` into ``output_dir`` (``docs/training.md``, "The loop"). The summary is empty
+    on non-main processes.
 
     Raises:
         ValueError: invalid config, an FSDP launch that would not shard, a dataset smaller than one
@@ -138,7 +133,6 @@ def train(config: dict) -> dict[str, Any]:
 
 @dataclass
 class _Run:
-    """What the steps of one :func:`train` call share."""
 
     config: dict
     accelerator: Accelerator
@@ -261,11 +255,7 @@ def _build_parts(run: _Run) -> None:
 
 
 def _build_data(run: _Run) -> None:
-    """The dataset (cached if asked), its classes, the recipe's checks, the distributed sampler.
-
-    Raises:
-        ValueError: a dataset smaller than one optimizer step.
-    """
+    """The dataset (cached if asked), its classes, the recipe's checks, the sampler; ``ValueError`` if under one step."""
     parts, d_cfg = run.parts, run.config["data"]
     dataset = build_dataset(d_cfg)
     labels = getattr(dataset, "id2label", None)
@@ -288,11 +278,7 @@ def _build_data(run: _Run) -> None:
 
 
 def _build_optimization(run: _Run) -> None:
-    """Optimizer, lr schedule and model prepared by accelerate; the clipping groups; the EMA.
-
-    Raises:
-        ValueError: ``ema.enabled`` with FSDP.
-    """
+    """Optimizer, lr schedule and model prepared by accelerate, clipping groups, EMA (``ValueError`` with FSDP)."""
     config, accelerator, transformer = run.config, run.accelerator, run.parts.transformer
     t_cfg, e_cfg = config["train"], config["ema"]
     optimizer = build_optimizer(
@@ -327,7 +313,6 @@ def _build_optimization(run: _Run) -> None:
 
 
 def _remove_incomplete(run: _Run, incomplete: list[Path]) -> None:
-    """Delete the checkpoint folders of a run killed while saving."""
     run.accelerator.wait_for_everyone()
     if incomplete and run.accelerator.is_main_process:
         for folder in incomplete:
@@ -336,11 +321,7 @@ def _remove_incomplete(run: _Run, incomplete: list[Path]) -> None:
 
 
 def _resume(run: _Run, latest: tuple[int, Path], changes: Mapping[str, tuple[Any, Any]]) -> None:
-    """Load the latest complete checkpoint with this config's optimizer settings, the EMA and the loss log.
-
-    Raises:
-        ValueError: the checkpoint does not load into the model this config builds.
-    """
+    """Load the latest complete checkpoint with this config's optimizer settings; ``ValueError`` if it does not fit."""
     accelerator = run.accelerator
     step, folder = latest
     fresh = [{k: v for k, v in g.items() if k != "params"} for g in run.optimizer.param_groups]
@@ -389,11 +370,7 @@ def _evaluate_start(run: _Run) -> None:
 
 
 def _loss_options(run: _Run) -> dict[str, Any]:
-    """The fixed keyword arguments of :func:`training_loss` for this run.
-
-    Raises:
-        ValueError: ``distill.condition=random`` on a model without classes.
-    """
+    """The fixed keyword arguments of :func:`training_loss` for this run."""
     parts, ds_cfg = run.parts, run.config["distill"]
     options = dict(
         data_weight=float(ds_cfg["data_weight"]) if parts.teacher is not None else 1.0,
@@ -445,10 +422,7 @@ def _run_steps(run: _Run, loss_options: Mapping[str, Any]) -> None:
 
 
 def _micro_step(run: _Run, batch: Mapping, micro: int, loss_options: Mapping[str, Any]):
-    """Forward and backward of one micro-batch, then clip and step at the end of an accumulation.
-
-    Returns ``(loss, terms, norms, skipped)``. Raises ``ValueError`` on a non-finite loss.
-    """
+    """One micro-batch's forward and backward (clip and step at an accumulation's end): ``(loss, terms, norms, skipped)``."""
     accelerator, model, optimizer = run.accelerator, run.model, run.optimizer
     batch = {k: v.to(accelerator.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     g = torch.Generator(device=accelerator.device).manual_seed(_step_seed(int(run.config["train"]["seed"]), run.step, micro))
@@ -568,7 +542,6 @@ def _final_model(run: _Run, full_state: Mapping | None) -> torch.nn.Module:
 
 
 def _plot_losses(run: _Run) -> None:
-    """``loss.png`` (skipped without matplotlib)."""
     rows = run.rows
     if not rows:
         return
@@ -583,7 +556,6 @@ def _plot_losses(run: _Run) -> None:
 
 
 def _summary(run: _Run, model: torch.nn.Module, eval_end: Mapping) -> dict[str, Any]:
-    """The run's summary (see :func:`train`)."""
     t_cfg, rows, n = run.config["train"], run.rows, run.steps_this_run
     recent = [r[1] for r in rows[-int(t_cfg["log_every"]):]]
     mixing = mixing_parameters(model)

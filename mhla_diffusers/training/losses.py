@@ -49,15 +49,10 @@ def training_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one micro-batch: ``data_weight * data + output_weight * output + attention_weight * attention``.
 
-    Args:
-        parts: from :func:`build_models`.
-        model: the student (possibly wrapped by accelerate / DDP).
-        batch: on the device: ``pixel_values`` or cached ``latents``, plus labels, captions or embeddings.
-        generator: the step's generator; draws are made for the global batch.
-        rank, world_size: this process among the data-parallel processes.
-        dropout: probability of replacing a condition by the null label / empty caption.
-        condition: ``"dataset"``, ``"random"`` (class ids in ``[0, num_classes)``) or ``"null"``.
-        recorders: ``(student, teacher)`` :class:`~mhla_diffusers.training.distill.AttentionRecorder`.
+    ``batch`` holds ``pixel_values`` or cached ``latents`` plus labels, captions or embeddings, on the
+    device; the step's draws come from ``generator`` for the global batch (``rank`` of ``world_size``);
+    ``condition`` is ``"dataset"``, ``"random"`` or ``"null"``; ``recorders`` the ``(student, teacher)``
+    :class:`~mhla_diffusers.training.distill.AttentionRecorder` pair for attention transfer.
 
     Returns:
         ``(loss, terms)``: the fp32 scalar and its unweighted terms with a weight > 0.
@@ -110,13 +105,9 @@ def diffusion_loss(
 ) -> torch.Tensor:
     """DDPM epsilon-prediction loss of one DiT batch: ``mean ||eps - eps_theta(x_t, t, y)||^2`` (fp32).
 
-    Args:
-        transformer: ``DiTTransformer2DModel`` (possibly wrapped).
-        vae: a frozen diffusers-style autoencoder.
-        noise_scheduler: a ``DDPMScheduler``.
-        batch: ``pixel_values`` float ``[B, 3, H, W]`` in ``[-1, 1]``, ``class_labels`` long ``[B]``.
-        generator: draws ``t``, ``eps`` and the dropout; ``None``: the global RNG.
-        class_dropout: probability of replacing a label by ``null_class`` (1000 for DiT).
+    ``batch``: ``pixel_values`` float ``[B, 3, H, W]`` in ``[-1, 1]`` and ``class_labels`` long ``[B]``;
+    labels are replaced by ``null_class`` with probability ``class_dropout``; ``generator`` (``None``:
+    the global RNG) draws ``t``, ``eps`` and the dropout.
     """
     pixels = batch["pixel_values"]
     labels = batch["class_labels"]

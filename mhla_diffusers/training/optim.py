@@ -18,13 +18,12 @@ __all__ = ["set_trainable", "prepare_parameter_dtypes", "build_optimizer", "grad
 def set_trainable(
     transformer: torch.nn.Module, trainable: str = "full", *, lora: Mapping | None = None, train_mixing: bool = True
 ) -> int:
-    """Choose which parameters train (``"full"``, ``"lora"``, ``"attention"``, ``"mixing"``), in place.
+    """Choose which parameters train, in place: ``"full"``, ``"lora"``, ``"attention"`` or ``"mixing"``; the trainable element count.
 
-    ``train_mixing``: the MHLA parameters train in every set (else they are frozen in every set).
-    Returns the number of trainable elements.
+    With ``train_mixing`` the MHLA parameters train in every set, else they are frozen in every set.
 
     Raises:
-        ValueError: unknown ``trainable``, ``"mixing"`` on a model without MHLA, nothing left to train.
+        ValueError: unknown ``trainable``, ``"mixing"`` without MHLA, nothing left to train.
     """
     if trainable not in TRAINABLE_SETS:
         raise ValueError(f"trainable must be one of {TRAINABLE_SETS}; got {trainable!r}")
@@ -88,11 +87,7 @@ def build_optimizer(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
 ) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters: group ``model`` and group ``mhla_mixing`` (``mixing_lr``, no decay).
-
-    Raises:
-        ValueError: no trainable parameters.
-    """
+    """AdamW: group ``model`` and group ``mhla_mixing`` (``mixing_lr``, no decay); ``ValueError`` if nothing trains."""
     mixing = [p for p in mixing_parameters(model) if p.requires_grad]
     ids = {id(p) for p in mixing}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
@@ -123,11 +118,7 @@ def gradient_groups(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter
 def clip_grad_norms_(groups: Mapping[str, Sequence[torch.nn.Parameter]], max_norm: float | None) -> dict[str, float]:
     """Clip each group's gradients to a 2-norm of at most ``max_norm`` (0 / ``None``: measure only), in place.
 
-    Each group is scaled on its own; a non-finite norm is not scaled. FSDP2 DTensor gradients give
-    the whole gradient's norm (a collective).
-
-    Returns:
-        ``{name: norm before clipping}`` (``0.0`` for a group without gradients).
+    Returns ``{name: norm before clipping}``; a non-finite norm is not scaled. A collective under FSDP2.
     """
     norms = {}
     for name, params in groups.items():

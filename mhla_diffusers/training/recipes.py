@@ -42,8 +42,7 @@ __all__ = [
 def resolve_family(config: dict) -> str:
     """The config's model family: ``model.family``, else ``model.pretrained``'s transformer class, else ``"dit"``.
 
-    Raises:
-        ValueError: a transformer class with no training recipe, or contradicting ``model.family``.
+    ``ValueError`` for a transformer class without a recipe, or one contradicting ``model.family``.
     """
     m = config["model"]
     found = None
@@ -71,19 +70,9 @@ def resolve_family(config: dict) -> str:
 class TrainingParts:
     """Everything :func:`train` builds besides the optimizer.
 
-    Attributes:
-        family: ``"dit"`` / ``"sana"`` / ``"wan"``.
-        transformer: the model trained (fp32, train mode, MHLA installed if asked).
-        vae: the frozen autoencoder.
-        noise_scheduler: DiT's ``DDPMScheduler``, or the flow families' sigma table.
-        objective: the :class:`~mhla_diffusers.training.flow.Objective` trained.
-        pipeline: text families: the loaded pipeline; else ``None``.
-        id2label: class names (the dataset's replace the pipeline's).
-        mhla_applied: attention modules converted by this run.
-        teacher: the frozen distillation teacher, or ``None``.
-        text: ``model.text`` options.
-        null_condition: text families: the empty caption's encoding.
-        expert: the pipeline component trained (Wan 2.2 A14B: ``"transformer"`` or ``"transformer_2"``).
+    ``transformer`` is trained (fp32, train mode); ``vae``, ``teacher`` and the ``pipeline``'s encoders
+    are frozen; ``noise_scheduler`` is DiT's ``DDPMScheduler`` or the flow sigma table; ``expert`` is
+    the pipeline component trained (Wan 2.2 A14B: ``"transformer"`` or ``"transformer_2"``).
     """
 
     family: str
@@ -101,7 +90,6 @@ class TrainingParts:
 
     @property
     def recipe(self) -> "_Recipe":
-        """The family's recipe."""
         return get_recipe(self.family)
 
 
@@ -123,7 +111,6 @@ def posterior_sample(latent_dist, generator: torch.Generator | None = None, *, r
 
 def _encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None = None, *, rank: int = 0,
                     world_size: int = 1) -> torch.Tensor:
-    """``vae.encode(pixels)`` as fp32 latents times ``scaling_factor``."""
     out = vae.encode(pixels.to(vae.dtype))
     if hasattr(out, "latent_dist"):
         z = posterior_sample(out.latent_dist, generator, rank=rank, world_size=world_size)
@@ -146,7 +133,6 @@ class _Recipe(abc.ABC):
         """Load the models named by ``config`` (MHLA installed as configured)."""
 
     def dropout(self, config: dict) -> float:
-        """Probability of dropping a sample's condition (classifier-free guidance)."""
         return float(config["train"]["caption_dropout" if self.text_conditioned else "class_dropout"])
 
     def prepare(self, parts: TrainingParts, dataset, config: dict) -> list:
@@ -174,7 +160,6 @@ class _Recipe(abc.ABC):
         """What a latent cache stores for ``batch``."""
 
     def encoders(self, parts: TrainingParts) -> list:
-        """The frozen encoders a latent cache depends on."""
         return [parts.vae]
 
     @abc.abstractmethod
@@ -189,7 +174,6 @@ class DiTRecipe(_Recipe):
     objective = "epsilon"
 
     def load(self, config: dict) -> TrainingParts:
-        """Load ``model.pretrained`` (a DiTPipeline folder) or build ``model.init`` from scratch."""
         m = config["model"]
         id2label = None
         if m["pretrained"] is not None:
@@ -226,7 +210,6 @@ class DiTRecipe(_Recipe):
         )
 
     def prepare(self, parts, dataset, config):
-        """Resolution and class count against the model; diffusers' own label dropout off."""
         check_resolution(parts.transformer, parts.vae, int(config["data"]["resolution"]))
         null_class = int(parts.transformer.config.num_embeds_ada_norm)
         labels = getattr(dataset, "id2label", None) or {}
@@ -238,7 +221,6 @@ class DiTRecipe(_Recipe):
         return restore
 
     def condition(self, parts, batch, drop, mode="dataset", random_labels=None):
-        """``{"class_labels"}`` by ``mode`` (dataset, random, null); dropped samples get the null class."""
         null_class = int(parts.transformer.config.num_embeds_ada_norm)
         labels = batch["class_labels"]
         if mode == "random":
@@ -248,16 +230,14 @@ class DiTRecipe(_Recipe):
         return {"class_labels": torch.where(drop.to(labels.device), torch.full_like(labels, null_class), labels)}
 
     def predict(self, model, noisy, timesteps, cond):
-        """The epsilon half of the output."""
+        """The epsilon half of the output (learned-sigma models predict ``2 C`` channels)."""
         pred = model(noisy, timestep=timesteps, class_labels=cond["class_labels"]).sample
         return pred[:, : noisy.shape[1]]
 
     def cache_encode(self, parts, batch, device):
-        """``{"latents", "class_labels"}`` of a batch."""
         return {"latents": _encode_latents(parts.vae, batch["pixel_values"].to(device)), "class_labels": batch["class_labels"]}
 
     def write(self, model, parts, out_dir, *, sampler, id2label):
-        """A complete ``DiTPipeline``."""
         export_pipeline(model, parts.vae, parts.noise_scheduler, out_dir, sampler=sampler, id2label=id2label, overwrite=True)
 
 
@@ -285,7 +265,6 @@ def select_expert(pipe, expert: str | None, where="the pipeline") -> tuple[str, 
 
 
 def _expert_folder(path, expert: str):
-    """The folder of ``expert`` in a pipeline folder (``path`` itself for the first transformer)."""
     path = Path(path)
     if expert == "transformer" or not (path / "model_index.json").is_file():
         return path
@@ -295,7 +274,6 @@ def _expert_folder(path, expert: str):
 
 
 def _call_default(pipe, name: str):
-    """The default of ``name`` in the pipeline's ``__call__``, or ``None``."""
     param = inspect.signature(type(pipe).__call__).parameters.get(name)
     return None if param is None or param.default is inspect.Parameter.empty else param.default
 
@@ -338,7 +316,6 @@ class _TextRecipe(_Recipe):
         )
 
     def prepare(self, parts, dataset, config):
-        """Encode the empty caption once (caption dropout on cached embeddings)."""
         parts.null_condition = self.encode_text(parts, [""], parts.pipeline.text_encoder.device)
         return []
 
@@ -358,7 +335,6 @@ class _TextRecipe(_Recipe):
         )
 
     def condition(self, parts, batch, drop, mode="dataset", random_labels=None):
-        """The transformer's text inputs; dropped samples (and ``mode="null"``) get the empty caption."""
         if mode == "random":
             raise ValueError("distill.condition=random needs class labels; use null (empty captions) for text models")
         device = batch["latents"].device if "latents" in batch else batch["pixel_values"].device
@@ -379,17 +355,14 @@ class _TextRecipe(_Recipe):
         return out
 
     def cache_encode(self, parts, batch, device):
-        """``{"latents", <text embeddings>}`` of a batch."""
         captions = self.captions(batch, parts.id2label, parts.text.get("template", "{}"))
         latents = self.latents(parts, {"pixel_values": batch["pixel_values"].to(device)})
         return {"latents": latents, **self.encode_text(parts, captions, device)}
 
     def encoders(self, parts):
-        """The vae, the text encoder and the text options."""
         return [parts.vae, parts.pipeline.text_encoder, {"text": {k: v for k, v in parts.text.items()}}]
 
     def write(self, model, parts, out_dir, *, sampler, id2label):
-        """The loaded pipeline with the trained transformer."""
         components = dict(parts.pipeline.components)
         components[parts.expert] = model
         config = {k: parts.pipeline.config[k] for k in ("boundary_ratio", "expand_timesteps") if k in parts.pipeline.config}
@@ -404,7 +377,6 @@ class SanaRecipe(_TextRecipe):
     condition_keys = {"prompt_embeds": "encoder_hidden_states", "prompt_attention_mask": "encoder_attention_mask"}
 
     def load(self, config: dict) -> TrainingParts:
-        """As :meth:`_TextRecipe.load`; ``complex_human_instruction: default`` becomes the pipeline's own."""
         parts = super().load(config)
         if parts.text["complex_human_instruction"] == "default":
             parts.text["complex_human_instruction"] = _call_default(parts.pipeline, "complex_human_instruction")
@@ -421,7 +393,6 @@ class SanaRecipe(_TextRecipe):
         return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
 
     def predict(self, model, noisy, timesteps, cond):
-        """The velocity prediction ``v = noise - x0``."""
         return model(
             noisy, encoder_hidden_states=cond["encoder_hidden_states"], encoder_attention_mask=cond["encoder_attention_mask"],
             timestep=timesteps,
@@ -436,11 +407,7 @@ class WanRecipe(_TextRecipe):
     condition_keys = {"prompt_embeds": "encoder_hidden_states"}
 
     def load(self, config: dict) -> TrainingParts:
-        """As :meth:`_TextRecipe.load`, refusing image-to-video transformers.
-
-        Raises:
-            ValueError: ``in_channels`` is not the VAE's ``z_dim`` (Wan I2V: 36 = 16 + 4 + 16).
-        """
+        """As :meth:`_TextRecipe.load`; ``ValueError`` for image-to-video transformers (``in_channels`` != the VAE's ``z_dim``)."""
         parts = super().load(config)
         z_dim, channels = int(parts.vae.config.z_dim), int(parts.transformer.config.in_channels)
         if channels != z_dim:
@@ -475,7 +442,6 @@ class WanRecipe(_TextRecipe):
         return {"prompt_embeds": embeds}
 
     def predict(self, model, noisy, timesteps, cond):
-        """The velocity prediction ``v = noise - x0``."""
         return model(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=cond["encoder_hidden_states"]).sample
 
 
@@ -484,11 +450,7 @@ assert tuple(RECIPES) == TRAINED_FAMILIES, "config.TRAINED_FAMILIES lists the fa
 
 
 def get_recipe(family: str) -> _Recipe:
-    """The training recipe of a model family.
-
-    Raises:
-        ValueError: no recipe for ``family``.
-    """
+    """The training recipe of a model family; ``ValueError`` if it has none."""
     if family not in RECIPES:
         raise ValueError(f"no training recipe for family {family!r}; available: {sorted(RECIPES)}")
     return RECIPES[family]
@@ -497,9 +459,6 @@ def get_recipe(family: str) -> _Recipe:
 # -- models, data, optimizer -----------------------------------------------------------------------
 def build_models(config: dict) -> TrainingParts:
     """Build the models training needs from ``config``: load, copy the teacher, apply MHLA, fp32, trainable set.
-
-    Returns:
-        :class:`TrainingParts` (transformer in fp32 and train mode; the rest frozen, eval mode).
 
     Raises:
         ValueError: a bad ``model.*`` dict, a model that does not fit its family or objective, a teacher
@@ -539,8 +498,7 @@ def build_models(config: dict) -> TrainingParts:
 def resize_dit(transformer: torch.nn.Module, sample_size: int) -> torch.nn.Module:
     """The same DiT at latent size ``sample_size`` (progressive resolution); weights kept, sincos table rebuilt.
 
-    Raises:
-        ValueError: the model has MHLA (resize before converting), or the size is not a patch multiple.
+    ``ValueError`` for a model with MHLA (resize before converting) or a size not a patch multiple.
     """
     if int(transformer.config.sample_size) == sample_size:
         return transformer

@@ -37,14 +37,11 @@ def find_checkpoints(ckpt_root: Path) -> tuple[list[tuple[int, Path]], list[Path
 
 
 def _complete_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
-    """``[(step, folder)]`` of the complete checkpoints, by step."""
     return find_checkpoints(ckpt_root)[0]
 
 
 def check_resume(out: Path, final_dir: Path, resume: bool, complete: list[tuple[int, Path]], max_steps: int) -> dict | None:
-    """Check ``train.resume`` against what ``out`` holds, before anything is written.
-
-    Returns the stored summary when the run already finished at ``max_steps``, else ``None``.
+    """Check ``train.resume`` against ``out`` before anything is written; the stored summary if the run finished at ``max_steps``.
 
     Raises:
         ValueError: ``resume`` without a complete checkpoint, checkpoints without ``resume``, or a
@@ -91,11 +88,7 @@ def save_ema(ema, folder: Path) -> None:
 
 
 def load_ema(ema, folder: Path) -> None:
-    """Read :func:`save_ema`'s file back into ``ema`` in place.
-
-    Raises:
-        ValueError: the file is missing or damaged, or its tensor count differs.
-    """
+    """Read :func:`save_ema`'s file back into ``ema`` in place; ``ValueError`` if missing, damaged or mismatched."""
     path = folder / EMA_WEIGHTS
     if not path.is_file():
         raise ValueError(f"{path} is missing: the checkpoint was written without EMA; set ema.enabled=false or start a new run")
@@ -118,7 +111,6 @@ _UNSET = "<unset>"
 
 
 def _dotted(config: Mapping, prefix: str = "") -> dict[str, Any]:
-    """``{"section.key": value}`` of a nested config."""
     out = {}
     for k, v in config.items():
         key = f"{prefix}{k}"
@@ -173,10 +165,9 @@ def _shape_changes(changes: Mapping[str, tuple[Any, Any]], config: Mapping, reco
 
 
 def check_resume_config(out: Path, folder: Path, config: Mapping) -> dict[str, tuple[Any, Any]]:
-    """Compare ``config`` with the one recorded for checkpoint ``folder``; returns the changed settings.
+    """The settings changed since checkpoint ``folder``'s recorded config.
 
-    Raises:
-        ValueError: a changed setting that shapes the trained parameters (named, old and new value).
+    ``ValueError`` naming each changed setting that shapes the trained parameters, old and new value.
     """
     recorded, source = _recorded_config(out, folder)
     if recorded is None:
@@ -198,13 +189,9 @@ def check_resume_config(out: Path, folder: Path, config: Mapping) -> dict[str, t
 
 
 def apply_optimizer_settings(optimizer, lr_scheduler, fresh: Sequence[Mapping[str, Any]]) -> list[str]:
-    """After ``load_state``: put this config's optimizer settings (``fresh``) back into the loaded optimizer.
+    """After ``load_state``: put this config's optimizer settings (``fresh``) back; returns what changed.
 
-    A changed learning rate becomes the schedule's base rate, the current rate recomputed at the
-    resumed step. Returns what changed, e.g. ``["model: lr 0.001 -> 0.0005"]``.
-
-    Raises:
-        ValueError: a changed learning rate under a schedule that is not a ``LambdaLR``.
+    ``ValueError`` for a changed learning rate under a schedule that is not a ``LambdaLR``.
     """
     sched = getattr(lr_scheduler, "scheduler", lr_scheduler)
     lambdas = getattr(sched, "lr_lambdas", None) if isinstance(sched, torch.optim.lr_scheduler.LambdaLR) else None

@@ -32,23 +32,13 @@ def retrofit(
     distill_lr: float | None = None,
     overrides: Iterable[str] = (),
 ) -> dict:
-    """Distil then fine-tune ``pretrained`` against ``teacher``, into ``<output_dir>/{distill,finetune}``.
+    """Distil then fine-tune ``pretrained`` against ``teacher`` (pipeline folders), into ``<output_dir>/{distill,finetune}``.
 
-    Args:
-        config: the fine-tuning YAML both phases start from.
-        pretrained: the student's pipeline folder (converted, or the original for the control).
-        teacher: the original pipeline folder.
-        output_dir: parent of the two run folders.
-        distill_steps: phase 1 optimizer steps (0, or a model without MHLA: skipped).
-        finetune_steps: phase 2 optimizer steps (>= 1).
-        attention_weight, output_weight: distillation weights; phase 2 uses ``output_weight`` only.
-        distill_condition: phase 1's ``distill.condition``.
-        distill_lr: phase 1's constant learning rate; ``None``: the config's schedule.
-        overrides: extra ``key=value`` overrides for both phases.
-
-    Returns:
-        Held-out losses and teacher MSEs at ``conversion`` / ``distill`` / ``finetune``, steps,
-        times, ``final_dir`` and the run folders.
+    Phase 1 (``distill_steps``; skipped at 0 or without MHLA): attention transfer and output matching,
+    no data loss, ``distill_lr`` a constant rate (``None``: the config's schedule). Phase 2
+    (``finetune_steps >= 1``): the data loss plus output matching. ``config`` is the YAML both start
+    from; ``overrides`` apply to both. Returns held-out losses and teacher MSEs at ``conversion`` /
+    ``distill`` / ``finetune``, steps, times, ``final_dir`` and the run folders.
 
     Raises:
         ValueError: non-integer or out-of-range step counts, ``distill_lr <= 0``, config errors.
