@@ -32,7 +32,6 @@ def check_tokens(num_tokens: int, max_tokens: int) -> None:
 
 
 def _row_normalise(scores: torch.Tensor) -> torch.Tensor:
-    """Divide each row by its sum; all-zero rows stay zero."""
     total = scores.sum(dim=-1, keepdim=True)
     return torch.where(total > 0, scores / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(scores))
 
@@ -47,21 +46,12 @@ def attention_matrix(
     scale: float | None = None,
     max_tokens: int = MAX_TOKENS,
 ) -> torch.Tensor:
-    """The row-normalised dense attention matrix of ``kind`` (``"softmax"``, ``"linear"`` or ``"mhla"``).
+    """The row-normalised dense attention matrix ``[B, heads, N, N]`` (fp64) of ``kind`` on q, k ``[B, heads, N, d]``.
 
-    ``"mhla"`` is ``A[i, t] = Mc[b(i), b(t)] phi(q_i) . phi(k_t)`` (paper Sec. 3.2), rows normalised;
-    queries without a distribution get all-zero rows. See ``docs/diagnostics.md``.
-
-    Args:
-        q, k: ``[B, heads, N, d]``, equal shapes (after the layer's projections and q/k norms).
-        kind: ``"softmax"``, ``"linear"`` or ``"mhla"``.
-        mixing: ``[M, M]`` in ``[0, 1]`` (``"mhla"``; pass ``MixingMatrix.clamped()``).
-        layout: the :class:`~mhla_diffusers.BlockLayout` of the ``N`` tokens (``"mhla"``).
-        scale: softmax temperature; ``None``: ``1 / sqrt(d)``.
-        max_tokens: refuse larger ``N``.
-
-    Returns:
-        ``[B, heads, N, N]`` float64 on ``q``'s device; every non-empty row sums to 1.
+    ``"softmax"`` (``scale`` default ``1 / sqrt(d)``), ``"linear"`` (ReLU features) or ``"mhla"``:
+    ``A[i, t] = Mc[b(i), b(t)] phi(q_i) . phi(k_t)`` (paper Sec. 3.2), which needs ``mixing`` ``[M, M]``
+    in ``[0, 1]`` (``MixingMatrix.clamped()``) and ``layout``. Queries without a distribution get
+    all-zero rows. See ``docs/diagnostics.md``.
 
     Raises:
         ValueError: unknown ``kind``, bad shapes, ``"mhla"`` without a fitting non-negative ``mixing``
@@ -105,14 +95,9 @@ def default_rtol(num_tokens: int) -> float:
 
 
 def matrix_rank(A: torch.Tensor, rtol: float | None = None) -> torch.Tensor:
-    """Numerical rank ``#{i : sigma_i > rtol * sigma_max}`` of each matrix in ``A`` ``[..., N, K]`` (float64 SVD).
+    """Numerical rank ``#{i : sigma_i > rtol * sigma_max}`` (fp64 SVD) of each matrix in ``A`` ``[..., N, K]``, int64 ``[...]``.
 
-    Args:
-        A: ``[..., N, K]`` floating tensor.
-        rtol: relative tolerance; ``None``: :func:`default_rtol` of ``max(N, K)``.
-
-    Returns:
-        ``[...]`` int64; an all-zero matrix has rank 0.
+    ``rtol`` default: :func:`default_rtol` of ``max(N, K)``.
 
     Raises:
         ValueError: ``A`` has fewer than 2 dimensions, or ``rtol < 0``.

@@ -81,18 +81,9 @@ def _project(attn, hidden_states: torch.Tensor, across_heads: bool) -> tuple[tor
 def capture_query_key(
     transformer: torch.nn.Module, attn_names: str | Sequence[str], model_inputs: Mapping[str, Any]
 ) -> dict[str, QueryKey]:
-    """Run one forward of ``transformer`` and capture the q, k, v of the named self-attention layers.
+    """``{name: QueryKey}`` of the named self-attention layers in one unchanged forward ``transformer(**model_inputs)``.
 
-    The forward runs unchanged; hooks recompute each layer's projections and q/k norms as the stock
-    processor applies them, and read the token grid from the patch embedding.
-
-    Args:
-        transformer: a supported diffusers transformer (DiT, SANA).
-        attn_names: module name(s), e.g. ``"transformer_blocks.2.attn1"``.
-        model_inputs: keyword arguments of ``transformer(**model_inputs)``.
-
-    Returns:
-        ``{name: QueryKey}`` in the order of ``attn_names``.
+    Hooks recompute each layer's projections and q/k norms as its stock processor applies them.
 
     Raises:
         ValueError: unsupported transformer, a name that is no attention module, a cross-attention call.
@@ -150,7 +141,6 @@ def capture_query_key(
 
 
 def _summary(values: torch.Tensor) -> dict[str, Any]:
-    """``values [B, heads]`` -> per-head means over samples, and their mean / min / max."""
     per_head = values.to(torch.float64).nanmean(dim=0)
     finite = per_head[~torch.isnan(per_head)]
     if finite.numel() == 0:
@@ -174,17 +164,9 @@ def qk_statistics(
 ) -> dict[str, Any]:
     """Rank and entropy of the softmax, linear and MHLA matrices on captured q, k, per head (paper Fig. 3).
 
-    Args:
-        qk: from :func:`capture_query_key`.
-        mixing: the layer's clamped ``[M, M]`` matrix; ``None``: the locality init.
-        block_grid: ``mixing``'s block grid (required with it); else the init's.
-        num_blocks: target ``M`` of the init when neither is given (default 16).
-        rtol: tolerance of :func:`matrix_rank`.
-        max_tokens: refuse larger ``N``.
-
-    Returns:
-        A dict of sizes, block grid, ``mixing_source``, ``rank_bound`` and, per kind, rank, entropy and
-        normalised entropy summaries, ``empty_rows`` and ``per_sample`` values (``docs/diagnostics.md``).
+    MHLA uses ``mixing`` (clamped, with its ``block_grid``), else the locality init on ``block_grid``
+    (default ``choose_block_grid(grid, num_blocks)``). Returns sizes, block grid, ``mixing_source``,
+    ``rank_bound`` and per-kind summaries (``docs/diagnostics.md``).
 
     Raises:
         ValueError: ``N > max_tokens``; ``mixing`` without ``block_grid`` or of the wrong size.
@@ -263,11 +245,7 @@ def layer_statistics(
     rtol: float | None = None,
     max_tokens: int = MAX_TOKENS,
 ) -> dict[str, Any]:
-    """:func:`qk_statistics` of one layer on real inputs (its own mixing matrix if it has MHLA), plus ``"layer"``.
-
-    Raises:
-        ValueError, RuntimeError: see :func:`capture_query_key` and :func:`qk_statistics`.
-    """
+    """:func:`qk_statistics` of one layer on real inputs (its own mixing if MHLA), plus ``"layer"``; raises as both."""
     qk = capture_query_key(transformer, attn_name, model_inputs)[attn_name]
     mixing, grid = layer_mixing(transformer.get_submodule(attn_name))
     stats = qk_statistics(

@@ -31,9 +31,8 @@ def diagnostic_inputs(
 ) -> dict[str, Any]:
     """Real inputs for a class-conditional DiT pipeline: shipped-photo crops, VAE-encoded, noised at each timestep.
 
-    Returns:
-        ``{"model_inputs", "timesteps", "labels", "resolution"}`` with ``B = num_samples * len(timesteps)``
-        rows (sample ``(i, j)`` at row ``i * len(timesteps) + j``), on the transformer's device and dtype.
+    ``B = num_samples * len(timesteps)`` rows (sample ``(i, j)`` at row ``i * len(timesteps) + j``) in
+    ``"model_inputs"``, plus ``"timesteps"``, ``"labels"``, ``"resolution"`` (pixels).
 
     Raises:
         ValueError: ``num_samples < 1``, empty or out-of-range ``timesteps``, no ``sample_size``.
@@ -91,13 +90,9 @@ def diagnose_pipeline(
     seed: int = 1234,
     short_side: int | None = None,
 ) -> dict[str, Any]:
-    """Rank / entropy of the three kinds on every (or each chosen) self-attention layer of a DiT pipeline, one forward.
+    """Per-layer rank / entropy of the three kinds on a DiT pipeline's self-attention layers (all, or ``layers``).
 
-    Returns:
-        ``{"model", "resolution", "timesteps", "labels", "layers": [statistics with "index"]}``.
-
-    Raises:
-        ValueError: a layer index out of range; see :func:`diagnostic_inputs` and :func:`qk_statistics`.
+    One forward; ``ValueError`` for a layer index out of range.
     """
     transformer = pipe.transformer
     modules = self_attention_modules(transformer, family_of(transformer))

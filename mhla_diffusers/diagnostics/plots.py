@@ -42,10 +42,7 @@ def plot_mixing_matrix(
     title: str | None = None,
     time_slice: int | None = None,
 ) -> Path:
-    """Draw ``mixing`` ``[M, M]`` as one panel per query block, each row shown on the block grid.
-
-    3D block grids: the query blocks of ``time_slice`` (default ``bt // 2``), each panel a strip of
-    ``bt`` key time slices. Written atomically; returns ``Path(path)``.
+    """Draw ``mixing`` ``[M, M]`` as one panel per query block on the block grid (3D: one ``time_slice``); ``Path(path)``.
 
     Raises:
         ValueError: ``mixing`` not ``[M, M]`` for the block grid, or ``time_slice`` out of range.

@@ -114,7 +114,6 @@ def _noised(family, pipe, x0: torch.Tensor, frac: float, generator: torch.Genera
 
 
 def _condition(family, transformer, pipe, embeddings, prompts, num_samples, generator) -> list[dict]:
-    """Per sample, the forward's condition keywords (class label or text states)."""
     if family.conditioning == "class":
         if embeddings is not None or prompts is not None:
             raise ValueError(f"the {family.name} family is class-conditional: embeddings / prompts do not apply")
@@ -138,11 +137,7 @@ _TIMESTEPS = 1000  # the timestep scale of every family's forward (DDPM t in 0..
 
 
 def clip_timestep_range(timestep_range: Sequence[float] | None) -> tuple[float, float]:
-    """``timestep_range`` (``None``: all) clipped to ``[0, 1000]``.
-
-    Raises:
-        ValueError: not two numbers, or ``low >= high`` once clipped.
-    """
+    """``timestep_range`` (``None``: all) clipped to ``[0, 1000]``; ``ValueError`` unless two numbers with ``low < high``."""
     if timestep_range is None:
         return 0.0, float(_TIMESTEPS)
     try:
@@ -156,7 +151,6 @@ def clip_timestep_range(timestep_range: Sequence[float] | None) -> tuple[float, 
 
 
 def _latent_patch(config, ndim: int) -> tuple[int, ...]:
-    """The patch size on each of the ``ndim`` latent axes."""
     patch = config.get("patch_size", 1) or 1
     patch = tuple(patch) if isinstance(patch, (tuple, list)) else (1,) * (ndim - 2) + (int(patch),) * 2
     return patch[-ndim:]
@@ -192,20 +186,12 @@ def calibration_inputs(
     latent_size: Sequence[int] | None = None,
     timestep_range: Sequence[float] | None = None,
 ) -> list[dict]:
-    """Calibration inputs (one batch-1 forward each) for :func:`~mhla_diffusers.layer_sensitivity`.
+    """Calibration inputs, one batch-1 forward each, for :func:`~mhla_diffusers.layer_sensitivity`.
 
-    Args:
-        source: a DiT / SANA / Wan pipeline, or its transformer (SANA / Wan then need ``embeddings``).
-        num_samples: forwards, timesteps spread evenly over the noise process.
-        seed: of every draw (a private generator).
-        prompts: SANA / Wan: prompts instead of :data:`GENERIC_PROMPTS`.
-        embeddings: SANA / Wan: cached text states (a mapping or a safetensors file).
-        latent_size: ``(H, W)`` or ``(F, H, W)`` latent size; default native (cut to Wan's RoPE table).
-        timestep_range: ``(low, high)`` on the 0..1000 timestep scale (e.g. a Wan 2.2 expert's range).
-
-    Returns:
-        ``[{"hidden_states", "timestep", "class_labels" | "encoder_hidden_states" (, "encoder_attention_mask")}]``
-        on the transformer's device, floating tensors in its dtype.
+    ``source``: a DiT / SANA / Wan pipeline, or its transformer (SANA / Wan then need ``embeddings``,
+    a mapping or safetensors file); ``latent_size``: ``(H, W)`` or ``(F, H, W)`` (default native);
+    ``timestep_range``: ``(low, high)`` on the 0..1000 scale. Returns ``[{"hidden_states", "timestep",
+    "class_labels" | "encoder_hidden_states" (, "encoder_attention_mask")}]`` on the transformer's device.
 
     Raises:
         ValueError: unsupported model, ``num_samples < 1``, an empty ``timestep_range``, a bad ``latent_size``,

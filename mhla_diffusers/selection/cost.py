@@ -43,10 +43,6 @@ def attention_cost(
     num_blocks: int | None = None,
     block_grid: Sequence[int] | str | None = None,
 ) -> float:
-    """The attention cost with MHLA on ``layers`` (not ``"auto"``), as a fraction of the stock model's.
-
-    Raises:
-        ValueError: unsupported model or bad ``layers``.
-    """
+    """The attention cost with MHLA on ``layers`` (not ``"auto"``) as a fraction of the stock model's; ``ValueError`` if bad."""
     stock, mhla = layer_attention_flops(transformer, num_blocks=num_blocks, block_grid=block_grid)
     return cost_fraction(stock, mhla, select_layers(len(stock), layers))

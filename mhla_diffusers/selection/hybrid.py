@@ -60,8 +60,7 @@ def attention_flops(kind: str, num_tokens: int, head_dim: int, heads: int = 1, n
 def scores_list(sensitivity, num_layers: int) -> list[float]:
     """Per-layer scores ``[s_0, ..., s_{L-1}]`` from a ``LayerSensitivity``, a mapping or a sequence.
 
-    Raises:
-        ValueError: a layer without a score, an index out of range, a non-finite score.
+    ``ValueError`` for a layer without a score, an index out of range, a non-finite score.
     """
     if isinstance(sensitivity, Mapping):
         keys = sorted(int(k) for k in sensitivity)
@@ -87,13 +86,10 @@ def select_auto(
     stock_costs: Sequence[float] | None = None,
     mhla_costs: Sequence[float] | None = None,
 ) -> list[int]:
-    """The layers to convert (sorted), keeping the highest-scored ones stock: ``K`` of them, or within a budget.
+    """The layers to convert (sorted), the highest-scored kept stock: ``keep_softmax=K`` of them, or within ``max_attention_cost=F``.
 
-    Args:
-        scores: one per layer, higher = more damage as MHLA.
-        keep_softmax: ``0 <= K < L`` layers kept stock.
-        max_attention_cost: ``0 < F <= 1``, a fraction of the stock attention cost.
-        stock_costs, mhla_costs: per-layer FLOPs (:func:`attention_flops`), with ``max_attention_cost``.
+    ``F`` is a fraction of the stock attention cost, computed from per-layer ``stock_costs`` and
+    ``mhla_costs`` (:func:`attention_flops`).
 
     Raises:
         ValueError: both or neither option; ``K`` out of range; ``F`` outside ``(0, 1]``, unreachable, or

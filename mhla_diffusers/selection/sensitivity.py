@@ -31,12 +31,8 @@ __all__ = ["LayerSensitivity", "layer_sensitivity", "check_calibration"]
 class LayerSensitivity(Mapping):
     """What :func:`layer_sensitivity` measured; a read-only mapping ``{layer index: score}``.
 
-    Attributes:
-        scores: relative output error per layer (higher = more damage).
-        fit_error, init_error: the fitted / initial layer's relative error against the stock layer.
-        init: ``"locality"`` or ``"ones"``, the mixing matrix the fit started from.
-        converged, late_share: whether the fit slowed down, and its last 20%'s share of the drop.
-        settings: how it was measured (recorded in ``mhla_config.json``).
+    Per layer also ``fit_error``, ``init_error``, ``init``, ``converged``, ``late_share``; ``settings``:
+    how it was measured (recorded in ``mhla_config.json``).
     """
 
     scores: dict[int, float]
@@ -64,8 +60,7 @@ class LayerSensitivity(Mapping):
 def check_calibration(calibration: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """The calibration inputs as a list of keyword-argument dicts.
 
-    Raises:
-        ValueError: ``None``, a string or mapping, an empty iterable, an entry that is not a dict with string keys.
+    ``ValueError`` for ``None``, a string or mapping, an empty iterable, or an entry not a dict with string keys.
     """
     if calibration is None or isinstance(calibration, (str, bytes, Mapping)):
         raise ValueError(
@@ -163,7 +158,6 @@ def _float_copy(value):
 
 
 def _working_copy(attn: nn.Module, family) -> nn.Module:
-    """A float32 copy of an MHLA layer whose processor knows the family."""
     work = copy.deepcopy(attn).float()
     proc = attn.processor
     work.set_processor(MHLAProcessor(
@@ -304,19 +298,10 @@ def layer_sensitivity(
 ) -> LayerSensitivity:
     """Score each self-attention layer by the output damage when it alone becomes MHLA (``docs/selection.md``).
 
-    Args:
-        transformer: a supported transformer without MHLA (DiT, SANA, Wan), any device and dtype.
-        calibration: dicts of ``transformer(**entry)`` keyword arguments (:func:`~mhla_diffusers.calibration_inputs`).
-        num_blocks, block_grid, normalize: the MHLA settings scored, as :func:`~mhla_diffusers.apply_mhla` takes them.
-        layers: indices to score (default: all).
-        fit_steps, lr, mixing_lr: Adam steps and learning rates of each layer's fit.
-        fit_projections: ``False`` fits the mixing matrix alone.
-        convergence_tol: the largest late share of a converged fit (else a ``UserWarning``).
-        seed: the global RNG's seed inside (restored after).
-        progress: a tqdm bar over the layers.
-
-    Returns:
-        A :class:`LayerSensitivity`.
+    ``transformer``: DiT, SANA or Wan without MHLA; ``calibration``: dicts of forward keyword arguments
+    (:func:`~mhla_diffusers.calibration_inputs`); ``num_blocks``, ``block_grid``, ``normalize``: the
+    MHLA settings scored; ``fit_steps``, ``lr``, ``mixing_lr``, ``fit_projections``: each layer's fit;
+    ``convergence_tol``: the largest late share of a converged fit; ``seed``: the RNG seed inside.
 
     Raises:
         ValueError: unsupported model or one with MHLA; bad calibration; a layer out of range; bad fit settings.
