@@ -1,15 +1,7 @@
 """An exact, parameter-free "autoencoder" with the diffusers VAE interface: space-to-depth.
 
-No pretrained VAE can be downloaded offline, yet a latent-diffusion pipeline such as
-:class:`diffusers.DiTPipeline` needs a ``vae`` with ``encode(x).latent_dist`` and
-``decode(z).sample``. :class:`SpaceToDepthAutoencoder` folds every ``f x f`` pixel patch into
-channels (``torch.nn.functional.pixel_unshuffle``) and back (``pixel_shuffle``): the round trip is
-bitwise exact, it has no weights, and generated latents are real pixels you can look at.
-
-    latents [B, C*f*f, H/f, W/f]  <->  pixels [B, C, H, W] in [-1, 1]
-
-Like a diffusers VAE it does *not* apply ``scaling_factor`` itself: training multiplies the
-encoded latents by ``vae.config.scaling_factor`` and pipelines divide by it before ``decode``.
+``latents [B, C*f*f, H/f, W/f] <-> pixels [B, C, H, W]``, bitwise exact; ``scaling_factor`` is not
+applied by ``encode`` / ``decode`` (the diffusers convention). See ``docs/training.md``.
 """
 
 from __future__ import annotations
@@ -31,14 +23,9 @@ __all__ = ["SpaceToDepthAutoencoder", "PointLatentDistribution", "vae_scale_fact
 
 
 class PointLatentDistribution:
-    """A deterministic "posterior": all its mass on ``mean`` (what ``encode(x).latent_dist`` returns).
+    """A deterministic posterior with all its mass on ``mean`` ``[B, C*f*f, H/f, W/f]``.
 
-    Offers what diffusers code uses of ``DiagonalGaussianDistribution``: ``sample(generator)``
-    and ``mode()`` (both return ``mean`` itself, no noise, the generator is not consumed),
-    ``mean``, ``std`` / ``var`` (zeros), ``kl()`` (zeros).
-
-    Args:
-        mean: the latents, ``[B, C*f*f, H/f, W/f]``, any floating dtype.
+    ``sample(generator)`` and ``mode()`` return ``mean``; ``std``, ``var`` and ``kl()`` are zeros.
     """
 
     deterministic = True
@@ -55,39 +42,23 @@ class PointLatentDistribution:
         return torch.zeros_like(self.mean)
 
     def sample(self, generator: torch.Generator | None = None) -> torch.Tensor:
-        """The latents (deterministic; ``generator`` is accepted for interface compatibility and unused)."""
         return self.mean
 
     def mode(self) -> torch.Tensor:
-        """The latents."""
         return self.mean
 
     def kl(self, other=None) -> torch.Tensor:
-        """Zeros ``[B]`` (a point mass has no KL term to train)."""
         return torch.zeros(self.mean.shape[0], dtype=self.mean.dtype, device=self.mean.device)
 
 
 class SpaceToDepthAutoencoder(ModelMixin, ConfigMixin):
-    """Exact, parameter-free autoencoder: ``pixel_unshuffle`` to encode, ``pixel_shuffle`` to decode.
+    """Exact, parameter-free autoencoder: ``pixel_unshuffle`` by ``factor`` to encode, ``pixel_shuffle`` to decode.
 
-    Drop-in ``vae`` for :class:`diffusers.DiTPipeline` (and any code that calls
-    ``vae.encode(x).latent_dist.sample()`` / ``vae.decode(z).sample`` / ``vae.config.scaling_factor``).
-    It has no parameters and no persistent buffers, so ``save_pretrained`` writes its config and an
-    empty weights file; ``from_pretrained`` and ``DiffusionPipeline.from_pretrained`` load it
-    offline. ``model_index.json`` names its module (``["mhla_diffusers.autoencoder",
-    "SpaceToDepthAutoencoder"]``) and diffusers 0.42 only resolves modules that are already imported:
-    ``import mhla_diffusers`` before ``DiTPipeline.from_pretrained`` (else diffusers raises a
-    ``ValueError`` saying so); :func:`mhla_diffusers.load_mhla_pipeline` does it for you.
-
-    Args:
-        factor: spatial downsampling ``f`` (int >= 1). Latent channels are ``in_channels * f * f``.
-        in_channels: image channels ``C`` (3 for RGB).
-        scaling_factor: multiply encoded latents by this before diffusion (the diffusers
-            convention: roughly ``1 / std`` of the latents; for pixels in ``[-1, 1]`` of natural
-            photos about 2). Not applied by ``encode`` / ``decode`` themselves.
+    A drop-in ``vae`` for ``DiTPipeline``; ``import mhla_diffusers`` before ``from_pretrained`` of a
+    pipeline that names it. ``scaling_factor`` is recorded, not applied.
 
     Raises:
-        ValueError: for a non-positive ``factor`` / ``in_channels`` or a non-positive ``scaling_factor``.
+        ValueError: a non-positive ``factor``, ``in_channels`` or ``scaling_factor``.
     """
 
     _supports_gradient_checkpointing = False
@@ -106,12 +77,7 @@ class SpaceToDepthAutoencoder(ModelMixin, ConfigMixin):
         self.register_buffer("_anchor", torch.zeros(0), persistent=False)
 
     def save_pretrained(self, save_directory, is_main_process: bool = True, variant: str | None = None, **kwargs):
-        """``ModelMixin.save_pretrained`` plus an empty ``diffusion_pytorch_model[.variant].safetensors``.
-
-        diffusers writes no weights file for a model without tensors, and its ``from_pretrained``
-        then refuses the folder; the empty safetensors file (written atomically) makes the folder
-        loadable by ``from_pretrained`` and ``DiffusionPipeline.from_pretrained``.
-        """
+        """``ModelMixin.save_pretrained`` plus an empty weights file, so ``from_pretrained`` accepts the folder."""
         super().save_pretrained(save_directory, is_main_process=is_main_process, variant=variant, **kwargs)
         if not is_main_process:
             return
@@ -126,7 +92,6 @@ class SpaceToDepthAutoencoder(ModelMixin, ConfigMixin):
 
     @property
     def latent_channels(self) -> int:
-        """Channels of the latents: ``in_channels * factor**2``."""
         return self.config.in_channels * self.config.factor**2
 
     def _check(self, x: torch.Tensor, channels: int, what: str, divisible: bool) -> None:
@@ -145,19 +110,12 @@ class SpaceToDepthAutoencoder(ModelMixin, ConfigMixin):
             )
 
     def encode(self, x: torch.Tensor, return_dict: bool = True) -> AutoencoderKLOutput | tuple:
-        """Fold ``f x f`` pixel patches into channels.
+        """Fold ``x`` ``[B, C, H, W]`` into ``z`` ``[B, C*f*f, H/f, W/f]``: ``AutoencoderKLOutput(latent_dist=PointLatentDistribution(z))``.
 
-        Args:
-            x: images ``[B, C, H, W]``, any floating dtype, by convention in ``[-1, 1]``;
-                ``H`` and ``W`` divisible by ``factor``.
-            return_dict: return an ``AutoencoderKLOutput`` (else a 1-tuple), as diffusers VAEs do.
-
-        Returns:
-            ``AutoencoderKLOutput(latent_dist=PointLatentDistribution(z))`` with
-            ``z`` ``[B, C*f*f, H/f, W/f]``, same dtype / device as ``x`` (unscaled).
+        Unscaled, in ``x``'s dtype and device; a 1-tuple if not ``return_dict``.
 
         Raises:
-            ValueError: wrong rank / channel count, or ``H``, ``W`` not divisible by ``factor``.
+            ValueError: wrong rank or channel count, or ``H``, ``W`` not divisible by ``factor``.
         """
         self._check(x, self.config.in_channels, "encode input", divisible=True)
         z = F.pixel_unshuffle(x, self.config.factor)
@@ -167,18 +125,9 @@ class SpaceToDepthAutoencoder(ModelMixin, ConfigMixin):
         return AutoencoderKLOutput(latent_dist=dist)
 
     def decode(self, z: torch.Tensor, return_dict: bool = True, generator=None) -> DecoderOutput | tuple:
-        """Unfold channels back into ``f x f`` pixel patches (exact inverse of :meth:`encode`).
+        """``DecoderOutput(sample=x)``: ``z`` ``[B, C*f*f, h, w]`` unfolded into ``x`` ``[B, C, h*f, w*f]`` (no clamping).
 
-        Args:
-            z: latents ``[B, C*f*f, h, w]`` (already divided by ``scaling_factor``).
-            return_dict: return a ``DecoderOutput`` (else a 1-tuple), as diffusers VAEs do.
-            generator: ignored (interface compatibility).
-
-        Returns:
-            ``DecoderOutput(sample=x)`` with ``x`` ``[B, C, h*f, w*f]``; no clamping.
-
-        Raises:
-            ValueError: wrong rank or channel count.
+        ``ValueError`` for a wrong rank or channel count.
         """
         self._check(z, self.latent_channels, "decode input", divisible=False)
         x = F.pixel_shuffle(z, self.config.factor)
@@ -187,14 +136,13 @@ class SpaceToDepthAutoencoder(ModelMixin, ConfigMixin):
         return DecoderOutput(sample=x)
 
     def forward(self, sample: torch.Tensor, return_dict: bool = True) -> DecoderOutput | tuple:
-        """Encode then decode (the identity, exactly). ``sample``: ``[B, C, H, W]``."""
+        """Encode then decode ``[B, C, H, W]``: exactly the identity."""
         z = self.encode(sample).latent_dist.mode()
         return self.decode(z, return_dict=return_dict)
 
 
 def vae_scale_factor(vae) -> int:
-    """Pixels per latent pixel of ``vae``: ``config.factor`` (:class:`SpaceToDepthAutoencoder`) or
-    ``2 ** (levels - 1)`` (diffusers' ``AutoencoderKL``, ``levels = len(config.block_out_channels)``)."""
+    """Pixels per latent pixel: ``config.factor``, or ``2 ** (len(block_out_channels) - 1)`` for ``AutoencoderKL``."""
     if "factor" in vae.config:
         return int(vae.config.factor)
     return 2 ** (len(vae.config.block_out_channels) - 1)

@@ -1,21 +1,10 @@
-"""Image and video datasets (fine-tuning, diagnostics): real photos shipped in wheels, class folders, captioned folders.
+"""Image and video datasets for fine-tuning and diagnostics.
 
-The class-labelled datasets return ``{"pixel_values": float32 [3, S, S] in [-1, 1], "class_labels": int64 []}``
-(the captioned one ``{"pixel_values", "caption": str}``) from random square crops (with random horizontal flips)
-of photos first downscaled so that their short side is ``short_side`` pixels. The randomness of item ``i`` is a pure function of
-``(seed, epoch, i)``: the same seed and epoch give the same crops whatever the worker layout, and
-:meth:`set_epoch` gives new crops every epoch (call it, as with ``DistributedSampler``).
-
-- :class:`PhotoCrops`: the natural RGB photographs that ship inside the scikit-image and
-  scikit-learn wheels (no download): one photo = one class (``PHOTO_NAMES``).
-- :class:`ImageFolderCrops`: your own images, ``root/<class name>/<image files>`` (like
-  torchvision's ``ImageFolder``; read with PIL).
-- :class:`CaptionedImageCrops`: your own images with captions (text-to-image: SANA), captions
-  from ``root/metadata.jsonl`` (Hugging Face ``imagefolder`` convention: one JSON object per
-  line with ``file_name`` and ``text``) or from a sidecar ``<image stem>.txt``.
-- :class:`VideoClips`: captioned videos (text-to-video: Wan): video files (mp4 / webm / mov / mkv /
-  avi through imageio-ffmpeg, animated gif / webp through PIL) or folders of frames; random clips
-  of ``num_frames`` frames, ``{"pixel_values": float32 [3, F, H, W] in [-1, 1], "caption": str}``.
+Items are random crops (``pixel_values`` float32 in ``[-1, 1]``) with ``class_labels`` or a
+``caption``; item ``i``'s randomness is a pure function of ``(seed, epoch, i)`` (call
+:meth:`set_epoch` each epoch). :class:`PhotoCrops` (photos shipped in the scikit-image /
+scikit-learn wheels), :class:`ImageFolderCrops`, :class:`CaptionedImageCrops`, :class:`VideoClips`.
+See ``docs/training.md``, "Datasets".
 """
 
 from __future__ import annotations
@@ -94,10 +83,10 @@ PHOTO_NAMES: tuple[str, ...] = tuple(_PHOTOS)
 
 
 def load_photo(name: str) -> np.ndarray:
-    """One of the shipped photos by name (see ``PHOTO_NAMES``): uint8 ``[H, W, 3]``.
+    """One of the shipped photos (``PHOTO_NAMES``) as uint8 ``[H, W, 3]``.
 
     Raises:
-        KeyError: unknown name (the message lists the known ones).
+        KeyError: unknown name.
         ImportError: scikit-image / scikit-learn missing.
     """
     if name not in _PHOTOS:
@@ -155,7 +144,7 @@ class _RandomCrops(Dataset, abc.ABC):
         return self.num_images * self.crops_per_image
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the crops of ``epoch`` (items are a function of ``(seed, epoch, index)``)."""
+        """Select the crops of ``epoch``."""
         self.epoch = int(epoch)
 
     def _generator(self, index: int) -> torch.Generator:
@@ -163,11 +152,11 @@ class _RandomCrops(Dataset, abc.ABC):
 
     @abc.abstractmethod
     def _image(self, k: int) -> torch.Tensor:
-        """Image ``k`` as uint8 ``[3, H, W]`` (each concrete dataset reads its own source)."""
+        """Image ``k`` as uint8 ``[3, H, W]``."""
 
     @abc.abstractmethod
     def _target(self, k: int) -> dict:
-        """What item ``k`` carries beside its pixels (``class_labels`` or ``caption``)."""
+        """What item ``k`` carries beside its pixels."""
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         if not -len(self) <= index < len(self):
@@ -188,7 +177,6 @@ class _RandomCrops(Dataset, abc.ABC):
         return {"pixel_values": pixels.contiguous(), **self._target(k)}
 
     def fingerprint(self) -> dict:
-        """What defines the items (for latent caches): class, sizes, seed, flips, image sources."""
         return {
             "class": type(self).__name__,
             "resolution": self.resolution,
@@ -204,7 +192,7 @@ class _RandomCrops(Dataset, abc.ABC):
 
 
 class _ClassCrops(_RandomCrops):
-    """Crops of class-labelled images: items carry ``class_labels``; subclasses provide ``_label(k)``."""
+    """Crops of class-labelled images; subclasses provide ``_label(k)``."""
 
     @abc.abstractmethod
     def _label(self, k: int) -> int:
@@ -215,22 +203,11 @@ class _ClassCrops(_RandomCrops):
 
 
 class PhotoCrops(_ClassCrops):
-    """Random crops of the real photographs shipped in the scikit-image / scikit-learn wheels.
+    """Random crops of the photographs shipped in the scikit-image / scikit-learn wheels; one photo, one class.
 
-    Each photo is one class (``class_labels`` = its index in ``photos``); ``id2label`` maps ids to
-    photo names. An epoch is ``len(photos) * crops_per_photo`` crops, interleaved over the photos.
-
-    Args:
-        resolution: crop side ``S`` in pixels (e.g. 64).
-        short_side: each photo is first resized (Lanczos) so its short side is this many pixels
-            (>= ``resolution``; default ``1.5 * resolution``, e.g. 96 for 64-px crops): a crop then shows
-            a recognisable part of the photo.
-        crops_per_photo: crops of each photo per epoch (defines ``len``).
-        seed: base seed of the crop positions / flips.
-        hflip: random horizontal flips (p = 0.5).
-        photos: subset / order of ``PHOTO_NAMES`` (default: all 10).
-
-    Item: ``{"pixel_values": float32 [3, S, S] in [-1, 1], "class_labels": int64 scalar}``.
+    ``short_side`` (default ``1.5 * resolution``) is the short side photos are resized to first;
+    ``photos`` a subset / order of ``PHOTO_NAMES``. Item: ``{"pixel_values": float32 [3, S, S] in
+    [-1, 1], "class_labels": int64}`` with ``S = resolution`` pixels.
 
     Raises:
         ValueError: bad sizes, an empty or duplicated photo list.
@@ -279,25 +256,11 @@ class PhotoCrops(_ClassCrops):
 
 
 class ImageFolderCrops(_ClassCrops):
-    """Random crops of your own images laid out as ``root/<class name>/<image>``.
-
-    Classes are the sub-folders of ``root`` in sorted order (class id = position); images are the
-    files with an extension in ``IMAGE_EXTENSIONS`` (case-insensitive), searched recursively inside
-    each class folder, read with PIL and converted to RGB. An epoch is
-    ``num_images * crops_per_image`` crops. Images are decoded on access (cache-free).
-
-    Args:
-        root: the folder.
-        resolution: crop side ``S`` in pixels.
-        short_side: resize each image so its short side is this many pixels before cropping
-            (>= ``resolution``; default ``resolution``: crops span the short side).
-        crops_per_image: crops of each image per epoch.
-        seed, hflip: as in :class:`PhotoCrops`.
+    """Random crops of ``root/<class name>/<images>``, items as :class:`PhotoCrops` (``short_side`` default: ``resolution``).
 
     Raises:
-        FileNotFoundError: ``root`` does not exist or is not a folder.
-        ValueError: no class sub-folders, a class folder without images, more than 1000 classes
-            (DiT reserves id 1000 for the unconditional label), bad sizes.
+        FileNotFoundError: ``root`` is not a folder.
+        ValueError: no class folders, a class without images, more than 1000 classes, bad sizes.
     """
 
     def __init__(
@@ -382,14 +345,9 @@ def _read_image(path: str, short_side: int) -> torch.Tensor:
 
 
 def read_captions(root: str | os.PathLike, files: Sequence[str], caption_column: str = "text") -> list[str | None]:
-    """The caption of each image file under ``root``, ``None`` where it has none.
+    """The caption of each file under ``root`` (``None`` where none): ``metadata.jsonl``, else a sidecar ``.txt``.
 
-    Sources, in order of precedence: ``root/metadata.jsonl`` (one JSON object per line with
-    ``file_name``, relative to ``root``, and ``caption_column``); a sidecar text file beside the
-    image with the same stem (``cat.png`` -> ``cat.txt``, stripped).
-
-    Raises:
-        ValueError: a malformed ``metadata.jsonl`` line, or one naming a file that is not there.
+    ``ValueError`` for a malformed ``metadata.jsonl`` line, or one naming a missing file.
     """
     root = os.fspath(root)
     from_metadata: dict[str, str] = {}
@@ -423,7 +381,7 @@ def read_captions(root: str | os.PathLike, files: Sequence[str], caption_column:
 
 
 def _captioned_root(root, kind: str, missing_caption: str) -> str:
-    """``root`` as a string, checked to be a directory; ``missing_caption`` checked ('error' / 'empty')."""
+    """``root`` checked to be a directory, and ``missing_caption`` to be ``'error'`` or ``'empty'``."""
     root = os.fspath(root)
     if not os.path.isdir(root):
         raise FileNotFoundError(f"{kind} folder {root!r} does not exist or is not a directory")
@@ -433,22 +391,14 @@ def _captioned_root(root, kind: str, missing_caption: str) -> str:
 
 
 class CaptionedImageCrops(_RandomCrops):
-    """Random crops of captioned images (text-to-image fine-tuning, e.g. SANA).
+    """Random crops of captioned images under ``root`` (text-to-image); captions by :func:`read_captions`.
 
-    Images: every file with an extension in ``IMAGE_EXTENSIONS`` under ``root`` (recursive, sorted).
-    Captions: see :func:`read_captions` (``metadata.jsonl`` or sidecar ``.txt``). Item:
-    ``{"pixel_values": float32 [3, S, S] in [-1, 1], "caption": str}``.
-
-    Args:
-        root: the folder.
-        resolution, short_side, crops_per_image, seed, hflip: as in :class:`ImageFolderCrops`.
-        caption_column: the ``metadata.jsonl`` key holding the caption.
-        missing_caption: ``"error"`` (default) or ``"empty"`` (an image without a caption gets ``""``,
-            i.e. it trains the unconditional model).
+    Item: ``{"pixel_values": float32 [3, S, S] in [-1, 1], "caption": str}``; ``missing_caption``:
+    ``"error"`` or ``"empty"`` (an uncaptioned image gets ``""``).
 
     Raises:
-        FileNotFoundError: ``root`` is not a folder. ValueError: no images, an image without a
-        caption (with ``missing_caption="error"``), a bad ``metadata.jsonl``, bad sizes.
+        FileNotFoundError: ``root`` is not a folder.
+        ValueError: no images, a missing caption (``"error"``), a bad ``metadata.jsonl``, bad sizes.
     """
 
     def __init__(
@@ -511,14 +461,10 @@ def _is_frame_folder(path: str) -> bool:
 
 
 def read_video_frames(path: str | os.PathLike, start: int = 0, count: int | None = None, stride: int = 1) -> torch.Tensor:
-    """Frames ``start, start + stride, ...`` (``count`` of them; ``None``: to the end) of a video as
-    uint8 ``[F, 3, H, W]``.
-
-    ``path``: a video file (mp4 / webm / mov / mkv / avi through imageio with imageio-ffmpeg; animated
-    gif / webp through PIL) or a folder of frame images (sorted by name).
+    """Frames ``start, start + stride, ...`` (``count``, or to the end) of a video file or frame folder, uint8 ``[F, 3, H, W]``.
 
     Raises:
-        ValueError: unreadable file, or fewer frames than asked for.
+        ValueError: an unreadable file, or fewer frames than asked for.
         ImportError: imageio / imageio-ffmpeg missing for an ffmpeg format.
     """
     path = os.fspath(path)
@@ -586,28 +532,14 @@ def _video_length(path: str) -> int:
 
 
 class VideoClips(Dataset):
-    """Random clips of captioned videos (text-to-video fine-tuning, e.g. Wan).
+    """Random clips of captioned videos or frame folders under ``root`` (text-to-video, e.g. Wan).
 
-    Videos: every file under ``root`` with an extension in ``VIDEO_EXTENSIONS`` and every folder of
-    frame images (a folder holding images and no sub-folders); recursive, sorted. Captions: as for
-    :class:`CaptionedImageCrops` (``metadata.jsonl`` with ``file_name`` naming the file or folder, or
-    a sidecar ``<name>.txt`` beside it). A clip is ``num_frames`` frames ``frame_stride`` apart from a
-    random start, scaled (Lanczos) so it covers ``(height, width)``, randomly cropped and flipped;
-    the randomness of item ``i`` is a function of ``(seed, epoch, i)`` (:meth:`set_epoch`).
-
-    Args:
-        root: the folder.
-        resolution: ``S`` (square) or ``(height, width)`` of the clips, pixels.
-        num_frames: frames per clip (Wan: ``4 k + 1``: 1, 5, ..., 81).
-        frame_stride: take every ``frame_stride``-th frame.
-        clips_per_video: items per video per epoch.
-        seed, hflip, caption_column, missing_caption: as in :class:`CaptionedImageCrops`.
-
-    Item: ``{"pixel_values": float32 [3, F, H, W] in [-1, 1], "caption": str}``.
+    A clip is ``num_frames`` frames (Wan: ``4 k + 1``) ``frame_stride`` apart, at ``resolution`` (``S`` or
+    ``(height, width)`` pixels). Item: ``{"pixel_values": float32 [3, F, H, W] in [-1, 1], "caption": str}``.
 
     Raises:
-        FileNotFoundError: ``root`` is not a folder. ValueError: no videos, missing captions (with
-        ``missing_caption="error"``), bad sizes; at access, a video shorter than a clip.
+        FileNotFoundError: ``root`` is not a folder.
+        ValueError: no videos, missing captions, bad sizes; at access, a video shorter than a clip.
     """
 
     def __init__(
@@ -660,11 +592,9 @@ class VideoClips(Dataset):
         return len(self.videos) * self.clips_per_video
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the clips of ``epoch``."""
         self.epoch = int(epoch)
 
     def fingerprint(self) -> dict:
-        """What defines the items (for latent caches)."""
         return {
             "class": type(self).__name__, "size": list(self.size), "num_frames": self.num_frames, "stride": self.frame_stride,
             "clips_per_video": self.clips_per_video, "seed": self.seed, "hflip": self.hflip,
@@ -710,13 +640,7 @@ class VideoClips(Dataset):
 
 
 def build_dataset(data: Mapping[str, Any]):
-    """The dataset of ``config["data"]``: :class:`PhotoCrops` (``kind: photos``),
-    :class:`ImageFolderCrops` (``folder``), :class:`CaptionedImageCrops` (``captions``) or
-    :class:`VideoClips` (``video``).
-
-    Raises:
-        ValueError / FileNotFoundError: from the dataset constructors (bad sizes, empty folder, ...).
-    """
+    """The dataset of ``config["data"]`` by ``kind`` (photos, folder, captions, video); raises as its constructor."""
     if data["kind"] == "video":
         return VideoClips(
             data["root"], resolution=data["resolution"], num_frames=data.get("num_frames", 17), frame_stride=data.get("frame_stride", 1),

@@ -31,10 +31,9 @@ class QueryKey:
     """What one self-attention layer computed in a forward, before attention.
 
     Attributes:
-        query, key, value: ``[B, heads, N, d]`` (the layer's projections, q/k after its norms), on the
-            model's device and in its dtype, detached.
-        grid: the token grid ``(T, H, W)`` of that forward (``T * H * W = N``).
-        scale: the layer's softmax scale (``attn.scale``; ``1 / sqrt(d)`` for DiT).
+        query, key, value: ``[B, heads, N, d]``, detached, in the model's device and dtype.
+        grid: the token grid ``(T, H, W)`` of that forward.
+        scale: the layer's softmax scale.
     """
 
     query: torch.Tensor
@@ -82,28 +81,13 @@ def _project(attn, hidden_states: torch.Tensor, across_heads: bool) -> tuple[tor
 def capture_query_key(
     transformer: torch.nn.Module, attn_names: str | Sequence[str], model_inputs: Mapping[str, Any]
 ) -> dict[str, QueryKey]:
-    """Run one forward of ``transformer`` and capture the q, k, v of the named self-attention layers.
+    """``{name: QueryKey}`` of the named self-attention layers in one unchanged forward ``transformer(**model_inputs)``.
 
-    A forward pre-hook on each named attention module recomputes the layer's own ``to_q`` /
-    ``to_k`` / ``to_v`` and q/k norms on its input, where the model family's stock processor
-    applies them (DiT: per head after the split; SANA: over all heads before it), exactly as
-    :class:`~mhla_diffusers.MHLAProcessor` does; a pre-hook on the family's patch embedding reads
-    the token grid from the latent. The forward itself runs unchanged (MHLA layers run MHLA), so
-    the captured q, k are those of the checkpoint as it is. Only each layer's first call is kept.
-
-    Args:
-        transformer: a supported diffusers transformer (``DiTTransformer2DModel``, ``SanaTransformer2DModel``).
-        attn_names: module name(s) from ``named_modules()``, e.g. ``"transformer_blocks.2.attn1"``.
-        model_inputs: keyword arguments of ``transformer(**model_inputs)``; DiT:
-            ``{"hidden_states": latent [B, C, H, W], "timestep": [B] long, "class_labels": [B] long}``.
-
-    Returns:
-        ``{name: QueryKey}`` in the order of ``attn_names``.
+    Hooks recompute each layer's projections and q/k norms as its stock processor applies them.
 
     Raises:
-        ValueError: unsupported transformer, a name that is no attention module, a cross-attention
-            call (``encoder_hidden_states`` given).
-        RuntimeError: a named layer or the patch embedding was not called during the forward.
+        ValueError: unsupported transformer, a name that is no attention module, a cross-attention call.
+        RuntimeError: a named layer or the patch embedding was not called.
     """
     family = family_of(transformer)
     names = [attn_names] if isinstance(attn_names, str) else list(attn_names)
@@ -157,7 +141,6 @@ def capture_query_key(
 
 
 def _summary(values: torch.Tensor) -> dict[str, Any]:
-    """``values [B, heads]`` -> per-head means over samples, and their mean / min / max over heads."""
     per_head = values.to(torch.float64).nanmean(dim=0)
     finite = per_head[~torch.isnan(per_head)]
     if finite.numel() == 0:
@@ -179,33 +162,14 @@ def qk_statistics(
     rtol: float | None = None,
     max_tokens: int = MAX_TOKENS,
 ) -> dict[str, Any]:
-    """Rank and entropy of the softmax, linear and MHLA attention matrices on captured q, k (paper Fig. 3).
+    """Rank and entropy of the softmax, linear and MHLA matrices on captured q, k, per head (paper Fig. 3).
 
-    For every sample ``b`` and head ``h``: :func:`attention_matrix` of each kind (softmax with the
-    layer's own scale), its :func:`matrix_rank` and :func:`row_entropy` (nats and / ``log N``).
-    Summaries are per head (mean over the samples), then mean / min / max over heads.
-
-    Args:
-        qk: from :func:`capture_query_key`.
-        mixing: the layer's ``[M, M]`` mixing matrix as the operator uses it (clamped); ``None``:
-            the paper's locality init on ``block_grid``.
-        block_grid: the block grid of ``mixing`` (required with it); without ``mixing``: the block
-            grid of the locality init, default ``choose_block_grid(grid, num_blocks)``.
-        num_blocks: target ``M`` of the locality init when neither is given (16: the paper's DiT
-            setting; capped at ``sqrt(N)`` by :func:`~mhla_diffusers.choose_block_grid`).
-        rtol: tolerance of :func:`matrix_rank` (``None``: ``N * eps(float64)``).
-        max_tokens: refuse larger ``N``.
-
-    Returns:
-        ``{"num_tokens", "grid", "heads", "head_dim", "num_samples", "block_grid", "num_blocks",
-        "mixing_source" ("layer" | "locality_init"), "rtol", "rank_bound": {kind: int},
-        "kinds": {kind: {"rank", "entropy", "normalized_entropy": {"mean", "min", "max",
-        "per_head"}, "empty_rows": fraction of rows without a distribution}},
-        "per_sample": {kind: {"rank", "entropy": [B][heads] lists}}}``; entropies in nats.
+    MHLA uses ``mixing`` (clamped, with its ``block_grid``), else the locality init on ``block_grid``
+    (default ``choose_block_grid(grid, num_blocks)``). Returns sizes, block grid, ``mixing_source``,
+    ``rank_bound`` and per-kind summaries (``docs/diagnostics.md``).
 
     Raises:
-        ValueError: ``N > max_tokens``; ``mixing`` without ``block_grid`` or of the wrong size; see
-            :func:`attention_matrix`.
+        ValueError: ``N > max_tokens``; ``mixing`` without ``block_grid`` or of the wrong size.
     """
     q, k = qk.query, qk.key
     batch, heads, n, d = q.shape
@@ -264,7 +228,7 @@ def qk_statistics(
 
 
 def layer_mixing(attn) -> tuple[torch.Tensor | None, tuple[int, int, int] | None]:
-    """``(clamped mixing matrix [M, M] float64, block grid)`` of an MHLA attention layer; ``(None, None)`` without one."""
+    """``(clamped mixing [M, M] float64, block grid)`` of an MHLA layer, or ``(None, None)``."""
     mixing = getattr(attn, "mhla_mixing", None)
     if mixing is None:
         return None, None
@@ -281,27 +245,7 @@ def layer_statistics(
     rtol: float | None = None,
     max_tokens: int = MAX_TOKENS,
 ) -> dict[str, Any]:
-    """Rank and entropy of one layer's softmax / linear / MHLA attention on real inputs (paper Fig. 3).
-
-    Runs ``transformer(**model_inputs)`` once (:func:`capture_query_key`), then
-    :func:`qk_statistics` on the layer's q, k: MHLA with the layer's own mixing matrix (clamped to
-    ``[0, 1]``, as the processor uses it) when it has one, else the paper's locality init on
-    ``block_grid`` (default ``choose_block_grid(grid, num_blocks)``). "softmax" and "linear" are
-    what softmax / plain linear attention would compute on the same q, k, whatever the layer runs.
-
-    Args:
-        transformer: a supported diffusers transformer (in eval mode for meaningful numbers).
-        attn_name: e.g. ``"transformer_blocks.0.attn1"``.
-        model_inputs: keyword arguments of the transformer's forward (see :func:`capture_query_key`).
-        num_blocks, block_grid, rtol, max_tokens: see :func:`qk_statistics`.
-
-    Returns:
-        The :func:`qk_statistics` dict plus ``"layer": attn_name``.
-
-    Raises:
-        ValueError: see :func:`capture_query_key` and :func:`qk_statistics` (``N > 4096`` included).
-        RuntimeError: the layer was not called.
-    """
+    """:func:`qk_statistics` of one layer on real inputs (its own mixing if MHLA), plus ``"layer"``; raises as both."""
     qk = capture_query_key(transformer, attn_name, model_inputs)[attn_name]
     mixing, grid = layer_mixing(transformer.get_submodule(attn_name))
     stats = qk_statistics(

@@ -1,5 +1,4 @@
-"""A DiT pipeline end to end: real photo inputs, every layer's statistics, the markdown / JSON / PNG report
-(what ``benchmarks/diagnose.py`` runs)."""
+"""A DiT pipeline end to end: real photo inputs, every layer's statistics, the markdown / JSON / PNG report."""
 
 from __future__ import annotations
 
@@ -30,25 +29,13 @@ def diagnostic_inputs(
     seed: int = 1234,
     short_side: int | None = None,
 ) -> dict[str, Any]:
-    """Real model inputs for a class-conditional DiT pipeline: photo crops, encoded and noised.
+    """Real inputs for a class-conditional DiT pipeline: shipped-photo crops, VAE-encoded, noised at each timestep.
 
-    ``num_samples`` crops of the photographs shipped in the scikit-image / scikit-learn wheels
-    (:class:`~mhla_diffusers.data.PhotoCrops`, seed ``seed``) at the checkpoint's resolution
-    (``transformer.config.sample_size * vae factor`` pixels), encoded by ``pipe.vae``
-    (``latent_dist.mode() * scaling_factor``) and noised with a ``DDPMScheduler`` built from
-    ``pipe.scheduler.config`` at every timestep of ``timesteps``; sample ``(i, j)`` (crop ``i``,
-    timestep ``j``) is batch row ``i * len(timesteps) + j``. Class labels: the photo's class in
-    the pipeline's ``id2label`` when it names the shipped photos (the demo's), else the photo's
-    index in ``PHOTO_NAMES``.
-
-    Returns:
-        ``{"model_inputs": {"hidden_states" [B, C, h, w], "timestep" [B] long, "class_labels" [B] long},
-        "timesteps": [B] list, "labels": [B] list of names, "resolution": pixels}`` with
-        ``B = num_samples * len(timesteps)``, tensors on the transformer's device and dtype.
+    ``B = num_samples * len(timesteps)`` rows (sample ``(i, j)`` at row ``i * len(timesteps) + j``) in
+    ``"model_inputs"``, plus ``"timesteps"``, ``"labels"``, ``"resolution"`` (pixels).
 
     Raises:
-        ValueError: non-positive ``num_samples``, empty ``timesteps`` or one outside
-            ``[0, num_train_timesteps)``, a transformer without ``sample_size``.
+        ValueError: ``num_samples < 1``, empty or out-of-range ``timesteps``, no ``sample_size``.
     """
     if int(num_samples) != num_samples or num_samples < 1:
         raise ValueError(f"num_samples must be a positive integer; got {num_samples!r}")
@@ -103,21 +90,9 @@ def diagnose_pipeline(
     seed: int = 1234,
     short_side: int | None = None,
 ) -> dict[str, Any]:
-    """Rank / entropy of softmax, linear and MHLA attention on every (or the chosen) self-attention
-    layer of a DiT pipeline, on real inputs (:func:`diagnostic_inputs`), from one forward.
+    """Per-layer rank / entropy of the three kinds on a DiT pipeline's self-attention layers (all, or ``layers``).
 
-    Args:
-        pipe: a ``DiTPipeline`` (plain or from :func:`mhla_diffusers.load_mhla_pipeline`).
-        layers: self-attention layer indices (``None``: all).
-        num_samples, timesteps, seed, short_side: see :func:`diagnostic_inputs`.
-        num_blocks, rtol: see :func:`qk_statistics` (``num_blocks`` only for layers without MHLA).
-
-    Returns:
-        ``{"model", "resolution", "timesteps", "labels", "layers": [layer_statistics dicts, each with
-        "index"]}``.
-
-    Raises:
-        ValueError: a layer index out of range; see :func:`diagnostic_inputs` and :func:`qk_statistics`.
+    One forward; ``ValueError`` for a layer index out of range.
     """
     transformer = pipe.transformer
     modules = self_attention_modules(transformer, family_of(transformer))
@@ -154,8 +129,7 @@ def _fmt(summary: Mapping[str, Any], digits: int) -> str:
 
 
 def markdown_report(result: Mapping[str, Any]) -> str:
-    """A markdown summary of :func:`diagnose_pipeline`'s result: one table row per layer and kind,
-    then the means over layers at each timestep."""
+    """A markdown summary of :func:`diagnose_pipeline`'s result: per layer and kind, then per timestep."""
     layers = result["layers"]
     lines = [
         "# Attention rank and entropy (MHLA paper, Fig. 3)",
@@ -196,12 +170,7 @@ def markdown_report(result: Mapping[str, Any]) -> str:
 
 
 def write_report(result: Mapping[str, Any], out_dir: str | os.PathLike, pipe=None) -> dict[str, Path]:
-    """Write :func:`diagnose_pipeline`'s result into ``out_dir`` (each file atomically).
-
-    Files: ``diagnostics.json`` (everything), ``diagnostics.md`` (:func:`markdown_report`),
-    ``rank_entropy.png`` (:func:`plot_rank_entropy`), and the mixing matrices:
-    ``mixing_layer<i>.png`` for every diagnosed layer with MHLA (``pipe`` given), or
-    ``mixing_locality_init.png`` for the locality init used where layers have none.
+    """Write :func:`diagnose_pipeline`'s result into ``out_dir`` (JSON, markdown, PNGs; each atomically).
 
     Returns:
         ``{name: path}`` of the written files.

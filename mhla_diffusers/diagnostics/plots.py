@@ -42,28 +42,7 @@ def plot_mixing_matrix(
     title: str | None = None,
     time_slice: int | None = None,
 ) -> Path:
-    """Draw a mixing matrix as one small panel per query block, each row shown on the block grid.
-
-    Row ``i`` of ``Mc`` (how much query block ``i`` reads each block's summary, paper Sec. 3.2)
-    is reshaped to the block grid ``(bh, bw)`` and drawn as an image in the panel at block ``i``'s
-    own position on the block grid; the query block itself is outlined. All panels share one colour
-    scale (``[0, max Mc]``, one colour bar), so a locality-biased matrix shows bright neighbourhoods
-    moving across the grid.
-
-    3D block grids (``bt > 1``, video): only the query blocks of one time slice are drawn
-    (``time_slice``, default the middle one ``bt // 2``), still on the ``bh x bw`` panel grid; each
-    panel is a strip of ``bt`` images, the row's key blocks of time slices ``0 .. bt - 1`` from
-    left to right, separated by a blank column.
-
-    Args:
-        mixing: ``[M, M]`` with ``M = bt * bh * bw`` (rows = query blocks, block ids row-major).
-        block_grid: ``(bt, bh, bw)`` or ``(bh, bw)``.
-        path: the PNG to write (atomically: a temporary file renamed into place).
-        title: figure title.
-        time_slice: the query time slice of a 3D grid.
-
-    Returns:
-        ``Path(path)``.
+    """Draw ``mixing`` ``[M, M]`` as one panel per query block on the block grid (3D: one ``time_slice``); ``Path(path)``.
 
     Raises:
         ValueError: ``mixing`` not ``[M, M]`` for the block grid, or ``time_slice`` out of range.
@@ -117,21 +96,11 @@ def _rectangle(xy, w, h):
 
 
 def plot_rank_entropy(stats: Mapping[str, Any] | Sequence[Mapping[str, Any]], path: str | os.PathLike) -> Path:
-    """Bar charts of rank and entropy per attention kind (softmax / linear / MHLA), like paper Fig. 3.
-
-    Left: numerical rank (mean over heads, error bars min-max over heads) with the bounds ``d``
-    (linear) and ``N`` dashed; right: mean row entropy in nats with ``log N`` (uniform rows) dashed.
-    One group of bars per layer when ``stats`` holds several layers.
-
-    Args:
-        stats: one :func:`layer_statistics` / :func:`qk_statistics` dict, or a list of them.
-        path: the PNG to write (atomically).
-
-    Returns:
-        ``Path(path)``.
+    """Bar charts of rank and entropy per attention kind and layer, like paper Fig. 3; returns ``Path(path)``.
 
     Raises:
-        ValueError: empty ``stats``. ImportError: matplotlib missing.
+        ValueError: empty ``stats``.
+        ImportError: matplotlib missing.
     """
     layers = [stats] if isinstance(stats, Mapping) else list(stats)
     if not layers:

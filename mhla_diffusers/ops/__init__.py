@@ -1,8 +1,8 @@
-"""The MHLA operator (framework-free: nothing here imports diffusers).
+"""The MHLA operator; framework-free (nothing here imports diffusers).
 
-``mhla_attention`` validates its inputs and dispatches to a backend of the registry
-(``backends``: a new backend is a :class:`Backend` given to :func:`register_backend`; the built-in
-ones are registered on import of this package); ``naive`` holds the oracles (dense O(N^2) and block-wise).
+:func:`mhla_attention` validates its inputs and dispatches to a backend of the registry
+(:mod:`~mhla_diffusers.ops.backends`); :mod:`~mhla_diffusers.ops.naive` holds the oracles.
+Math, backends, numerics: ``docs/operator.md``.
 """
 
 from __future__ import annotations
@@ -52,56 +52,26 @@ def mhla_attention(
 ) -> torch.Tensor:
     """Multi-Head Linear Attention over the blocks of ``layout`` (MHLA paper, Sec. 3.2).
 
-    With ``phi = ReLU``, ``S_b = phi(K_b)^T V_b`` and ``z_b = sum_{t in b} phi(k_t)`` per block,
-    ``S~ = Mc S`` and ``z~ = Mc z``, a query ``q`` in block ``i`` gets::
-
-        out = phi(q) S~_i / (phi(q) . z~_i + eps)     if normalize
-        out = phi(q) S~_i                             otherwise
-
-    With ``rotary = R`` (Wan 2.1's RoPE after the feature map, as the authors' video model
-    does) the numerator uses rotated features and the denominator un-rotated ones::
-
-        S_b = (R phi(K_b))^T V_b,   out = (R phi(q)) S~_i / (phi(q) . z~_i + eps)
-
-    A backend that fuses rotaries (:meth:`Backend.fuses_rotary`: the GPU kernels) applies an
-    :class:`InterleavedRotary` (e.g. Wan's :class:`~mhla_diffusers.models.families.WanRotary`) inside
-    its kernels: one pass, numerator and denominator fused, the tables treated as constants. Any
-    other ``rotary`` callable (and any rotary on the other backends) is composed: one numerator
-    call of the backend on the rotated features (``feature_map`` off) plus a second call for the
-    denominator (a value of ones), both in the accumulation dtype; gradients then also flow into
-    the callable's own tensors.
-
-    Summaries, normaliser and mixing are accumulated in fp32 (fp64 for fp64 inputs) whatever the
-    input dtype; the output has the dtype of ``q``. Cost O(N d^2 + M^2 d^2); gradients for q, k,
-    v and ``mixing`` flow through autograd.
+    With ``S_b = phi(K_b)^T V_b``, ``z_b = sum_{t in b} phi(k_t)``, ``S~ = Mc S``, ``z~ = Mc z``, a query in
+    block ``i`` gets ``phi(q) S~_i / (phi(q) . z~_i + eps)`` (the numerator alone if not ``normalize``);
+    with ``rotary = R`` the numerator uses ``R phi(.)``. ``phi`` is ReLU (``feature_map="relu"``) or the
+    identity (``None``), plus ``feature_eps``. Accumulates in fp32 (fp64 for fp64 inputs). See
+    ``docs/operator.md``.
 
     Args:
-        q, k: ``[B, heads, N, d]``. v: ``[B, heads, N, d_v]``. Same device; float16, bfloat16,
-            float32 or float64 (dtypes may differ: each is cast to the accumulation dtype of ``q``).
-        mixing: ``[M, M]`` mixing matrix ``Mc`` (rows = query blocks), used as given: clamp it
-            to ``[0, 1]`` beforehand if desired (:class:`~mhla_diffusers.MixingMatrix` does).
-        layout: :class:`~mhla_diffusers.BlockLayout` with ``layout.num_tokens == N``.
-        normalize: apply the denominator (default) or return the numerator only.
-        eps: added to the denominator (in the accumulation dtype).
+        q, k: ``[B, heads, N, d]``; v: ``[B, heads, N, d_v]``; fp16, bf16, fp32 or fp64, one device.
+        mixing: ``[M, M]`` (rows = query blocks), used as given (no clamping).
+        layout: :class:`~mhla_diffusers.BlockLayout` with ``N`` tokens.
         backend: ``"auto"`` or one of :func:`available_backends`.
-        feature_map: ``"relu"`` (phi = ReLU, the paper's) or ``None``: q and k are features
-            already (e.g. computed by the caller); with ``normalize`` they should then be
-            non-negative, or the denominator may vanish.
-        rotary: ``None``, an :class:`InterleavedRotary`, or any function mapping a ``[B, heads, N, d]``
-            feature tensor (float32 / float64, possibly a non-contiguous view) to its rotated
-            version of the same shape.
-        feature_eps: a constant added to every feature after the feature map, before ``rotary``
-            (``phi(x) = ReLU(x) + feature_eps``; the authors' Wan model uses 1e-6). ``0`` (default):
-            none. When set, the features are computed here in the accumulation dtype and every
-            backend receives them as features (``feature_map`` off).
+        rotary: ``None``, an :class:`InterleavedRotary`, or a callable ``[B, heads, N, d] -> same``.
 
     Returns:
-        ``[B, heads, N, d_v]`` tensor in ``q.dtype``.
+        ``[B, heads, N, d_v]`` in ``q.dtype``, differentiable in q, k, v and ``mixing``.
 
     Raises:
-        ValueError: on shapes that do not match each other, the layout or the mixing matrix, a
-            head dim of 0, on non-floating dtypes, on tensors on different devices, on an unknown backend or
-            feature map, a negative or non-finite ``feature_eps``, or when ``rotary`` changes the shape of its input.
+        TypeError: ``layout`` is not a ``BlockLayout``.
+        ValueError: mismatched shapes, layout or mixing; non-float dtypes; mixed devices; ``eps < 0``;
+            an unknown backend or feature map; a bad ``feature_eps``; a shape-changing ``rotary``.
     """
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a mhla_diffusers.BlockLayout; got {type(layout).__name__}")
@@ -152,8 +122,7 @@ def mhla_attention(
 
 
 def _with_feature_eps(q, k, v, mixing, layout, feature_eps, *, feature_map, **kwargs):
-    """MHLA with ``phi(x) = feature_map(x) + feature_eps``: the features are computed here, in the
-    accumulation dtype, and passed on as features; the output has ``q``'s dtype."""
+    """MHLA with ``phi(x) = feature_map(x) + feature_eps``, the features computed here in the accumulation dtype."""
     if isinstance(feature_eps, bool) or not isinstance(feature_eps, (int, float)) or not 0 <= feature_eps < float("inf"):
         raise ValueError(f"feature_eps must be a finite number >= 0; got {feature_eps!r}")
     acc = compute_dtype(q.dtype)
@@ -165,7 +134,7 @@ def _with_feature_eps(q, k, v, mixing, layout, feature_eps, *, feature_map, **kw
 
 
 def _rotary_attention(fn, q, k, v, mixing, layout, rotary, *, normalize, eps, feature_map):
-    """The RoPE variant (see :func:`mhla_attention`): rotated features in the numerator only."""
+    """The composed RoPE variant: one backend call on rotated features, one for the un-rotated denominator."""
     acc = compute_dtype(q.dtype)
     phi_q, phi_k = q.to(acc), k.to(acc)
     if feature_map == "relu":

@@ -1,15 +1,7 @@
 """The registry of :func:`~mhla_diffusers.ops.mhla_attention` backends, by name.
 
-A backend is a :class:`Backend` object: it says whether it is installed, on which devices it runs,
-whether ``"auto"`` picks it, whether it applies a rotary itself, and computes the attention. The
-eager dispatch (``ops/__init__.py``), the ``torch.compile`` operator (``ops/compiled.py``) and
-checkpoint loading all go through this registry. ``"torch"`` (:class:`TorchBackend`: every device,
-the default) is registered here; the GPU kernels register themselves in their own module, imported
-by ``mhla_diffusers.ops``. A new backend: subclass :class:`Backend`, then :func:`register_backend`.
-
-``forward`` takes ``(q, k, v, mixing, layout, *, normalize, eps, feature_map[, rotary])`` with inputs
-already validated by ``mhla_attention`` (``feature_map`` a bool: apply ReLU) and returns
-``[B, heads, N, dv]`` in ``q``'s dtype.
+A new backend: subclass :class:`Backend`, then :func:`register_backend`. ``"torch"`` is registered
+here, the Triton kernels in their own module. See ``docs/operator.md``, "Backends".
 """
 
 from __future__ import annotations
@@ -30,46 +22,41 @@ DEFAULT_BACKEND = "torch"
 
 
 class Backend:
-    """One MHLA backend (module docstring). Subclasses set :attr:`name` and define :meth:`forward`;
-    the other methods default to a backend that runs on every device once installed.
+    """One MHLA backend: subclasses set :attr:`name` and define :meth:`forward`.
 
-    Attributes:
-        name: the ``backend=`` string it is registered under.
-        fuses_rotary_tables: whether :meth:`forward` may be given ``rotary=`` (an
-            :class:`~mhla_diffusers.ops.InterleavedRotary`) when :meth:`fuses_rotary` says so.
+    The defaults describe a backend that runs on every device and that ``"auto"`` never picks;
+    ``fuses_rotary_tables``: :meth:`forward` may take ``rotary=`` (an ``InterleavedRotary``).
     """
 
     name: str = ""
     fuses_rotary_tables: bool = False
 
     def is_available(self) -> bool:
-        """Whether it is installed at all (it is then listed by :func:`available_backends`)."""
+        """Whether it is installed (then listed by :func:`available_backends`)."""
         return True
 
     def unsupported_reason(self, device: torch.device) -> str | None:
-        """Why it cannot run on tensors on ``device`` (a sentence), or ``None`` when it can."""
+        """Why it cannot run on ``device`` (a sentence), or ``None``."""
         return None if self.is_available() else "it is not available in this environment"
 
     def can_run(self, device: torch.device | str) -> bool:
-        """Whether it runs on tensors on ``device`` (:meth:`unsupported_reason` is ``None``)."""
+        """Whether it runs on tensors on ``device``."""
         return self.unsupported_reason(torch.device(device)) is None
 
     def preferred_for_auto(self, device: torch.device) -> bool:
-        """Whether ``backend="auto"`` picks it for tensors on ``device`` (default: never)."""
+        """Whether ``backend="auto"`` picks it for ``device`` (default: never)."""
         return False
 
     def fuses_rotary(self, rotary, q: torch.Tensor, v: torch.Tensor) -> bool:
-        """Whether :meth:`forward` applies ``rotary`` itself for these inputs (else ``mhla_attention``
-        composes it around two plain calls). Only asked of backends with :attr:`fuses_rotary_tables`."""
+        """Whether :meth:`forward` applies ``rotary`` itself for these inputs (else it is composed)."""
         return False
 
     def kept_on_load(self) -> bool:
-        """Whether a checkpoint that records this (available) backend keeps it when loaded on this
-        machine; ``False`` loads it with ``"auto"``. Cheap: must not probe drivers."""
+        """Whether a checkpoint recording this backend keeps it when loaded here (cheap: no driver probe)."""
         return True
 
     def forward(self, q, k, v, mixing, layout, *, normalize: bool, eps: float, feature_map: bool, rotary=None) -> torch.Tensor:
-        """MHLA of validated inputs (module docstring); differentiable in q, k, v and ``mixing``."""
+        """MHLA ``[B, heads, N, d_v]`` in ``q``'s dtype of validated inputs (``feature_map``: apply ReLU)."""
         raise NotImplementedError(f"{type(self).__name__} defines no forward")
 
     def __repr__(self) -> str:
@@ -77,7 +64,7 @@ class Backend:
 
 
 class TorchBackend(Backend):
-    """Plain PyTorch (``ops/torch_ops.py``): any device and float dtype; the default and ``"auto"``'s fallback."""
+    """Plain PyTorch (``ops/torch_ops.py``): any device and float dtype; the default."""
 
     name = DEFAULT_BACKEND
 
@@ -89,11 +76,11 @@ _REGISTRY: dict[str, Backend] = {}
 
 
 def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
-    """Add ``backend`` to the registry under ``backend.name`` (and return it).
+    """Register ``backend`` under ``backend.name`` and return it.
 
     Raises:
         TypeError: ``backend`` is not a :class:`Backend`.
-        ValueError: its name is not a non-empty string, is ``"auto"``, or is taken (unless ``replace``).
+        ValueError: an empty name, ``"auto"``, or a taken name without ``replace``.
     """
     if not isinstance(backend, Backend):
         raise TypeError(f"backend must be a mhla_diffusers.ops.backends.Backend; got {type(backend).__name__}")
@@ -107,22 +94,14 @@ def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
 
 
 def unregister_backend(name: str) -> Backend:
-    """Remove the backend registered as ``name`` and return it.
-
-    Raises:
-        ValueError: ``name`` is not registered, or is the default ``"torch"``.
-    """
+    """Remove and return the backend registered as ``name``; ``ValueError`` if unknown or the default ``"torch"``."""
     if name == DEFAULT_BACKEND:
         raise ValueError(f"the default backend {DEFAULT_BACKEND!r} cannot be unregistered")
     return _REGISTRY.pop(get_backend(name).name)
 
 
 def get_backend(name: str) -> Backend:
-    """The backend registered as ``name`` (available here or not).
-
-    Raises:
-        ValueError: no backend of that name is registered.
-    """
+    """The backend registered as ``name``, installed here or not; ``ValueError`` if none is."""
     backend = _REGISTRY.get(name)
     if backend is None:
         raise ValueError(f"unknown MHLA backend {name!r}; registered: {sorted(_REGISTRY)}")
@@ -130,26 +109,22 @@ def get_backend(name: str) -> Backend:
 
 
 def registered_backends() -> list[str]:
-    """Every registered backend name, sorted (installed here or not)."""
+    """Every registered backend name, sorted."""
     return sorted(_REGISTRY)
 
 
 def available_backends() -> list[str]:
-    """Names accepted by ``backend=`` besides ``"auto"``, sorted: the registered backends that are
-    installed here (whether one runs on given tensors: :func:`resolve_backend`)."""
+    """The installed backends' names, sorted: what ``backend=`` takes besides ``"auto"``."""
     return sorted(name for name, backend in _REGISTRY.items() if backend.is_available())
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """Map ``"auto"`` to a concrete backend for tensors on ``device``; validate explicit names.
+    """The concrete backend name for ``backend`` on ``device``.
 
-    ``"auto"``: the first registered backend (in registration order) whose
-    :meth:`Backend.preferred_for_auto` is true for ``device``, else ``"torch"``. An explicit name:
-    returned if that backend runs on ``device`` (:meth:`Backend.unsupported_reason`).
+    ``"auto"``: the first registered backend preferred for ``device``, else ``"torch"``.
 
     Raises:
-        ValueError: for an unknown backend name, or a backend that cannot run here (not installed,
-            no driver, a device it does not take), naming the reason.
+        ValueError: an unknown name, or a backend that cannot run here (naming why).
     """
     device = torch.device(device)
     if backend == "auto":
@@ -173,8 +148,6 @@ register_backend(TorchBackend())
 
 
 class _FunctionBackend(Backend):
-    """A forward function set through ``BACKENDS[name] = fn``: everything else is the replaced
-    backend's (or the defaults, for a new name)."""
 
     def __init__(self, name: str, fn: Callable, replaced: Backend | None):
         self.name, self._fn, self._replaced = name, fn, replaced
@@ -200,7 +173,7 @@ class _FunctionBackend(Backend):
 
 
 class _Forwards(MutableMapping):
-    """The registry seen as the former ``BACKENDS`` dict: name -> forward function."""
+    """The registry as the deprecated ``BACKENDS`` dict: name -> forward function."""
 
     def __getitem__(self, name):
         if name not in _REGISTRY:
@@ -226,7 +199,7 @@ _FORWARDS = _Forwards()
 
 
 def __getattr__(name: str):
-    """``BACKENDS``: deprecated alias (a live mapping name -> forward); use :func:`get_backend`."""
+    """``BACKENDS``: a deprecated live mapping name -> forward; use :func:`get_backend`."""
     if name == "BACKENDS":
         warnings.warn(
             "mhla_diffusers.ops.backends.BACKENDS is deprecated: use get_backend / register_backend",

@@ -1,23 +1,9 @@
 """MHLA as ``torch.library`` custom operators, for code traced by ``torch.compile``.
 
-In eager mode :func:`~mhla_diffusers.ops.mhla_attention` calls a backend directly (each backend is
-a ``torch.autograd.Function``, hidden from the compiler by ``torch.compiler.disable``: inside a
-compiled region that would split the graph at every MHLA layer). While ``torch.compile`` traces
-(``torch.compiler.is_compiling()``), it calls :func:`attention` instead: one opaque node
-``mhla_diffusers::attention`` in the graph, whose fake (meta) implementation gives the output's
-shape, dtype and strides, so the rest of the model compiles around it in one graph.
-
-Gradients under ``torch.compile``: the node's backward is a second operator,
-``mhla_diffusers::attention_backward``, which re-runs the backend's forward on the saved inputs
-and takes its gradients (activation-checkpointing style: one extra MHLA forward per backward, no
-intermediate state kept between the compiled forward and backward). Eager training does not pay
-this: it never goes through these operators.
-
-The layout travels as its ``grid`` and ``block_grid`` (every :class:`BlockLayout` is determined by
-them); a fused rotation (:class:`InterleavedRotary`, backends with ``fuses_rotary_tables``) as its
-``cos`` / ``sin`` tables. A composed rotation stays outside the operator, in the traced code,
-around plain calls. Outputs and gradients are returned in the memory layout the fake implementations promise (the
-backends' own rule, ``torch_ops.empty_like_layout``), so compiled code can rely on the strides.
+While tracing, :func:`~mhla_diffusers.ops.mhla_attention` calls :func:`attention`: one opaque node
+``mhla_diffusers::attention`` with a fake implementation, so the model compiles in one graph. Its
+backward (``mhla_diffusers::attention_backward``) re-runs the backend's forward and takes its
+gradients. See ``docs/operator.md``, "Under torch.compile".
 """
 
 from __future__ import annotations
@@ -90,7 +76,7 @@ def _attention_backward_op(
 
 
 def _grad_likes(q, k, v, mixing, needs):
-    """Empty tensors in the layouts of dq, dk, dv, dmixing (size 0 where no gradient is needed)."""
+    """Empty tensors in the layouts of dq, dk, dv, dmixing (size 0 where not needed)."""
     likes = (
         empty_like_layout(q, q.shape[-1], q.dtype),
         empty_like_layout(k, k.shape[-1], k.dtype),
@@ -125,9 +111,10 @@ _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 def attention(q, k, v, mixing, layout: BlockLayout, *, normalize: bool, eps: float, feature_map: bool, backend: str,
               rotary: InterleavedRotary | None = None) -> torch.Tensor:
-    """One backend call as the ``mhla_diffusers::attention`` operator (module docstring); arguments as the
-    backends take them (already validated by :func:`~mhla_diffusers.ops.mhla_attention`); ``rotary`` only
-    for a fused rotation (its tables in the accumulation dtype are passed, and get no gradient)."""
+    """One backend call as the ``mhla_diffusers::attention`` operator; inputs validated by ``mhla_attention``.
+
+    ``rotary``: a fused rotation only; its tables are passed in the accumulation dtype, without gradient.
+    """
     cos = sin = None
     if rotary is not None:
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32

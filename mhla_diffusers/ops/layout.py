@@ -1,12 +1,8 @@
-"""Token grids, block grids and the tensors the MHLA operator needs to work block by block.
+"""Token grids, block grids and the index tensors the MHLA operator works with block by block.
 
-A token grid ``(T, H, W)`` (``T = 1`` for images) is split into a block grid ``(bt, bh, bw)`` of
-``M = bt * bh * bw`` contiguous boxes of near-equal size. Token ``(t, h, w)`` belongs to block
-``(t * bt // T, h * bh // H, w * bw // W)``; no divisibility is required (Wan at 832 px has 52
-token columns). Block ids are row-major over the block grid, tokens row-major over the token
-grid (``t * H * W + h * W + w``), which is how diffusers lays tokens out.
-
-Source: MHLA paper (arXiv 2601.07832), Sec. 3 "token-level multi-head".
+Token ``(t, h, w)`` of a ``(T, H, W)`` grid belongs to block ``(t * bt // T, h * bh // H, w * bw // W)``,
+no divisibility required; blocks and tokens are row-major. MHLA paper (arXiv 2601.07832), Sec. 3;
+see ``docs/operator.md``, "Layouts".
 """
 
 from __future__ import annotations
@@ -24,12 +20,9 @@ __all__ = ["BlockLayout", "choose_block_grid", "default_num_blocks", "get_layout
 
 
 def normalize_grid(grid: int | Sequence[int], name: str = "grid") -> tuple[int, int, int]:
-    """Return a 3-tuple ``(T, H, W)`` from a 1-, 2- or 3-element grid (or an int ``N`` = 1D grid).
+    """A 1-, 2- or 3-axis grid (or an int ``N``) as ``(T, H, W)``: ``(N,) -> (1, 1, N)``, ``(H, W) -> (1, H, W)``.
 
-    1D ``(N,)`` -> ``(1, 1, N)``; 2D ``(H, W)`` -> ``(1, H, W)``; 3D stays.
-
-    Raises:
-        ValueError: for an empty or longer grid, a non-integer or a non-positive size.
+    ``ValueError`` for an empty or longer grid, a non-integer or a size below 1.
     """
     if isinstance(grid, int):
         grid = (grid,)
@@ -52,22 +45,12 @@ _normal_tensors = torch.inference_mode(False)
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """How the tokens of a ``(T, H, W)`` grid fall into a ``(bt, bh, bw)`` grid of blocks.
+    """How the tokens of a ``(T, H, W)`` grid (1D, 2D or 3D) fall into a ``(bt, bh, bw)`` grid of blocks.
 
-    Args:
-        grid: token grid, 1D ``(N,)``, 2D ``(H, W)`` or 3D ``(T, H, W)``; stored as 3D.
-        block_grid: block grid with the same number of axes (or fewer: leading axes = 1).
-
-    Attributes:
-        grid, block_grid: 3-tuples.
-        num_tokens: ``N = T * H * W``.
-        num_blocks: ``M = bt * bh * bw``.
-        block_index: ``[N]`` int64 tensor (CPU), the block id of every token.
+    ``num_tokens`` is ``N``, ``num_blocks`` ``M``, ``block_index`` the ``[N]`` int64 block id of each token.
 
     Raises:
-        ValueError: if an axis has fewer tokens than blocks (e.g. 3 token columns split into 4
-            block columns): some blocks would be empty. Choose a smaller block grid, e.g. with
-            :func:`choose_block_grid`.
+        ValueError: an axis with fewer tokens than blocks (use :func:`choose_block_grid`).
     """
 
     grid: tuple[int, int, int]
@@ -103,7 +86,7 @@ class BlockLayout:
     @cached_property
     @_normal_tensors
     def block_index(self) -> torch.Tensor:
-        """``[N]`` int64: block id of each token (row-major tokens, row-major blocks)."""
+        """``[N]`` int64: block id of each token."""
         it, ih, iw = (self._axis_blocks(a) for a in range(3))
         _, bh, bw = self.block_grid
         return ((it[:, None, None] * bh + ih[None, :, None]) * bw + iw[None, None, :]).reshape(-1)
@@ -111,18 +94,18 @@ class BlockLayout:
     @cached_property
     @_normal_tensors
     def block_sizes(self) -> torch.Tensor:
-        """``[M]`` int64: number of tokens in each block (all >= 1)."""
+        """``[M]`` int64: tokens per block (all >= 1)."""
         return torch.bincount(self.block_index, minlength=self.num_blocks)
 
     @cached_property
     def max_block_size(self) -> int:
-        """Largest block, in tokens (the padded block length ``L`` of the torch backend)."""
+        """Largest block in tokens: the padded block length ``L``."""
         return int(self.block_sizes.max())
 
     @cached_property
     @_normal_tensors
     def block_centres(self) -> torch.Tensor:
-        """``[M, 3]`` float64: centre of every block in block-grid units, ``(it, ih, iw) + 0.5``."""
+        """``[M, 3]`` float64: block centres in block-grid units, ``(it, ih, iw) + 0.5``."""
         coords = torch.tensor(list(product(*(range(m) for m in self.block_grid))), dtype=torch.float64)
         return coords.reshape(-1, 3) + 0.5
 
@@ -153,13 +136,9 @@ class BlockLayout:
 
     @_normal_tensors
     def gather_tensors(self, device: torch.device | str | None = None):
-        """Index tensors for the padded block-major form, cached per device.
+        """``(gather [M*L], scatter [N], valid [M, L] or None, identity)`` of the padded block-major form, cached per device.
 
-        Returns ``(gather, scatter, valid, identity)``:
-            gather: ``[M * L]`` int64, token read into each padded slot;
-            scatter: ``[N]`` int64, slot of each token;
-            valid: ``[M, L]`` bool mask of real slots, or ``None`` when all blocks are full;
-            identity: ``True`` when tokens are already block-major with equal blocks (a view suffices).
+        ``identity``: tokens are already block-major with equal blocks (a view suffices).
         """
         device = torch.device("cpu") if device is None else torch.device(device)
         key = (device.type, device.index)
@@ -179,15 +158,12 @@ class BlockLayout:
 
 @lru_cache(maxsize=256)
 def get_layout(grid: tuple[int, ...], block_grid: tuple[int, ...]) -> BlockLayout:
-    """The :class:`BlockLayout` of ``grid`` split into ``block_grid``, built once per pair: the package's
-    one layout cache (the processor's per-call path and the ``torch.compile`` operator share it; each
-    layout caches its index tensors per device inside).
+    """The cached :class:`BlockLayout` of ``grid`` split into ``block_grid`` (tuples); the package's one layout cache.
 
-    Arguments must be hashable (tuples). Not for code traced by ``torch.compile``: build
-    ``BlockLayout(grid, block_grid)`` there (construction makes no tensors).
+    Not for code traced by ``torch.compile``: build ``BlockLayout(grid, block_grid)`` there.
 
     Raises:
-        ValueError: as :class:`BlockLayout` (a bad grid or block grid).
+        ValueError: as :class:`BlockLayout`.
     """
     return BlockLayout(grid, block_grid)
 
@@ -195,14 +171,10 @@ def get_layout(grid: tuple[int, ...], block_grid: tuple[int, ...]) -> BlockLayou
 @lru_cache(maxsize=128)
 @torch.inference_mode(False)  # cached across calls: never inference tensors
 def occupied_layout(grid: tuple[int, int, int], block_grid: tuple[int, int, int]) -> tuple[BlockLayout, torch.Tensor]:
-    """The blocks of ``block_grid`` that hold tokens of ``grid``, when some axis has fewer tokens than blocks.
+    """``(layout, index)``: the blocks of ``block_grid`` that hold tokens of ``grid`` when an axis has fewer tokens than blocks.
 
-    Token ``(t, h, w)`` belongs to block ``(t * bt // T, h * bh // H, w * bw // W)``; on an
-    axis with ``n < b`` tokens only the ``n`` blocks ``i * b // n`` hold tokens. Returns
-    ``(layout, index)``: a :class:`BlockLayout` on ``grid`` with ``min(b, n)`` blocks per axis, and the
-    ``[M']`` int64 ids (CPU) of those blocks in the full block grid, in the layout's block order.
-    MHLA on ``layout`` with ``Mc[index][:, index]`` is exactly MHLA on the full block grid with the
-    empty blocks contributing nothing (their summaries are zero).
+    ``layout`` has ``min(b, n)`` blocks per axis; ``index`` (``[M']`` int64, CPU) are their ids in the full
+    block grid. MHLA on ``layout`` with ``Mc[index][:, index]`` equals MHLA on the full block grid.
     """
     axes = []
     for n, b in zip(grid, block_grid):
@@ -215,30 +187,16 @@ def occupied_layout(grid: tuple[int, int, int], block_grid: tuple[int, int, int]
 
 
 def default_num_blocks(num_tokens: int) -> int:
-    """The default target number of blocks for ``N`` tokens: ``round(sqrt(N) / 2)``, at least 1.
-
-    Anchors: DiT at 512 px (N = 1024) -> 16, the paper's best DiT setting; Wan2.1 at 81 x 480 x 832
-    (N = 32,760) -> 90, near the paper's M = 105. Always satisfies ``M^2 <= N``.
-    """
+    """Default target number of blocks for ``N`` tokens: ``max(1, round(sqrt(N) / 2))`` (so ``M^2 <= N``)."""
     return max(1, round(math.sqrt(num_tokens) / 2))
 
 
 def choose_block_grid(grid: int | Sequence[int], num_blocks: int | None = None) -> tuple[int, int, int]:
-    """Pick a block grid ``(bt, bh, bw)`` for a token grid and a target number of blocks.
+    """A block grid ``(bt, bh, bw)`` for a token grid and a target number of blocks (``None``: the default).
 
-    The choice keeps ``M^2 <= N`` (the paper's cost rule: mixing then costs no more than the
-    summaries), never puts more blocks than tokens on an axis, and otherwise minimises
-    ``|log(M / num_blocks)| + 0.5 * log(longest / shortest block side)`` (block sides in tokens,
-    over the axes of the token grid longer than 1), so blocks are near-square in token units and
-    follow the grid's aspect ratio (a 32 x 8 grid with 16 blocks -> 8 x 2 blocks of 4 x 4 tokens).
-    Ties go to the larger ``M``, then the lexicographically smaller grid. Deterministic.
-
-    Args:
-        grid: token grid ``(T, H, W)`` (or 1D / 2D).
-        num_blocks: target ``M``; ``None`` -> :func:`default_num_blocks`.
-
-    Returns:
-        ``(bt, bh, bw)``.
+    Keeps ``M^2 <= N`` (the paper's cost rule) and at most one block per token on each axis, and
+    minimises ``|log(M / num_blocks)| + 0.5 * log(longest / shortest block side)``: blocks near-square
+    in tokens. Deterministic; rules and ties in ``docs/operator.md``.
 
     Raises:
         ValueError: for ``num_blocks < 1``.

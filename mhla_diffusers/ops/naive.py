@@ -1,26 +1,9 @@
-"""Dense O(N^2) reference of MHLA: the oracle every fast path is tested against.
+"""Oracles of MHLA that every fast path is tested against (``docs/operator.md``, "The oracles").
 
-Builds the implied attention matrix explicitly (MHLA paper, Sec. 3.2, the "block selection x
-intra-block reweighting" form):
-
-    A[i, t] = Mc[b(i), b(t)] * phi(q_i) . phi(k_t)
-    out_i   = (A V)_i / (rowsum(A)_i + eps)      (normalize=True)
-    out_i   = (A V)_i                            (normalize=False)
-
-with ``phi = ReLU`` (``feature_map="relu"``) or the identity (``feature_map=None``: q, k are
-features already), plus ``feature_eps`` (``phi(x) = ReLU(x) + feature_eps``: the authors' Wan model
-adds 1e-6 after the ReLU; 0 by default). With ``rotary`` (Wan's RoPE after the feature map,
-as in the authors' video model) the numerator uses rotated features and the denominator un-rotated ones:
-
-    out_i = sum_t Mc[b(i), b(t)] (R phi(q_i)) . (R phi(k_t)) v_t / (sum_t Mc[b(i), b(t)] phi(q_i) . phi(k_t) + eps)
-
-Memory is O(B * heads * N^2): tests and diagnostics only.
-
-The readable block-wise oracle (:func:`mhla_attention_blockwise`, :func:`blockwise_parts`) computes the
-same result in O(N d^2) by an explicit loop over blocks with boolean masks (S_b = phi(K_b)^T V_b,
-z_b = sum phi(K_b), mixed by Mc); it is the oracle where the dense matrix does not fit (N = 4096 and
-beyond) and shares no code with the fast paths' gather / scatter. Used by tests/ops/test_ops.py,
-tests/ops/triton_interpret_check.py and benchmarks/gpu_check.py.
+The dense form builds the implied matrix ``A[i, t] = Mc[b(i), b(t)] phi(q_i) . phi(k_t)`` and returns
+``(A V) / (rowsum(A) + eps)`` (MHLA paper, Sec. 3.2); memory O(B heads N^2), tests and diagnostics
+only. The block-wise form loops over blocks with boolean masks in O(N d^2) and shares no code with
+the fast paths; it is the oracle where the dense matrix does not fit.
 """
 
 from __future__ import annotations
@@ -51,18 +34,10 @@ def implied_attention(
     rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
     feature_eps: float = 0.0,
 ) -> torch.Tensor:
-    """The unnormalised implied attention matrix ``A`` ``[B, heads, N, N]`` (see module doc).
+    """The unnormalised implied attention matrix ``A`` ``[B, heads, N, N]`` of q, k ``[B, heads, N, d]``.
 
-    Args:
-        q, k: ``[B, heads, N, d]``.
-        mixing: ``[M, M]``, used as given (no clamping).
-        layout: token grid with ``N`` tokens and ``M`` blocks.
-        dtype: compute dtype (default: float64 for float64 inputs, float32 otherwise; pass
-            ``torch.float64`` for an oracle).
-        feature_map: ``"relu"`` (phi = ReLU) or ``None`` (q, k are features already).
-        rotary: optional map applied to ``phi(q)``, ``phi(k)`` (``[B, heads, N, d]``, same shape
-            out) before their products: the numerator matrix of the RoPE variant.
-        feature_eps: added to every feature after the feature map (before ``rotary``).
+    Computed in ``dtype`` (default fp64 for fp64 inputs, else fp32); ``mixing`` used as given; with
+    ``rotary``, the RoPE numerator's matrix.
     """
     dtype = dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
     idx = layout.block_index.to(q.device)
@@ -88,11 +63,12 @@ def mhla_attention_reference(
     rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
     feature_eps: float = 0.0,
 ) -> torch.Tensor:
-    """Dense MHLA: ``[B, heads, N, d]`` output computed in ``dtype`` (float64 by default), returned in ``dtype``.
+    """Dense MHLA ``[B, heads, N, d_v]``, computed and returned in ``dtype`` (fp64 by default).
 
-    ``feature_map``, ``feature_eps`` and ``rotary`` as in :func:`~mhla_diffusers.ops.mhla_attention` (module
-    doc: rotated features in the numerator, un-rotated ones in the denominator).
-    Differentiable (autograd) in q, k, v and mixing. Raises ``ValueError`` on shape mismatch.
+    Arguments as :func:`~mhla_diffusers.ops.mhla_attention`; differentiable in q, k, v and mixing.
+
+    Raises:
+        ValueError: on shape mismatch.
     """
     _check(q, k, v, mixing, layout)
     attn = implied_attention(q, k, mixing, layout, dtype=dtype, feature_map=feature_map, rotary=rotary, feature_eps=feature_eps)
@@ -117,13 +93,10 @@ def blockwise_parts(
     rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
     feature_eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MHLA's numerator and denominator by an explicit loop over blocks, in the inputs' dtype and device.
+    """MHLA's numerator ``[B, heads, N, d_v]`` and denominator ``phi(q) . z~_i + eps`` ``[B, heads, N, 1]``.
 
-    ``S_b = phi(K_b)^T V_b``, ``z_b = sum_t phi(k_t)`` over block ``b``, ``S~ = Mc S``, ``z~ = Mc z``;
-    for a query in block ``i``: ``num = phi(q) S~_i`` ``[B, heads, N, dv]`` and
-    ``den = phi(q) . z~_i + eps`` ``[B, heads, N, 1]``. With ``rotary`` the numerator uses rotated
-    features (``rotary(phi(.))``), the denominator un-rotated ones (module doc). Cast the inputs to
-    float64 first for an oracle; differentiable in q, k, v and mixing.
+    By an explicit loop over blocks, in the inputs' dtype and device (cast to fp64 for an oracle);
+    differentiable in q, k, v and mixing. With ``rotary`` the numerator uses rotated features.
 
     Raises:
         ValueError: shapes that do not match each other or ``layout``; an unknown ``feature_map``.
@@ -160,12 +133,7 @@ def mhla_attention_blockwise(
     rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
     feature_eps: float = 0.0,
 ) -> torch.Tensor:
-    """MHLA ``[B, heads, N, dv]`` by :func:`blockwise_parts` (``num / den``, or ``num`` with
-    ``normalize=False``), in the inputs' dtype: O(N d^2) memory, the oracle beyond the dense one's reach.
-
-    Raises:
-        ValueError: as :func:`blockwise_parts`.
-    """
+    """MHLA ``[B, heads, N, d_v]`` as ``num / den`` of :func:`blockwise_parts` (``num`` if not ``normalize``); raises as it does."""
     num, den = blockwise_parts(q, k, v, mixing, layout, eps=eps, feature_map=feature_map, rotary=rotary,
                                feature_eps=feature_eps)
     return num / den if normalize else num
@@ -189,10 +157,9 @@ def _check(q, k, v, mixing, layout):
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor, scale: float | None = None) -> float:
-    """The error measure of every comparison with these oracles (tests, interpreter check, gpu_check).
+    """``max |actual - expected| / max(max |expected|, scale)`` in fp64: the measure of every oracle comparison.
 
-    ``max |actual - expected| / max(max |expected|, scale)``, computed in float64; ``0.0`` for empty
-    tensors; the absolute error where the denominator is 0.
+    ``0.0`` for empty tensors; the absolute error where the denominator is 0.
     """
     if expected.numel() == 0:
         return 0.0

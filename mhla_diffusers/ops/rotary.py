@@ -1,17 +1,8 @@
-"""Rotary position embeddings on interleaved channel pairs, as the MHLA operator's ``rotary=`` option.
+"""Rotary position embeddings on interleaved channel pairs, for the MHLA operator's ``rotary=``.
 
-A rotation ``R`` of a ``[B, heads, N, d]`` feature tensor that turns each channel pair
-``(x[2i], x[2i + 1])`` of token ``t`` by its own angle ``theta[t, i]`` (RoFormer, Su et al. 2021,
-eq. 34; the pair convention of Wan 2.1 and of diffusers' ``apply_rotary_emb`` with interleaved
-pairs)::
-
-    out[..., 2i]     = x[..., 2i] cos(theta[t, i]) - x[..., 2i + 1] sin(theta[t, i])
-    out[..., 2i + 1] = x[..., 2i] sin(theta[t, i]) + x[..., 2i + 1] cos(theta[t, i])
-
-Any callable with that shape contract works as ``rotary=`` (the operator then composes it: see
-:func:`~mhla_diffusers.ops.mhla_attention`); an :class:`InterleavedRotary` also hands its
-``cos`` / ``sin`` tables to the Triton backend, which applies the rotation inside its kernels
-(one pass over q, k, v instead of two backend calls). Framework-free: nothing here imports diffusers.
+Channel pair ``(x[2i], x[2i + 1])`` of token ``t`` is turned by ``theta[t, i]`` (RoFormer, Su et al.
+2021, eq. 34; Wan 2.1's pair convention). The Triton backend applies an :class:`InterleavedRotary`
+inside its kernels; see ``docs/operator.md``, "The RoPE variant".
 """
 
 from __future__ import annotations
@@ -22,21 +13,13 @@ __all__ = ["InterleavedRotary"]
 
 
 class InterleavedRotary:
-    """The rotation of interleaved channel pairs by per-token angles (module docstring).
+    """The rotation of interleaved channel pairs of ``[B, heads, N, d]`` features by per-token angles.
 
-    Args:
-        cos, sin: ``[N, d / 2]`` floating tensors, ``cos(theta)`` and ``sin(theta)`` for token ``t``
-            (in the operator's token order) and pair ``i``. Kept as given (both cast to their promoted
-            dtype if they differ); the rotation computes in the promoted dtype of the features and
-            the tables. Editing them in place later is seen (cached copies follow their versions).
-
-    Calling it on ``x`` of shape ``[B, heads, N, d]`` (any strides) returns the rotated features in
-    ``x.dtype``. Differentiable in ``x`` (and in the tables, on the composed path only: the Triton
-    kernels treat the tables as constants).
+    ``cos``, ``sin``: ``[N, d / 2]`` floating tables (operator token order). The result has the features'
+    dtype; differentiable in the features (and the tables, except inside the Triton kernels).
 
     Raises:
-        ValueError: at construction if ``cos`` and ``sin`` are not equal-shaped 2-D floating tensors;
-            when called, if the features' token count or head dim does not match ``[N, 2 * (d / 2)]``.
+        ValueError: tables not equal-shaped 2-D floating tensors; features not ``[B, heads, N, d]``.
     """
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
@@ -61,11 +44,11 @@ class InterleavedRotary:
 
     @property
     def head_dim(self) -> int:
-        """``d``, the feature width the rotation acts on (twice the tables' width)."""
+        """``d``, twice the tables' width."""
         return 2 * self.cos.shape[1]
 
     def check(self, shape) -> None:
-        """Raise ``ValueError`` unless ``shape`` is ``[B, heads, N, d]`` with this rotation's ``N`` and ``d``."""
+        """Raise ``ValueError`` unless ``shape`` is ``[B, heads, N, d]`` for these tables."""
         if len(shape) != 4 or shape[2] != self.num_tokens or shape[-1] != self.head_dim:
             raise ValueError(
                 f"features of shape {tuple(shape)} do not match the rotary tables for {self.num_tokens} tokens x "
@@ -73,8 +56,7 @@ class InterleavedRotary:
             )
 
     def tables(self, device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` as contiguous ``[N, d / 2]`` tensors of ``dtype`` on ``device``, detached and
-        cached per (device, dtype): what the Triton kernels read (in their accumulation dtype)."""
+        """Detached contiguous ``(cos, sin)`` of ``dtype`` on ``device``, cached until a table is edited."""
         key = (torch.device(device), dtype, self._versions())  # an in-place edit of a table invalidates the copy
         if key not in self._tables:
             self._tables.clear()
@@ -89,7 +71,7 @@ class InterleavedRotary:
 
     @property
     def requires_grad(self) -> bool:
-        """Whether a table requires a gradient (the operator then composes the rotation in torch)."""
+        """Whether a table requires a gradient (then the rotation is composed in torch)."""
         return self.cos.requires_grad or self.sin.requires_grad
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,27 +1,9 @@
-"""MHLA over a contiguous shard of the tokens, in two halves joined by the caller's sum of summaries.
+"""MHLA over a contiguous shard of the tokens, for context parallelism.
 
-Context parallelism splits the flattened tokens of a ``(T, H, W)`` grid into contiguous shards, one
-per process. MHLA's state is the block summaries (MHLA paper, Sec. 3.2), and a block's summary is a
-sum over its tokens, so the summaries of the whole sequence are the sum over shards of each shard's
-partial summaries, whatever blocks a shard cuts:
-
-    S_b = sum_{shards r} sum_{t in b, t in r} phi(k_t)^T v_t,    z_b = sum_r sum_{t in b, t in r} phi(k_t)
-
-:func:`shard_summaries` computes one shard's partial summaries for all ``M`` blocks (zeros for the
-blocks it does not touch), packed in one tensor so that one collective (a sum) combines them;
-:func:`shard_attention` computes the outputs of the shard's own queries from the combined summaries:
-``S~ = Mc S``, ``z~ = Mc z``, ``out = phi(q) S~_i / (phi(q) . z~_i + eps)``. With one shard covering
-all tokens the two calls are exactly :func:`~mhla_diffusers.ops.mhla_attention` (up to float summation
-order). Plain PyTorch, differentiable through autograd (q, k, v, the mixing matrix, the summaries);
-framework-free: nothing here imports diffusers or torch.distributed. The shard's tokens are gathered
-block-major into ``[m, L]`` (``m`` touched blocks, padded to ``L``, the most tokens the shard has in one
-block: at most a few times the shard's size when shards cut blocks unevenly) and both halves are two
-batched matmuls, a fixed number of kernels whatever ``M``.
-
-Packed summaries: ``[B, heads, M, d, dv + 1]`` with ``normalize=True`` (``[..., :dv]`` = S, the last
-column = z), ``[B, heads, M, d, dv]`` without the normaliser (numerator only: no z). With ``rotary``
-(Wan's RoPE after the feature map) S uses rotated key features and z un-rotated ones, as in
-:func:`~mhla_diffusers.ops.mhla_attention`. Accumulated in float32 (float64 for float64 inputs).
+A block's summary is a sum over its tokens, so the whole sequence's summaries are the sum over
+shards of :func:`shard_summaries`; :func:`shard_attention` then computes the shard's outputs.
+Packed summaries: ``[B, heads, M, d, d_v + 1]`` (S, then z as the last column) with ``normalize``,
+``[B, heads, M, d, d_v]`` without. Framework-free; see ``docs/operator.md``, "Context parallelism".
 """
 
 from __future__ import annotations
@@ -40,14 +22,12 @@ __all__ = ["ShardBlocks", "shard_blocks", "shard_summaries", "shard_attention"]
 
 @dataclass(frozen=True)
 class ShardBlocks:
-    """How the tokens ``[offset, offset + length)`` of a layout fall into blocks, and their places in a padded
-    block-major ``[m, L]`` arrangement (``m`` touched blocks, ``L`` = the most tokens the shard has in one).
+    """Tokens ``[offset, offset + length)`` of a layout in a padded block-major ``[m, L]`` arrangement.
 
     Attributes:
-        blocks: ``[m]`` int64, the ids of the blocks the shard touches, ascending.
-        slots: ``[length]`` int64, the place ``i * L + j`` of each local token: block ``blocks[i]``, ``j``-th of
-            its tokens in token order; the other places are padding.
-        length: ``L``.
+        blocks: ``[m]`` int64 ids of the touched blocks, ascending.
+        slots: ``[length]`` int64 place ``i * L + j`` of each local token.
+        length: ``L``, the most tokens the shard has in one block.
     """
 
     blocks: torch.Tensor
@@ -58,11 +38,7 @@ class ShardBlocks:
 @lru_cache(maxsize=256)
 @torch.inference_mode(False)  # cached across calls: never inference tensors
 def shard_blocks(layout: BlockLayout, offset: int, length: int) -> ShardBlocks:
-    """The :class:`ShardBlocks` of the tokens ``[offset, offset + length)`` of ``layout`` (CPU tensors, cached).
-
-    Raises:
-        ValueError: if the shard is empty or does not lie inside the layout's ``N`` tokens.
-    """
+    """The cached :class:`ShardBlocks` (CPU) of tokens ``[offset, offset + length)``; ``ValueError`` if empty or outside ``layout``."""
     if not (0 <= offset and 1 <= length and offset + length <= layout.num_tokens):
         raise ValueError(
             f"a shard of {length} tokens at offset {offset} does not fit the {layout.num_tokens} tokens of {layout}"
@@ -78,7 +54,6 @@ def shard_blocks(layout: BlockLayout, offset: int, length: int) -> ShardBlocks:
 
 
 def _blocked(x: torch.Tensor, sb: ShardBlocks) -> torch.Tensor:
-    """``[B, heads, n, w]`` -> block-major ``[B, heads, m, L, w]`` with zeros in the padding (differentiable)."""
     b, h, _, w = x.shape
     m = sb.blocks.numel()
     out = x.new_zeros(b, h, m * sb.length, w).index_copy(2, sb.slots.to(x.device), x)
@@ -110,22 +85,11 @@ def shard_summaries(
     rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
     feature_eps: float = 0.0,
 ) -> torch.Tensor:
-    """One shard's partial block summaries, packed (module docstring): summed over all shards they are
-    the summaries ``S_b = (R phi(K_b))^T V_b`` and ``z_b = sum phi(K_b)`` of the whole sequence.
+    """One shard's packed partial summaries ``S_b = (R phi(K_b))^T V_b``, ``z_b = sum phi(K_b)``.
 
-    Args:
-        k: ``[B, heads, n, d]``, v: ``[B, heads, n, dv]``: the keys and values of the tokens
-            ``[offset, offset + n)`` of ``layout`` (row-major token order).
-        layout: the :class:`BlockLayout` of the whole sequence (all shards).
-        offset: index of the shard's first token in the whole sequence.
-        normalize: also compute z (packed as the last column), for the normalised output.
-        feature_map, feature_eps: ``phi(x) = ReLU(x) + feature_eps`` (``feature_map=None``: k is features).
-        rotary: ``None`` or a map rotating ``[B, heads, n, d]`` features of this shard's tokens (Wan's RoPE
-            tables of these tokens): S uses rotated features, z un-rotated ones.
-
-    Returns:
-        ``[B, heads, M, d, dv + 1]`` (``normalize``) or ``[B, heads, M, d, dv]``, float32 (float64 for
-        float64 ``k``); zero for the blocks the shard does not touch.
+    k ``[B, heads, n, d]`` and v ``[B, heads, n, d_v]`` are tokens ``[offset, offset + n)`` of ``layout``
+    (the whole sequence's); ``rotary`` covers this shard's tokens. Returns ``[B, heads, M, d, d_v + 1]``
+    (``normalize``; else ``d_v``), fp32 (fp64 for fp64 ``k``), zero for untouched blocks.
 
     Raises:
         ValueError: k and v of different ``[B, heads, n]``, a shard outside the layout, an unknown feature map.
@@ -157,25 +121,13 @@ def shard_attention(
     rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
     feature_eps: float = 0.0,
 ) -> torch.Tensor:
-    """The MHLA output of one shard's queries from the summaries of the whole sequence.
+    """The MHLA output ``[B, heads, n, d_v]`` (``q.dtype``) of one shard's queries from the summed summaries.
 
-    ``S~ = Mc S``, ``z~ = Mc z`` (only the rows of the query blocks the shard touches), then for a query
-    in block ``i``: ``out = (R phi(q)) S~_i / (phi(q) . z~_i + eps)``, or the numerator alone.
-
-    Args:
-        q: ``[B, heads, n, d]``: the queries of the tokens ``[offset, offset + n)`` of ``layout``.
-        summaries: packed summaries of the whole sequence (the sum over shards of :func:`shard_summaries`,
-            same ``normalize``): ``[B, heads, M, d, dv + 1]`` or ``[B, heads, M, d, dv]``.
-        mixing: ``[M, M]`` mixing matrix, rows = query blocks, used as given.
-        layout, offset, feature_map, rotary, feature_eps: as :func:`shard_summaries` (rotary of the queries' tokens).
-        normalize: divide by ``phi(q) . z~ + eps`` (needs the packed z column).
-        eps: added to the denominator.
-
-    Returns:
-        ``[B, heads, n, dv]`` in ``q.dtype``.
+    q ``[B, heads, n, d]``: tokens ``[offset, offset + n)``; ``summaries``: the sum over shards of
+    :func:`shard_summaries` (same ``normalize``); ``mixing`` ``[M, M]`` used as given.
 
     Raises:
-        ValueError: summaries or mixing of the wrong shape for ``q`` and ``layout``; a shard outside the layout.
+        ValueError: summaries or mixing of the wrong shape; a shard outside the layout.
     """
     sb = _check_shard(q, layout, offset, "q")
     m = layout.num_blocks

@@ -1,48 +1,9 @@
 """MHLA in plain PyTorch: batched GEMMs over a padded block-major view of the tokens, chunk by chunk.
 
-Cost O(N d^2 + M^2 d^2) per head, memory O(N d + M d^2): no ``N x N`` tensor and no per-token
-``d x d`` tensor. Works on any device. Forward and backward are written out by hand (a
-``torch.autograd.Function``, first-order); the inputs ``q, k, v`` are never copied whole.
-
-Steps (MHLA paper, Sec. 3.2), per batch element and head, accumulating in fp32 (fp64 stays fp64):
-    1. gather tokens into blocks:  Q_b, K_b, V_b  ``[M, L, d]`` (L = largest block; padded keys = 0)
-    2. summaries:  S_b = phi(K_b)^T V_b  ``[M, d, d]``,  z_b = sum phi(K_b)  ``[M, d]``
-    3. mixing:     S~ = Mc S,  z~ = Mc z           (a GEMM over the block axis, batched over heads)
-    4. output:     o = phi(Q_b) S~_b / (phi(Q_b) . z~_b + eps), scattered back to token order.
-
-How it is fast (numbers: benchmarks/README.md). Steps 1-2 and 4 run over *chunks* of
-(heads x blocks) sized so that the gathered operands of a chunk (``_CPU_CHUNK_BYTES`` each) stay
-in cache; a group of heads goes through steps 1-4 before the next group starts, so its summaries
-are still in cache when they are mixed and used. Every intermediate lives in a workspace reused
-from chunk to chunk and, on CPU, from call to call: fresh multi-megabyte allocations cost more than
-the arithmetic done in them there (the kernel maps and zeroes their pages on first touch), so the
-only full-size allocation of an inference forward is the output (training adds the un-mixed
-summaries ``[B, H, M, d, d_v]`` and the denominator ``[B, H, M, L]`` for the backward). Gathers
-write straight into the workspace (``index_select(out=)``), ReLU runs in place on those copies,
-the denominator is an elementwise product + row sum (a batched matrix-vector product is ~4x
-slower), and results are written straight into their token-order place: chunks end where a run
-of blocks covers a contiguous range of tokens, so that is an ``index_select`` too. The output (and
-the input gradients) take the memory layout of ``q`` (diffusers' ``[B, N, H, d]`` viewed as
-``[B, H, N, d]`` stays that way, so the caller's ``transpose(1, 2).reshape(B, N, H * d)`` costs
-nothing). On CUDA a chunk is a whole batch element (all heads, all blocks).
-
-Batch invariance by construction (CASES C03: CFG runs cond + uncond in one batch): the batch is a
-Python loop, never a GEMM dimension (cuBLAS and MKL may pick another kernel, or split-K, for
-another batch count or row count), and every operation of a sample has the same shapes and
-strides, and its GEMM operands and results the same address alignment, whatever the batch size
-and the sample's position: chunks depend on the layout, heads, head dims and dtype only; GEMM
-operands are workspace copies (never views of the caller's tensor at the sample's offset); the
-per-sample tensors kept for the backward (``_per_sample``) start at multiples of 512 bytes.
-A sample's output, dq, dk and dv are thus the same bits alone and at any place in any batch;
-only ``dMc``, a sum over the batch, depends on the other samples.
-
-The backward recomputes the gathered operands chunk by chunk from ``q, k, v`` (the forward saves
-only the inputs, the output, the per-token denominator and the un-mixed summaries), with, for a
-query in block i (``a = phi(q)``, ``g`` the output gradient, ``den = a . z~_i + eps``):
-    gn = g / den,  gd = -(gn . o)          (gradients of numerator and denominator)
-    dS~_i = sum a^T gn,  dz~_i = sum a gd,  da = gn S~_i^T + gd z~_i,  dq = da [q > 0]
-    dS = Mc^T dS~,  dz = Mc^T dz~,  dMc = sum_heads (dS~ S^T + dz~ z^T)
-    dV_b = phi(K_b) dS_b,  dphi(K_b) = V_b dS_b^T + dz_b,  dk = dphi(k) [k > 0]
+Any device; cost O(N d^2 + M^2 d^2) per head, memory O(N d + M d^2). Forward and backward are
+hand-written (a first-order ``torch.autograd.Function``) and batch-invariant by construction: a
+sample's output and q, k, v gradients are the same bits alone and at any place in a batch.
+Steps, backward formulas and performance design: ``docs/operator.md``, "The torch backend".
 """
 
 from __future__ import annotations
@@ -72,7 +33,6 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class _Plan:
-    """The index tensors of a layout on one device, plus where chunks may end."""
 
     num_blocks: int  # M
     length: int  # L, the padded block length
@@ -107,7 +67,6 @@ def _plan(layout: BlockLayout, device: torch.device) -> _Plan:
 
 @dataclass(frozen=True)
 class _Chunk:
-    """Heads ``h0:h1`` and blocks ``m0:m1`` (tokens ``t0:t1``) of one batch element, with its index tensors."""
 
     h0: int
     h1: int
@@ -131,13 +90,7 @@ class _Chunk:
 @lru_cache(maxsize=256)
 @torch.inference_mode(False)
 def _chunks(layout: BlockLayout, device: torch.device, heads: int, width: int, itemsize: int) -> tuple[tuple[_Chunk, ...], ...]:
-    """Split ``heads x blocks`` into groups of heads, each a tuple of chunks covering all its blocks.
-
-    A chunk holds at most ``_CPU_CHUNK_BYTES`` per gathered operand: several whole heads when one
-    head fits (a group of one chunk), else a run of blocks of one head cut at ``plan.cuts`` (a run
-    may exceed the budget when the layout has no finer cut, e.g. multi-frame 3D blocks). On CUDA
-    one chunk holds everything (the GEMMs are large enough, and launches cost more).
-    """
+    """Groups of heads, each a tuple of chunks over all blocks, of about ``_CPU_CHUNK_BYTES`` per operand (one chunk on CUDA)."""
     plan = _plan(layout, device)
     m, length, first = plan.num_blocks, plan.length, plan.first_token
     rows = max(1, _CPU_CHUNK_BYTES // (width * itemsize))  # padded token slots per chunk
@@ -167,10 +120,8 @@ def _chunks(layout: BlockLayout, device: torch.device, heads: int, width: int, i
     return tuple(tuple(_Chunk(h0, h1, *run) for run in indexed) for h0, h1 in head_ranges)
 
 
-# CPU scratch buffers kept between calls, per thread: a fresh multi-megabyte allocation
-# costs more than the arithmetic done in it (the kernel maps and zeroes its pages on first touch),
-# so, like oneDNN's per-thread scratchpad, the workspace outlives the call. Buffers larger than
-# _CPU_KEEP_BYTES are allocated per call instead; _release_workspace() frees the kept ones.
+# CPU scratch buffers kept between calls, per thread (fresh large allocations cost more than the
+# arithmetic in them); larger than _CPU_KEEP_BYTES: allocated per call.
 _CPU_KEEP_BYTES = 1 << 25
 _cpu_pool = threading.local()
 
@@ -181,11 +132,7 @@ def _release_workspace() -> None:
 
 
 class _Workspace:
-    """Scratch buffers reused from chunk to chunk (and, on CPU, from call to call): ``ws.get(name, shape)``.
-
-    Buffers are in the accumulation dtype unless ``dtype`` says otherwise. A buffer is only ever
-    used inside one operator call; no view of it escapes.
-    """
+    """Scratch buffers reused across chunks (and, on CPU, calls); no view of one escapes a call."""
 
     def __init__(self, dtype: torch.dtype, device: torch.device):
         self.dtype, self.device = dtype, device
@@ -209,13 +156,7 @@ class _Workspace:
 
 
 def _load(x, b, c: _Chunk, plan: _Plan, ws: _Workspace, name: str, *, relu=False, mask_pad=False, copy=True):
-    """Step 1 for one chunk: ``x[b, h0:h1]`` ``[G, N, w]`` -> block-major ``[G, m1 - m0, L, w]`` in the workspace.
-
-    ``relu`` applies phi in place (on the copy, never on ``x``); ``mask_pad`` zeroes padded slots.
-    ``copy=False`` may return a view of ``x`` itself (identity layouts, same dtype, read-only use)
-    and is for elementwise use only: a GEMM operand is always a workspace copy, so that its
-    address does not depend on the sample's place in the batch (module docstring).
-    """
+    """Step 1 for one chunk: ``x[b, h0:h1]`` into block-major ``[G, m, L, w]`` (``copy=False``: maybe a view)."""
     g, w = c.h1 - c.h0, x.shape[-1]
     shape = (g, c.m1 - c.m0, plan.length, w)
     src = x[b, c.h0 : c.h1]
@@ -244,7 +185,7 @@ def _load(x, b, c: _Chunk, plan: _Plan, ws: _Workspace, name: str, *, relu=False
 
 
 def _store(res: torch.Tensor, dest: torch.Tensor, b, c: _Chunk, ws: _Workspace) -> None:
-    """Write a block-major chunk result ``[G, m, L, w]`` to its token-order place ``dest[b, h0:h1, t0:t1]``."""
+    """Write a block-major chunk result ``[G, m, L, w]`` to ``dest[b, h0:h1, t0:t1]`` in token order."""
     g, w = res.shape[0], res.shape[-1]
     src = res.view(g, res.shape[1] * res.shape[2], w)
     dst = dest[b, c.h0 : c.h1, c.t0 : c.t1]
@@ -257,23 +198,19 @@ def _store(res: torch.Tensor, dest: torch.Tensor, b, c: _Chunk, ws: _Workspace) 
 
 
 def empty_like_layout(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, H, N, width]`` laid out like ``x``: diffusers passes ``[B, N, H, d]`` tensors viewed as
-    ``[B, H, N, d]``; an output in that layout makes its ``transpose(1, 2).reshape(B, N, H * d)`` free."""
+    """An empty ``[B, H, N, width]`` tensor in ``x``'s memory layout (``[B, N, H, d]`` transposed stays so)."""
     b, h, n, _ = x.shape
     if not x.is_contiguous() and x.transpose(1, 2).is_contiguous():
         return torch.empty(b, n, h, width, dtype=dtype, device=x.device).transpose(1, 2)
     return torch.empty(b, h, n, width, dtype=dtype, device=x.device)
 
 
-# Per-sample tensors kept for the backward start at multiples of this many bytes (the CUDA
-# caching allocator's alignment; CPU allocations are 64-byte aligned): a sample's GEMMs then see
-# the same address alignment alone and at any place in a batch.
+# Per-sample backward tensors start at multiples of this (the CUDA allocator's alignment): batch invariance.
 _SAMPLE_ALIGN_BYTES = 512
 
 
 def _per_sample(batch: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An empty ``[batch, *shape]`` tensor, each sample contiguous and starting ``_SAMPLE_ALIGN_BYTES``-aligned
-    relative to the first (the batch stride is rounded up; at most 511 bytes per sample unused)."""
+    """An empty ``[batch, *shape]`` tensor whose samples start ``_SAMPLE_ALIGN_BYTES``-aligned."""
     numel = math.prod(shape)
     itemsize = torch.empty((), dtype=dtype).element_size()
     step = -(-numel * itemsize // _SAMPLE_ALIGN_BYTES) * _SAMPLE_ALIGN_BYTES // itemsize
@@ -281,22 +218,18 @@ def _per_sample(batch: int, shape: tuple[int, ...], dtype: torch.dtype, device: 
 
 
 def _mix(mixing: torch.Tensor, summaries: torch.Tensor, ws: _Workspace, name: str) -> torch.Tensor:
-    """Step 3 for a group of heads: ``Mc @ summaries[g]`` for each head ``g`` (one batched GEMM), in the workspace.
-
-    ``summaries``: ``[G, M, *rest]`` -> ``[G, M, *rest]``.
-    """
+    """Step 3 for a group of heads: ``Mc @ summaries[g]`` for each head, ``[G, M, ...] -> [G, M, ...]``."""
     g, m, rest = summaries.shape[0], summaries.shape[1], summaries.shape[2:]
     flat = summaries.reshape(g, m, math.prod(rest))
     return torch.bmm(mixing.expand(g, m, m), flat, out=ws.get(name, flat.shape)).view(summaries.shape)
 
 
 def _relu_grad_(grad: torch.Tensor, phi: torch.Tensor) -> torch.Tensor:
-    """``grad * [phi > 0]`` in place: ReLU's derivative, by the kernel autograd uses for ``relu``."""
+    """``grad * [phi > 0]`` in place."""
     return torch.ops.aten.threshold_backward.grad_input(grad, phi, 0, grad_input=grad)
 
 
 def _setup(q, v, mixing, layout):
-    """Accumulation dtype, plan, groups of chunks, workspace and the mixing matrix in the accumulation dtype."""
     acc = compute_dtype(q.dtype)
     plan = _plan(layout, q.device)
     width = max(q.shape[-1], v.shape[-1])
@@ -305,12 +238,7 @@ def _setup(q, v, mixing, layout):
 
 
 class _MHLA(torch.autograd.Function):
-    """The operator with a hand-written backward (formulas in the module docstring).
-
-    Work goes group of heads by group of heads (``_chunks``): the summaries of a group are
-    computed, mixed and used while they are in cache, and live in the workspace unless the
-    backward needs them.
-    """
+    """The operator with a hand-written backward, group of heads by group of heads."""
 
     @staticmethod
     def forward(ctx, q, k, v, mixing, layout, normalize, eps, feature_map, need_grad):
@@ -415,8 +343,7 @@ class _MHLA(torch.autograd.Function):
         return dq, dk, dvv, dmix.to(mixing.dtype) if need_mix else None, None, None, None, None, None
 
 
-# torch.compile runs this op as it is (a graph break): tracing would unroll the chunk loops into
-# thousands of graph nodes and hit the layout's Python caches; the eager op is the optimised one.
+# Hidden from torch.compile: tracing would unroll the chunk loops (ops/compiled.py wraps it instead).
 @torch.compiler.disable
 def mhla_attention_torch(
     q: torch.Tensor,
@@ -429,21 +356,11 @@ def mhla_attention_torch(
     eps: float = 1e-6,
     feature_map: bool = True,
 ) -> torch.Tensor:
-    """MHLA in PyTorch (see module doc). Inputs are validated by :func:`mhla_attention`.
+    """MHLA in PyTorch; inputs validated by :func:`~mhla_diffusers.ops.mhla_attention`.
 
-    Args:
-        q, k: ``[B, heads, N, d]``; v: ``[B, heads, N, d_v]``; fp16, bf16, fp32 or fp64.
-        mixing: ``[M, M]`` used as given.
-        layout: the :class:`BlockLayout` of the ``N`` tokens.
-        normalize: divide by ``phi(q) . z~ + eps`` (True) or return the numerator (False).
-        eps: added to the denominator, in the accumulation dtype.
-        feature_map: apply phi = ReLU to q and k (True) or take them as features already (False:
-            no ReLU in the forward, no ReLU derivative in the backward).
-
-    Returns:
-        ``[B, heads, N, d_v]`` in the dtype of ``q``, in ``q``'s memory layout (contiguous, or
-        ``[B, N, heads, d_v]`` transposed when ``q`` is). Differentiable in q, k, v and ``mixing``
-        (first order: the backward is hand-written).
+    q, k ``[B, heads, N, d]``, v ``[B, heads, N, d_v]`` (fp16, bf16, fp32 or fp64); ``feature_map``: apply
+    ``phi = ReLU``. Returns ``[B, heads, N, d_v]`` in ``q``'s dtype and memory layout, differentiable
+    (first order) in q, k, v and ``mixing``.
     """
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mixing))
     return _MHLA.apply(q, k, v, mixing, layout, normalize, float(eps), bool(feature_map), need_grad)

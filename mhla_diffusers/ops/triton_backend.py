@@ -1,13 +1,8 @@
 """The Triton kernels (``ops/triton_ops.py``) as the ``"triton"`` backend; registered on import.
 
-Importing this module never imports triton (an optional dependency that costs seconds to import):
-the kernels module is imported at the first call. Where the backend runs: CUDA tensors with a
-working GPU driver, or CPU tensors when ``TRITON_INTERPRET=1`` is set (Triton's CPU interpreter:
-slow, for tests; set before the first import). ``"auto"`` picks it for CUDA tensors only when
-``MHLA_AUTO_TRITON=1`` is set and the driver works, never the interpreter: the kernels pass the
-interpreter and sm_90 compilation tests but have not yet run on a GPU in this project
-(benchmarks/TRITON.md). It applies an :class:`InterleavedRotary` whose tables need no gradient
-inside its kernels (numerator and denominator in one pass) on inputs the kernels take.
+Imports triton only at the first call. Runs on CUDA tensors, or on CPU under ``TRITON_INTERPRET=1``
+(tests). ``"auto"`` picks it only with ``MHLA_AUTO_TRITON=1`` and a working driver: the kernels
+have not yet run on a GPU here (``benchmarks/TRITON.md``). See ``docs/operator.md``, "The Triton backend".
 """
 
 from __future__ import annotations
@@ -36,7 +31,7 @@ def _installed() -> bool:
 @functools.lru_cache(maxsize=None)
 @torch.compiler.assume_constant_result  # under torch.compile: called while tracing, never traced
 def _gpu_problem() -> str | None:
-    """Why Triton cannot launch GPU kernels here (``None`` when it can); checked once per process."""
+    """Why Triton cannot launch GPU kernels here, or ``None``; checked once per process."""
     if not _installed():
         return _NOT_INSTALLED
     try:
@@ -59,7 +54,7 @@ def _auto_opt_in() -> bool:
 
 
 class TritonBackend(Backend):
-    """``backend="triton"`` (module docstring)."""
+    """``backend="triton"``."""
 
     name = "triton"
     fuses_rotary_tables = True
@@ -85,8 +80,7 @@ class TritonBackend(Backend):
         return device.type == "cuda" and _auto_opt_in() and _gpu_problem() is None
 
     def fuses_rotary(self, rotary, q: torch.Tensor, v: torch.Tensor) -> bool:
-        """An :class:`InterleavedRotary` whose tables need no gradient, on inputs the kernels take
-        (not sent to the torch fallback)."""
+        """An ``InterleavedRotary`` without table gradients, on inputs the kernels take."""
         if not isinstance(rotary, InterleavedRotary) or rotary.requires_grad:
             return False
         # function-level import: the kernels module imports triton (optional, seconds to import)
@@ -95,7 +89,7 @@ class TritonBackend(Backend):
         return torch_fallback_reason(q, v) is None
 
     def kept_on_load(self) -> bool:
-        """Only where CUDA is: a checkpoint saved with it loads with ``"auto"`` elsewhere."""
+        """Only where CUDA is available."""
         return torch.cuda.is_available()
 
     def forward(self, q, k, v, mixing, layout, **kwargs) -> torch.Tensor:

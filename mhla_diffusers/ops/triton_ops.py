@@ -1,76 +1,10 @@
 """MHLA in Triton: fused forward and backward kernels behind a ``torch.autograd.Function``.
 
-Imported lazily (``mhla_attention(..., backend="triton")`` imports it); importing
-``mhla_diffusers`` never imports this module. Runs on CUDA tensors, or on CPU tensors under the
-Triton interpreter (``TRITON_INTERPRET=1`` set before this module is first imported; tests only).
-
-The math is the MHLA paper's (Sec. 3.2), the same as ``torch_ops`` (see its module docstring for
-the backward formulas). Per batch element and head, with ``phi = ReLU`` when ``feature_map`` (else
-the identity: q and k are already features), for blocks ``b`` of the layout:
-
-    S_b = phi(K_b)^T V_b   [d, d_v],     z_b = sum_{t in b} phi(k_t)   [d]
-    S~  = Mc S,   z~ = Mc z                          (one GEMM over the block axis, all heads at once)
-    out = phi(q) S~_{b(q)} / (phi(q) . z~_{b(q)} + eps)    (or the numerator when not normalize)
-
-Kernels (a program never reads a token of another block; no atomics, so results are
-deterministic and do not depend on the launch order):
-
-    _fwd_summaries   grid (M * P, B * H): a program walks the tokens of one split of one block
-                     (``P`` splits per block, usually 1; ``P`` depends on one sample's shape only),
-                     gathering rows of k and v through the
-                     layout's block-major token order (tokens of a block are not contiguous in
-                     token order), applying phi at load, accumulating S and z in fp32 (fp64 for
-                     fp64 inputs). Writes ``[P, M, B*H, d, d_v]`` partial summaries.
-    _mix_gemm        grid (strips, B): ``S~ = Mc S``, ``z~ = Mc z`` as a ``[M, P*M] x [P*M, H*d*d_v]``
-                     GEMM per sample over all its heads (``Mc`` repeated over the splits, so it also
-                     sums them), in column strips counted from the sample's first column; fp32 (fp64).
-    _fwd_output      grid (M * tiles, B * H): a tile of a block's queries; phi at load; numerator
-                     ``phi(q) S~`` and denominator ``phi(q) . z~ + eps`` in fp32; the output is
-                     written once, in the input dtype, in place in token order.
-    _bwd_query       grid (M * P, B * H): recomputes numerator and denominator of a tile (no saved
-                     output needed); ``gn = g / den``, ``gd = -(gn . num) / den``; writes dq and
-                     accumulates ``dS~ = sum phi(q)^T gn``, ``dz~ = sum phi(q) gd`` per block.
-    mixing backward  ``dS = Mc^T dS~``, ``dz = Mc^T dz~`` by ``_mix_gemm``; ``dMc = dS~ S^T + dz~ z^T`` by
-                     torch GEMMs over ``[M, B*H*d*d_v]`` (the sum over heads and batch is free).
-    _bwd_key         grid (M * tiles, B * H): ``dv = phi(K) dS``, ``dk = (V dS^T + dz) [k > 0]``.
-
-With an :class:`~mhla_diffusers.ops.InterleavedRotary` ``R`` (Wan's RoPE; the ``ROTARY`` variant of
-every kernel) the numerator uses rotated features and the denominator un-rotated ones::
-
-    S_b = (R phi(K_b))^T V_b,   out = (R phi(q)) S~_{b(q)} / (phi(q) . z~_{b(q)} + eps)
-
-q and k tiles are rotated at load (``_rotate``: pairs ``(2i, 2i+1)`` by the token's ``cos`` / ``sin``
-table rows, fp32); the backward multiplies the numerator's gradients by ``R^T`` (``-sin``):
-``dq = (R^T (gn S~^T) + gd z~) [q > 0]``, ``dv = (R phi(K)) dS``, ``dk = (R^T (V dS^T) + dz) [k > 0]``,
-``dS~ = sum (R phi(q))^T gn``. The rotated keys of ``S`` stay in fp32 (TF32 products), not 16 bits.
-
-Nothing of size ``N x N`` or ``N x d x d`` exists; the forward reads q, k, v once and writes the
-output once (plus the fp32 summaries ``[M, B*H, d, d_v]``, saved for the backward).
-
-Precision: summaries, mixing, numerator and denominator in fp32 (fp64 for fp64 inputs). The
-``phi(K)^T V`` product runs on the inputs' own dtype when k and v are both fp16 or both bf16
-(tensor cores, fp32 accumulation); every product with an fp32 operand (``phi(q) S~``, the mixing
-and the backward's) uses TF32 for fp16/bf16 inputs (a relative rounding of 2^-11 of one operand,
-below the output's own rounding to the input dtype) and full fp32 ("ieee") for fp32 inputs;
-``dMc`` is a torch fp32 GEMM.
-
-Head dims: ``d`` and ``d_v`` up to 128, any value (72 is padded to a 128-wide tile with masks);
-larger head dims, and float64 inputs on a GPU, run through the torch backend instead (same
-numbers; see ``torch_fallback_reason``). Under the interpreter fp64 runs through the kernels.
-Layouts: any :class:`~mhla_diffusers.BlockLayout` (uneven blocks, partial tiles, single tokens).
-Inputs: any strides (diffusers' ``[B, N, H, d]`` viewed as ``[B, H, N, d]`` is read in place; the
-output and the input gradients take that memory layout too), dtypes may differ between q, k, v.
-Configs are fixed per head dim (no autotuning).
-
-Batch invariance by construction (CASES C03: CFG runs cond + uncond in one batch): every choice
-that sets an order of summation -- tile sizes, the token splits ``P`` of a block, the mixing
-GEMM's tiles and strips -- is made from one sample's shape (block lengths, heads x blocks, head
-dims, dtype, device), never from the batch size, and every program works on one sample only, on
-tiles whose shape and content do not depend on where the sample sits in the batch. A sample's
-output, dq, dk and dv are therefore the same bits alone and at any position of any batch (only
-``dMc``, a sum over the batch, depends on the other samples). Under the interpreter this matters
-too: ``tl.dot`` runs numpy's BLAS, whose result for a column can depend on the column's place in
-the matrix (OpenBLAS Haswell/Zen kernels), so a sample's tiles must sit at the same places.
+Imported at the first ``backend="triton"`` call, never by ``import mhla_diffusers``. Runs on CUDA
+tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (set before the first import; tests only).
+Same math as ``torch_ops`` (MHLA paper, Sec. 3.2); fp32 accumulation (fp64 for fp64), no atomics,
+batch-invariant by construction. Kernels, precision, splits and launch configuration:
+``docs/operator.md``, "The Triton backend".
 """
 
 from __future__ import annotations
@@ -94,29 +28,21 @@ MAX_HEAD_DIM = 128
 # Triton's switch for its CPU interpreter (the backend module, which must not import this one, reads it too)
 _INTERPRET_VARIABLE = "TRITON_INTERPRET"
 
-# Programs per sample (heads x blocks x splits) the summary kernels aim for on a GPU before they
-# split blocks (P > 1): ~2 waves on an H100/H200 (132 SMs) for ONE sample, so batch-1 inference
-# fills the GPU; larger batches only have more programs. Counted per sample, never per batch: the
-# splits set the order in which a block's tokens are summed, so they must not depend on the batch
-# (module docstring). A split holds >= _MIN_SPLIT_TOKENS tokens, which bounds the extra traffic of
-# the partial summaries (written and read back once: 2 * 4 d d_v bytes per split) to
-# <= 256 / split of the summary pass's reads at d = d_v = 128 in bf16 (<= 1x at 256 tokens).
-# Under the interpreter every program costs ~1 ms per op, so no splitting unless a test asks for
-# it through _INTERPRET_SPLIT_TOKENS.
+# Block splits (docs/operator.md, "Splits"): programs per ONE sample (~2 waves on 132 SMs) before
+# blocks are split, and the fewest tokens per split. No splitting under the interpreter unless asked.
 _TARGET_PROGRAMS = 264
 _MIN_SPLIT_TOKENS = 256
 _INTERPRET_SPLIT_TOKENS: int | None = None  # tests: force splits of this many tokens under the interpreter
 _INTERPRET_BLOCK_T = 256  # token-tile cap under the interpreter (large tiles: few programs)
 _INTERPRET_MIX_BLOCKS: tuple[int, int, int] | None = None  # tests: (BLOCK_R, BLOCK_K, BLOCK_N) of _mix_gemm
 
-# When a list, kernel launches are appended to it as (kernel, grid, args, meta) instead of run, and
-# the GPU launch configuration is used whatever the device: lets a test compile the exact launches
-# of a CUDA run for an sm_90 target on a machine without a GPU (see tests/ops/triton_compile_check.py).
+# A list: launches are recorded as (kernel, grid, args, meta) with the GPU configuration, not run
+# (tests/ops/triton_compile_check.py compiles them for sm_90 without a GPU).
 _RECORD: list | None = None
 
 
 def interpreter_enabled() -> bool:
-    """True when the Triton interpreter is on (``TRITON_INTERPRET=1``): kernels then run on CPU tensors."""
+    """Whether the Triton interpreter is on (``TRITON_INTERPRET=1``)."""
     return env.flag(_INTERPRET_VARIABLE)
 
 
@@ -129,9 +55,7 @@ _INTERPRETED = interpreter_enabled()
 
 @triton.jit
 def _rotate(x, cos, sin, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rotate the interleaved channel pairs of a ``[BLOCK_T, BLOCK_D]`` tile by per-row angles:
-    ``(x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)`` with ``cos``, ``sin`` of ``[BLOCK_T, BLOCK_D / 2]``
-    (pass ``-sin`` for the transposed rotation ``R^T``, the backward's)."""
+    """Rotate the interleaved pairs of a ``[BLOCK_T, BLOCK_D]`` tile by per-row angles (``-sin``: ``R^T``)."""
     x0, x1 = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_D // 2, 2)))
     return tl.reshape(tl.join(x0 * cos - x1 * sin, x0 * sin + x1 * cos), (BLOCK_T, BLOCK_D))
 
@@ -154,7 +78,7 @@ def _fwd_summaries(
     ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """S_b = phi(K_b)^T V_b (or (R phi(K_b))^T V_b) and z_b = sum phi(K_b) over one split of one block, for one (batch, head)."""
+    """``S_b = (R) phi(K_b)^T V_b`` and ``z_b = sum phi(K_b)`` over one split of one block, one (batch, head)."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     m = pid // P
@@ -210,8 +134,7 @@ def _fwd_output(
     ACC: tl.constexpr, PREC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """out = phi(q) S~_b / (phi(q) . z~_b + eps) (numerator R phi(q) S~_b with ROTARY) for one tile of block b's
-    queries, one (batch, head)."""
+    """``out = (R) phi(q) S~_b / (phi(q) . z~_b + eps)`` for one tile of block b's queries, one (batch, head)."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     m = pid // TILES
@@ -260,7 +183,7 @@ def _bwd_query(
     ACC: tl.constexpr, PREC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """Query side of the backward for one split of one block: dq, and partial dS~, dz~ of the block."""
+    """Query side of the backward for one split of one block: dq, and partial dS~, dz~."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     m = pid // P
@@ -339,8 +262,7 @@ def _bwd_key(
     ACC: tl.constexpr, PREC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """Key side of the backward for one tile of block b's tokens: dv = phi(K) dS_b, dk = (V dS_b^T + dz_b) [k > 0]
-    (with ROTARY: dv = (R phi(K)) dS_b, dk = (R^T (V dS_b^T) + dz_b) [k > 0])."""
+    """Key side of the backward for one tile: ``dv = (R) phi(K) dS_b``, ``dk = ((R^T) V dS_b^T + dz_b) [k > 0]``."""
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     m = pid // TILES
@@ -396,15 +318,7 @@ def _mix_gemm(
     ACC: tl.constexpr, PREC: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """C[R, NCOL] = A[R, K] @ B[K, NCOL] (A strided, B and C contiguous): the block mixing S~ = Mc S over all heads.
-
-    The ``NCOL`` columns are ``B`` samples of ``COLS`` each. One program per column strip of one
-    sample (grid axis 0: strips, axis 1: sample), strips counted from the sample's first column
-    and masked at its last: a sample's tiles are the same whatever its place in the batch (batch
-    invariance, module docstring). A program loops over the row tiles: the strip of B it reads
-    again for the next row tile is still in cache. Grid axis 1 (the batch, at most 65535 on CUDA)
-    is never longer than the other kernels' (batch x heads).
-    """
+    """``C = A @ B`` per sample column strip: the block mixing ``S~ = Mc S`` over all heads."""
     pid_n = tl.program_id(0)
     sample = tl.program_id(1)
     col = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -434,8 +348,7 @@ _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float
 
 @lru_cache(maxsize=64)
 def _index(layout: BlockLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(order [N], start [M], size [M])`` int32 on ``device``: tokens sorted by block (row-major
-    inside a block), where each block's run starts, and its length."""
+    """``(order [N], start [M], size [M])`` int32 on ``device``: tokens sorted by block, block runs."""
     with torch.inference_mode(False):  # cached: must not become an inference tensor
         order = torch.argsort(layout.block_index, stable=True)
         sizes = layout.block_sizes
@@ -459,13 +372,7 @@ def _launch(kernel, grid, *args, **meta) -> None:
 
 
 def _config(d: int, dv: int, length: int, device: torch.device, prec: str) -> dict:
-    """Fixed launch configuration (no autotuning): tile sizes, warps and stages by head dim and precision.
-
-    Chosen by compiling every kernel for sm_90 (``tests/ops/triton_compile_check.py``): no register
-    spills (a few bytes in ``_bwd_query`` at d > 64) and shared memory within an H100/H200's 227 KiB.
-    ``BLOCK_T``: tokens per tile of the forward kernels and ``_bwd_key``; ``BLOCK_T_BWD``: of ``_bwd_query``.
-    Not yet timed on a GPU.
-    """
+    """Fixed launch configuration by head dim and precision (chosen by compiling for sm_90; not yet timed)."""
     block_d, block_dv = _next_pow2(d), _next_pow2(dv)
     widest = max(block_d, block_dv)
     if not _on_gpu(device):  # interpreter: one large tile per block, few programs
@@ -481,12 +388,7 @@ def _config(d: int, dv: int, length: int, device: torch.device, prec: str) -> di
 
 
 def _split_tokens(length: int, programs: int, block_t: int, device: torch.device) -> int:
-    """Tokens per split of a block (a multiple of ``block_t``) for the kernels that reduce over a block.
-
-    ``programs``: programs of ONE sample without splits (heads x blocks), never of the batch: the
-    split sets the summation order of a block, so a sample alone and in a batch must get the same
-    (see ``_TARGET_PROGRAMS``).
-    """
+    """Tokens per split of a block, from one sample's programs (never the batch's)."""
     if not _on_gpu(device):
         target = _INTERPRET_SPLIT_TOKENS or length
     else:
@@ -496,22 +398,12 @@ def _split_tokens(length: int, programs: int, block_t: int, device: torch.device
 
 
 def _precision(*tensors: torch.Tensor) -> str:
-    """``tl.dot`` precision of products with an fp32 operand: TF32 when any input is fp16/bf16
-    (the result is at best that precise anyway), full fp32 ("ieee") for fp32/fp64 inputs."""
+    """``tl.dot`` precision with an fp32 operand: TF32 for fp16/bf16 inputs, else ``"ieee"``."""
     return "tf32" if any(t.dtype in _LOW_PRECISION for t in tensors) else "ieee"
 
 
 def _mix(mix: torch.Tensor, parts: torch.Tensor, prec: str, batch: int) -> torch.Tensor:
-    """``Mc @ sum_p parts[p]`` over the block axis, all heads at once: ``[P, M, B*H, ...] -> [M, B*H, ...]``.
-
-    Per sample, one GEMM ``[M, P*M] x [P*M, H*d*d_v]`` with ``Mc`` repeated ``P`` times along its
-    columns, so the partial summaries of split blocks are summed by the same product; the
-    ``batch`` samples are the second grid axis of one launch, and tiles are counted per sample
-    (batch invariance: module docstring). By the ``_mix_gemm`` kernel: TF32 tensor cores for
-    fp16/bf16 inputs (``prec``; torch's fp32 matmul would run full-fp32 SIMT, the slowest step of
-    the forward at the Wan shape), full fp32 / fp64 otherwise. Tile sizes depend on ``M``, ``P``
-    and the device only.
-    """
+    """``Mc @ sum_p parts[p]`` over the block axis by ``_mix_gemm``: ``[P, M, B*H, ...] -> [M, B*H, ...]``."""
     p, m = parts.shape[0], parts.shape[1]
     a = mix if p == 1 else mix.repeat(1, p)
     b = parts.reshape(p * m, -1)
@@ -536,8 +428,7 @@ def _mix(mix: torch.Tensor, parts: torch.Tensor, prec: str, batch: int) -> torch
 
 
 def _sum_parts(parts: torch.Tensor) -> torch.Tensor:
-    """``sum_p parts[p]`` of ``[P, ...]`` partial sums, added in the order ``p = 0, 1, ...`` element by
-    element (a reduction kernel over ``P`` may pick its order by the total size, which grows with the batch)."""
+    """``sum_p parts[p]`` in the order ``p = 0, 1, ...`` (independent of the batch size)."""
     total = parts[0]
     if parts.shape[0] > 1:
         total = total.clone()
@@ -547,12 +438,11 @@ def _sum_parts(parts: torch.Tensor) -> torch.Tensor:
 
 
 def _device_of(x: torch.Tensor):
-    """Triton launches on the current CUDA device: make it ``x``'s (tensors on cuda:1 and others)."""
     return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
 
 
 class _MHLATriton(torch.autograd.Function):
-    """Forward and backward by the Triton kernels above (first order)."""
+    """Forward and backward by the kernels above (first order)."""
 
     @staticmethod
     def forward(ctx, q, k, v, mixing, layout, normalize, eps, feature_map, rotary, need_grad):
@@ -683,10 +573,11 @@ class _MHLATriton(torch.autograd.Function):
 
 
 def check_supported(q: torch.Tensor, *others: torch.Tensor) -> None:
-    """Raise ``ValueError`` unless the kernels can run on ``q``'s device: CUDA tensors, or CPU
-    tensors with the interpreter on (``TRITON_INTERPRET=1``, set before ``mhla_diffusers`` /
-    diffusers / triton were imported) and no bfloat16 input (the interpreter's bf16 arithmetic
-    is wrong)."""
+    """Raise ``ValueError`` unless the kernels can run on ``q``'s device.
+
+    CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1`` set before the first import and no
+    bfloat16 input (the interpreter's bf16 arithmetic is wrong).
+    """
     if q.device.type == "cpu":
         late = interpreter_enabled() and not (_INTERPRETED and env.flag(_INTERPRET_VARIABLE, at_import=True))
         if late:
@@ -712,9 +603,7 @@ def check_supported(q: torch.Tensor, *others: torch.Tensor) -> None:
 def torch_fallback_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why these inputs go to the torch backend instead of the kernels, or ``None``.
 
-    On a GPU: float64 ``q`` (an fp64 ``S~`` tile of 128 x 128 needs more shared memory than an
-    H100/H200 has; fp64 is for oracles, not speed), and head dims above :data:`MAX_HEAD_DIM`.
-    Under the interpreter only the head-dim limit applies.
+    Head dims above :data:`MAX_HEAD_DIM`; on a GPU also float64 (too much shared memory).
     """
     if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         return f"head dims d={q.shape[-1]}, d_v={v.shape[-1]} above {MAX_HEAD_DIM}"
@@ -736,36 +625,16 @@ def mhla_attention_triton(
     feature_map: bool = True,
     rotary: InterleavedRotary | None = None,
 ) -> torch.Tensor:
-    """MHLA by the Triton kernels (module docstring). Inputs are validated by :func:`mhla_attention`.
+    """MHLA by the Triton kernels; inputs validated by :func:`~mhla_diffusers.ops.mhla_attention`.
 
-    Implements, per batch element and head (MHLA paper, Sec. 3.2), for a query in block ``i``::
-
-        out = phi(q) S~_i / (phi(q) . z~_i + eps),  S~ = Mc S,  z~ = Mc z,
-        S_b = phi(K_b)^T V_b,  z_b = sum_{t in b} phi(k_t),  phi = ReLU (identity if not feature_map)
-
-    Args:
-        q, k: ``[B, heads, N, d]``; v: ``[B, heads, N, d_v]``; float16, bfloat16, float32 or
-            float64 (fp32/fp64 only under the interpreter: its bf16 arithmetic is wrong); any strides.
-            CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1``.
-        mixing: ``[M, M]``, used as given (no clamping).
-        layout: the :class:`BlockLayout` of the ``N`` tokens.
-        normalize: divide by ``phi(q) . z~ + eps`` (True) or return the numerator (False).
-        eps: added to the denominator, in fp32 (fp64 for fp64 ``q``).
-        feature_map: apply ``phi = ReLU`` to q and k inside the kernels (True), or treat q and k as
-            features already (False: no ReLU, no ReLU derivative in the backward).
-        rotary: an :class:`~mhla_diffusers.ops.InterleavedRotary` applied inside the kernels (the
-            RoPE variant: ``R phi`` in the numerator, ``phi`` in the denominator; its tables are
-            read in the accumulation dtype and get no gradient), or ``None``. Even ``d`` only.
-
-    Returns:
-        ``[B, heads, N, d_v]`` in ``q.dtype`` and ``q``'s memory layout. Differentiable (first
-        order) in q, k, v and ``mixing``; gradients in each input's dtype.
-
-    Falls back to the torch backend (same numbers, see :func:`torch_fallback_reason`) for float64
-    inputs on a GPU and for head dims above :data:`MAX_HEAD_DIM` (128).
+    q, k ``[B, heads, N, d]``, v ``[B, heads, N, d_v]`` (no bf16 under the interpreter), any strides;
+    ``rotary``: an :class:`~mhla_diffusers.ops.InterleavedRotary` applied in the kernels (no table
+    gradient, even ``d``). Returns ``[B, heads, N, d_v]`` in ``q``'s dtype and memory layout. Head dims
+    above 128 and fp64 on a GPU run the torch backend (:func:`torch_fallback_reason`).
 
     Raises:
-        ValueError: for CPU tensors without the interpreter, or tensors on other devices.
+        ValueError: CPU tensors without the interpreter, other devices, or a fallback case with ``rotary``.
+        TypeError: ``rotary`` is not an ``InterleavedRotary``.
     """
     check_supported(q, k, v, mixing)
     if rotary is not None:

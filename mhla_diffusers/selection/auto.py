@@ -1,6 +1,4 @@
-"""``apply_mhla(layers="auto")``: the layers MHLA damages most keep their stock attention, by
-:func:`~mhla_diffusers.layer_sensitivity` scores (measured here on calibration inputs, or given)
-and :func:`~mhla_diffusers.selection.hybrid.select_auto` (a count or an attention-cost budget)."""
+"""``apply_mhla(layers="auto")``: the layers MHLA damages most keep their stock attention (``docs/selection.md``)."""
 
 from __future__ import annotations
 
@@ -17,14 +15,11 @@ __all__ = ["auto_layers"]
 
 def auto_layers(transformer, num_layers, num_blocks, block_grid, normalize, *, keep_softmax, max_attention_cost,
                  calibration, sensitivity) -> tuple[list[int], dict]:
-    """``layers="auto"`` of :func:`~mhla_diffusers.apply_mhla` (see it for the arguments) on a model with
-    ``num_layers`` self-attention layers: ``(MHLA layer indices, the selection record)``, the record as
-    :func:`~mhla_diffusers.mhla_spec` writes it under ``"selection"``.
+    """``(MHLA layer indices, selection record)`` of ``layers="auto"`` (arguments: :func:`~mhla_diffusers.apply_mhla`).
 
     Raises:
         ValueError: both or neither of ``calibration`` / ``sensitivity`` or of ``keep_softmax`` /
-            ``max_attention_cost``; a budget no ranking can meet (before any measurement); see
-            :func:`~mhla_diffusers.selection.hybrid.select_auto` and :func:`~mhla_diffusers.layer_sensitivity`.
+            ``max_attention_cost``; an unreachable budget (checked before measuring).
     """
     if (calibration is None) == (sensitivity is None):
         raise ValueError(
@@ -56,8 +51,7 @@ def auto_layers(transformer, num_layers, num_blocks, block_grid, normalize, *, k
 
 
 def _check_sensitivity_grid(transformer, sensitivity, num_blocks, block_grid) -> None:
-    """Warn when precomputed scores (a :class:`~mhla_diffusers.selection.sensitivity.LayerSensitivity`) were measured
-    at another block grid than the one these settings install: they rank the layers for that grid."""
+    """Warn when precomputed scores were measured at another block grid than the one installed."""
     measured = getattr(sensitivity, "settings", {}).get("block_grid")
     if measured is None:
         return

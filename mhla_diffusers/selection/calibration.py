@@ -1,23 +1,6 @@
-"""Calibration inputs for :func:`~mhla_diffusers.layer_sensitivity`, made offline from a pipeline (or a
-transformer), asking the model family (:mod:`mhla_diffusers.models.families`) what its forward needs.
-
-Sample ``i`` of ``n`` is one forward's keyword arguments (batch 1):
-
-* the latent: a smooth random "clean" latent ``x0`` (standard normal noise on a grid 4x coarser per
-  axis, upsampled (bi/trilinear) to the native latent size and standardised: spatially correlated like
-  an image latent, without data), noised at the spread timestep fraction ``s = (i + 0.5) / n`` (spread over
-  ``timestep_range / 1000`` when given) with the family's training process: DiT
-  ``x_t = sqrt(a_t) x0 + sqrt(1 - a_t) eps`` at ``t = floor(1000 s)``
-  (the pipeline scheduler's ``alphas_cumprod``, else DDPM's linear betas 1e-4..0.02), timestep ``t``;
-  SANA / Wan (flow matching) ``x_t = (1 - s) x0 + s eps``, timestep ``1000 s``;
-* the condition: DiT a random class label in ``[0, num_embeds_ada_norm)`` (never the null label);
-  SANA / Wan the text-encoder states of a prompt (prompt ``i mod P``) through the pipeline's own
-  ``encode_prompt`` as its ``__call__`` encodes them (:data:`GENERIC_PROMPTS` by default), or rows of
-  cached embeddings (:func:`encode_calibration_prompts` writes them; a transformer folder without a
-  text encoder needs them).
-
-Synthetic latents are the offline default; calibration on real data is a list of dicts you build
-(e.g. :func:`~mhla_diffusers.diagnostics.diagnostic_inputs` for DiT photo crops).
+"""Calibration inputs for :func:`~mhla_diffusers.layer_sensitivity`, made offline from a pipeline or a
+transformer: smooth random latents noised by the family's training process, with a class label or
+prompt states. See ``docs/selection.md``, "Calibration inputs".
 """
 
 from __future__ import annotations
@@ -58,13 +41,12 @@ def _transformer_of(source) -> tuple[nn.Module, object | None]:
 
 
 def encode_calibration_prompts(pipe, prompts: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
-    """Text-encoder states of ``prompts`` (default :data:`GENERIC_PROMPTS`) through the pipeline's own
-    ``encode_prompt``, as ``{forward keyword: tensor}``: SANA ``encoder_hidden_states`` ``[P, L, D]`` and
-    ``encoder_attention_mask`` ``[P, L]``, Wan ``encoder_hidden_states`` ``[P, L, D]``; on the CPU, contiguous,
-    ready for ``safetensors.torch.save_file`` (the file ``--calibration-embeddings`` reads).
+    """Text-encoder states of ``prompts`` (default :data:`GENERIC_PROMPTS`) as ``{forward keyword: tensor}`` on the CPU.
+
+    SANA: ``encoder_hidden_states`` ``[P, L, D]``, ``encoder_attention_mask`` ``[P, L]``; Wan: the former.
 
     Raises:
-        ValueError: a class-conditional family (DiT), a pipeline without text encoder / tokenizer, no prompts.
+        ValueError: a class-conditional family, no text encoder / tokenizer, no prompts.
     """
     transformer, pipe = _transformer_of(pipe)
     family = family_of(transformer)
@@ -86,10 +68,11 @@ def encode_calibration_prompts(pipe, prompts: Sequence[str] | None = None) -> di
 
 
 def load_calibration_embeddings(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The embeddings file of :func:`encode_calibration_prompts` (safetensors; never unpickled).
+    """The safetensors file of :func:`encode_calibration_prompts` (never unpickled).
 
     Raises:
-        FileNotFoundError: no such file. ValueError: not safetensors, or without ``encoder_hidden_states``.
+        FileNotFoundError: no such file.
+        ValueError: not safetensors, or without ``encoder_hidden_states``.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -109,7 +92,7 @@ def load_calibration_embeddings(path: str | os.PathLike) -> dict[str, torch.Tens
 
 
 def _smooth_latent(shape: Sequence[int], generator: torch.Generator) -> torch.Tensor:
-    """``[1, C, *spatial]`` standard-normal noise 4x coarser per axis, upsampled and standardised."""
+    """``[1, C, *spatial]`` noise 4x coarser per axis, upsampled and standardised."""
     channels, spatial = shape[0], tuple(shape[1:])
     coarse = torch.randn(1, channels, *(max(1, math.ceil(n / 4)) for n in spatial), generator=generator)
     mode = "bilinear" if len(spatial) == 2 else "trilinear"
@@ -118,7 +101,7 @@ def _smooth_latent(shape: Sequence[int], generator: torch.Generator) -> torch.Te
 
 
 def _noised(family, pipe, x0: torch.Tensor, frac: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x_t, timestep [1])`` at the timestep fraction ``frac`` of the family's noise process."""
+    """``(x_t, timestep [1])`` at timestep fraction ``frac`` of the family's noise process."""
     eps = torch.randn(x0.shape, generator=generator)
     if family.noise == "flow":
         return (1 - frac) * x0 + frac * eps, torch.tensor([1000.0 * frac])
@@ -131,7 +114,6 @@ def _noised(family, pipe, x0: torch.Tensor, frac: float, generator: torch.Genera
 
 
 def _condition(family, transformer, pipe, embeddings, prompts, num_samples, generator) -> list[dict]:
-    """Per sample, the forward's condition keywords (class label or text states)."""
     if family.conditioning == "class":
         if embeddings is not None or prompts is not None:
             raise ValueError(f"the {family.name} family is class-conditional: embeddings / prompts do not apply")
@@ -155,12 +137,7 @@ _TIMESTEPS = 1000  # the timestep scale of every family's forward (DDPM t in 0..
 
 
 def clip_timestep_range(timestep_range: Sequence[float] | None) -> tuple[float, float]:
-    """``timestep_range`` (``(low, high)``, ``None``: the whole process) clipped to ``[0, 1000]``, as
-    :func:`calibration_inputs` spreads its timesteps over it (and a selection record stores it).
-
-    Raises:
-        ValueError: not two numbers, or ``low >= high`` once clipped (no timestep in range).
-    """
+    """``timestep_range`` (``None``: all) clipped to ``[0, 1000]``; ``ValueError`` unless two numbers with ``low < high``."""
     if timestep_range is None:
         return 0.0, float(_TIMESTEPS)
     try:
@@ -174,20 +151,13 @@ def clip_timestep_range(timestep_range: Sequence[float] | None) -> tuple[float, 
 
 
 def _latent_patch(config, ndim: int) -> tuple[int, ...]:
-    """The patch size on each of the ``ndim`` latent axes (``(H, W)`` or ``(F, H, W)``)."""
     patch = config.get("patch_size", 1) or 1
     patch = tuple(patch) if isinstance(patch, (tuple, list)) else (1,) * (ndim - 2) + (int(patch),) * 2
     return patch[-ndim:]
 
 
 def _within_grid_bound(family, transformer, size: tuple[int, ...], patch: tuple[int, ...], given: bool) -> tuple[int, ...]:
-    """``size`` (latent axes) if its token grid fits the largest one the model's forward takes
-    (:attr:`~mhla_diffusers.models.families.Family.max_grid`; Wan: ``rope_max_seq_len`` per axis); else, for the
-    native size (``given=False``), the largest latent within it on each axis, with a warning saying so.
-
-    Raises:
-        ValueError: a ``given`` (``latent_size``) size beyond the bound, naming the largest one allowed.
-    """
+    """``size`` cut to the largest token grid the forward takes (Wan's RoPE table); ``ValueError`` if ``given``."""
     if family.max_grid is None:
         return size
     bound = tuple(family.max_grid(transformer.config))[-len(size):]
@@ -216,35 +186,16 @@ def calibration_inputs(
     latent_size: Sequence[int] | None = None,
     timestep_range: Sequence[float] | None = None,
 ) -> list[dict]:
-    """Calibration inputs for :func:`~mhla_diffusers.layer_sensitivity` (see the module docstring).
+    """Calibration inputs, one batch-1 forward each, for :func:`~mhla_diffusers.layer_sensitivity`.
 
-    Args:
-        source: a diffusers pipeline (``DiTPipeline``, ``SanaPipeline``, ``WanPipeline``) or its transformer
-            (enough for DiT; SANA / Wan then need ``embeddings``).
-        num_samples: how many forwards (batch 1 each), timesteps spread evenly over the noise process.
-        seed: of every random draw (a private generator: the global RNG is untouched).
-        prompts: SANA / Wan: prompts to encode instead of :data:`GENERIC_PROMPTS`.
-        embeddings: SANA / Wan: cached text states (``{forward keyword: [P, ...]}`` or a safetensors file
-            from :func:`encode_calibration_prompts`) instead of the text encoder.
-        latent_size: the latent's spatial size ``(H, W)`` or, for video, ``(F, H, W)`` (latent frames);
-            default the model's native size (Wan: 21 x 60 x 104; give a smaller one on a CPU), cut on each axis
-            to what the model's forward takes when its RoPE table is shorter (a Wan whose ``rope_max_seq_len`` is
-            below the native token grid), with a warning.
-        timestep_range: ``(low, high)``: only timesteps ``low <= t < high`` (the transformer's ``timestep`` scale,
-            0..1000; clipped to it, infinite ends allowed), spread evenly over that range instead of the whole
-            process: a Wan 2.2 A14B expert runs only on its own range
-            (:func:`~mhla_diffusers.checkpoint.format.expert_timestep_range`); see :func:`clip_timestep_range`.
-
-    Returns:
-        ``[{"hidden_states": [1, C, (F,) H, W], "timestep": [1], "class_labels" [1] | "encoder_hidden_states"
-        [1, L, D] (, "encoder_attention_mask" [1, L])}, ...]`` on the transformer's device, floating tensors
-        in its dtype.
+    ``source``: a DiT / SANA / Wan pipeline, or its transformer (SANA / Wan then need ``embeddings``,
+    a mapping or safetensors file); ``latent_size``: ``(H, W)`` or ``(F, H, W)`` (default native);
+    ``timestep_range``: ``(low, high)`` on the 0..1000 scale. Returns ``[{"hidden_states", "timestep",
+    "class_labels" | "encoder_hidden_states" (, "encoder_attention_mask")}]`` on the transformer's device.
 
     Raises:
-        ValueError: unsupported model, ``num_samples < 1``, a ``timestep_range`` holding no timestep of 0..1000,
-            a bad ``latent_size`` (not integers, not a multiple of the patch size on every axis, or larger than
-            the model's RoPE table takes on an axis), a text-conditioned model
-            without text encoder and without ``embeddings``, prompts / embeddings for a class-conditional one.
+        ValueError: unsupported model, ``num_samples < 1``, an empty ``timestep_range``, a bad ``latent_size``,
+            missing text states, or prompts for a class-conditional model.
         FileNotFoundError: an embeddings file that does not exist.
     """
     transformer, pipe = _transformer_of(source)

@@ -1,7 +1,4 @@
-"""Which transformer layers get MHLA: fixed rules ("all", the paper's hybrid, an explicit list) and
-automatic selection from per-layer sensitivity scores (keep the K most sensitive layers stock, or the
-most sensitive ones within an attention-cost budget). Pure Python: the scores come from
-:func:`mhla_diffusers.layer_sensitivity`, the per-layer costs from :func:`attention_flops`."""
+"""Layer selection rules ("all", the paper's hybrid, a list) and automatic selection from sensitivity scores; pure Python."""
 
 from __future__ import annotations
 
@@ -13,17 +10,13 @@ __all__ = ["select_layers", "attention_flops", "select_auto", "scores_list"]
 
 
 def select_layers(num_layers: int, layers: str | Sequence[int] = "all") -> list[int]:
-    """Indices (sorted, unique) of the self-attention layers to convert.
+    """Sorted unique indices of the layers to convert: ``"all"``, ``"hybrid"``, ``"none"`` or a list.
 
-    Args:
-        num_layers: number of self-attention layers in the model.
-        layers: ``"all"``; ``"hybrid"`` — softmax kept on layers 0, 3, 6, ... (every third from 0),
-            MHLA on the other two thirds (the authors' Wan2.1 hybrid: 20 of 30 layers MHLA);
-            ``"none"``; or an explicit list of indices (negative indices count from the end).
-            (``"auto"`` is resolved by :func:`~mhla_diffusers.apply_mhla` with :func:`select_auto`.)
+    ``"hybrid"`` keeps softmax on layers 0, 3, 6, ... (the authors' Wan 2.1 hybrid); negative indices
+    count from the end.
 
     Raises:
-        ValueError: for an unknown string, an index out of range, or a repeated index.
+        ValueError: an unknown string, an index out of range or repeated.
     """
     if isinstance(layers, str):
         if layers == "all":
@@ -47,18 +40,10 @@ def select_layers(num_layers: int, layers: str | Sequence[int] = "all") -> list[
 
 
 def attention_flops(kind: str, num_tokens: int, head_dim: int, heads: int = 1, num_blocks: int = 1) -> int:
-    """Floating-point operations of one attention layer's attention (projections excluded: they are the
-    same for every kind), counting a multiply-add as 2, at ``N = num_tokens`` tokens, ``d = head_dim``:
+    """FLOPs of one layer's attention (projections excluded, multiply-add = 2) at ``N`` tokens, head dim ``d``.
 
-    * ``"softmax"``: ``heads * 4 N^2 d`` (``Q K^T`` and ``A V``, each ``2 N^2 d``);
-    * ``"linear"`` (plain ReLU linear attention, SANA's stock layer): ``heads * 4 N d^2``
-      (``phi(K)^T V`` and ``phi(Q) S``, each ``2 N d^2``);
-    * ``"mhla"``: ``heads * (4 N d^2 + 2 M^2 d^2)`` with ``M = num_blocks``: the block summaries
-      ``S_b = phi(K_b)^T V_b`` (``2 N d^2`` over all blocks), the mixing ``S~ = Mc S`` (``2 M^2 d^2``)
-      and ``phi(Q) S~_b(q)`` (``2 N d^2``) (MHLA paper, Sec. 3: ``O(N d^2 + M^2 d^2)``).
-
-    Lower-order terms (the softmax's ``N^2`` exponentials, the normalisers' ``O(N d + M^2 d)``) are left
-    out. Returns an int.
+    ``softmax``: ``heads 4 N^2 d``; ``linear``: ``heads 4 N d^2``; ``mhla``: ``heads (4 N d^2 + 2 M^2 d^2)``
+    (MHLA paper, Sec. 3).
 
     Raises:
         ValueError: unknown ``kind`` or a non-positive size.
@@ -73,11 +58,9 @@ def attention_flops(kind: str, num_tokens: int, head_dim: int, heads: int = 1, n
 
 
 def scores_list(sensitivity, num_layers: int) -> list[float]:
-    """``[score of layer 0, ..., score of layer L-1]`` from a :class:`~mhla_diffusers.LayerSensitivity`, a
-    mapping ``{layer index: score}`` or a sequence of ``L`` scores.
+    """Per-layer scores ``[s_0, ..., s_{L-1}]`` from a ``LayerSensitivity``, a mapping or a sequence.
 
-    Raises:
-        ValueError: a layer without a score, an index out of range, a non-finite score.
+    ``ValueError`` for a layer without a score, an index out of range, a non-finite score.
     """
     if isinstance(sensitivity, Mapping):
         keys = sorted(int(k) for k in sensitivity)
@@ -103,25 +86,14 @@ def select_auto(
     stock_costs: Sequence[float] | None = None,
     mhla_costs: Sequence[float] | None = None,
 ) -> list[int]:
-    """The layers to convert to MHLA (sorted), keeping the most sensitive layers stock.
+    """The layers to convert (sorted), the highest-scored kept stock: ``keep_softmax=K`` of them, or within ``max_attention_cost=F``.
 
-    Layers are ranked by score, highest first (ties: lower index first). ``keep_softmax=K`` keeps the
-    first ``K`` stock. ``max_attention_cost=F`` keeps the longest prefix of that ranking whose attention
-    cost ``(sum of stock_costs over kept layers + sum of mhla_costs over the others) /
-    sum(stock_costs)`` is ``<= F``: the next layer of the ranking would exceed the budget.
-
-    Args:
-        scores: one per self-attention layer, higher = more damage when the layer becomes MHLA.
-        keep_softmax: ``0 <= K < L`` (``0``: every layer MHLA, as ``layers="all"``).
-        max_attention_cost: ``0 < F <= 1``, a fraction of the stock model's attention cost.
-        stock_costs, mhla_costs: per-layer attention FLOPs (:func:`attention_flops`); needed with
-            ``max_attention_cost``.
+    ``F`` is a fraction of the stock attention cost, computed from per-layer ``stock_costs`` and
+    ``mhla_costs`` (:func:`attention_flops`).
 
     Raises:
-        ValueError: both or neither of ``keep_softmax`` / ``max_attention_cost``; ``K`` out of range;
-            ``F`` outside ``(0, 1]``, below the all-MHLA cost (no selection can meet it), or so large that
-            every layer stays stock (nothing to convert); MHLA not cheaper than the stock attention
-            (SANA's linear attention: use ``keep_softmax``).
+        ValueError: both or neither option; ``K`` out of range; ``F`` outside ``(0, 1]``, unreachable, or
+            converting nothing; MHLA not cheaper than the stock attention (SANA).
     """
     num_layers = len(scores)
     if (keep_softmax is None) == (max_attention_cost is None):
@@ -139,7 +111,7 @@ def select_auto(
 
 
 def _within_budget(ranking: list[int], budget: float, stock_costs, mhla_costs) -> list[int]:
-    """:func:`select_auto` with ``max_attention_cost``: the MHLA layers of the longest kept prefix of ``ranking``."""
+    """The MHLA layers of the longest prefix of ``ranking`` kept stock within ``budget``."""
     if not 0 < budget <= 1:
         raise ValueError(f"max_attention_cost is a fraction of the stock attention cost, 0 < F <= 1; got {budget!r}")
     if stock_costs is None or mhla_costs is None or len(stock_costs) != len(ranking) or len(mhla_costs) != len(ranking):

@@ -1,33 +1,7 @@
-"""Per-layer sensitivity to MHLA: how much the transformer's output changes when ONE self-attention
-layer becomes MHLA, after a short attention-transfer fit of that layer to the stock one.
+"""Per-layer sensitivity to MHLA: the output error when ONE layer becomes MHLA after a short
+attention-transfer fit to the stock layer; the layer is then restored exactly.
 
-For each self-attention layer ``l`` (the others untouched):
-
-1. capture, on the calibration inputs, the layer's inputs and its stock output ``y_l`` (forward hooks;
-   the forward stops after the layer);
-2. install MHLA on ``l`` alone (:func:`~mhla_diffusers.models.installer.install_mhla`, what
-   :func:`~mhla_diffusers.apply_mhla` runs, with the same settings a conversion uses) and, on a
-   float32 copy of the layer, fit its MHLA parameters AND its own projections (``to_q``, ``to_k``,
-   ``to_v``, ``to_out``, q/k norms, output norm if any) to ``y_l``: Adam on the
-   relative squared error ``sum ||f(x) - y_l||^2 / sum ||y_l||^2`` over all calibration inputs (attention
-   transfer). The mixing matrix starts from the better of the paper's locality init and all ones
-   (plain linear attention), is clamped to ``[0, 1]`` after every step (the paper's projected update),
-   and the best parameters seen are kept. The fit counts as converged when it has slowed down: its
-   last 20% of steps made at most ``convergence_tol`` (default 0.2) of its total drop in log error
-   (a steady exponential decrease makes 0.2; a fit that did not move, 0);
-3. put the fitted layer into the model and measure the damage where it matters: the relative error
-   ``sqrt(sum ||F(x) - F_stock(x)||^2 / sum ||F_stock(x)||^2)`` of the transformer's output over all
-   calibration inputs — the score;
-4. restore the layer exactly: its weights bitwise, its processor object, no MHLA module or hook left,
-   ``requires_grad`` and ``.grad`` untouched, the model's train / eval mode.
-
-Why the projections adapt: on the demo DiT the ReLU kernel on softmax-trained q, k is the larger part
-of the error (18-57% per layer) and the mixing matrix alone recovers at most ~25% of it:
-a score from the mixing alone would rank layers by how badly frozen softmax features suit ReLU, not by
-how well MHLA can stand in after a retrofit. "Stock" means the layer's own processor: softmax for DiT
-and Wan; for SANA, whose stock self-attention is already ReLU linear attention, MHLA with an all-ones
-mixing matrix reproduces the stock layer exactly, so SANA's scores are ~0 (float rounding): the damage
-is measured against the stock layer whatever it computes.
+Method and rationale: ``docs/selection.md``, "Sensitivity".
 """
 
 from __future__ import annotations
@@ -57,15 +31,8 @@ __all__ = ["LayerSensitivity", "layer_sensitivity", "check_calibration"]
 class LayerSensitivity(Mapping):
     """What :func:`layer_sensitivity` measured; a read-only mapping ``{layer index: score}``.
 
-    Attributes:
-        scores: ``{index: relative output error}``, higher = more damage when that layer alone is MHLA.
-        fit_error: ``{index: relative L2 error of the fitted layer's output vs the stock layer}``.
-        init_error: ``{index: the same before the fit, from the better initial mixing matrix}``.
-        init: ``{index: "locality" | "ones"}``, the initial mixing matrix the fit started from.
-        converged: ``{index: bool}``; late_share: ``{index: share of the fit's drop in log error made by
-            its last 20% of steps}`` (see :func:`layer_sensitivity`).
-        settings: how it was measured (calibration size, fit steps, learning rates, seed, block grid,
-            seconds): recorded with the selection in ``mhla_config.json``.
+    Per layer also ``fit_error``, ``init_error``, ``init``, ``converged``, ``late_share``; ``settings``:
+    how it was measured (recorded in ``mhla_config.json``).
     """
 
     scores: dict[int, float]
@@ -91,10 +58,9 @@ class LayerSensitivity(Mapping):
 
 
 def check_calibration(calibration: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The calibration inputs as a list of keyword-argument dicts (a generator is read once).
+    """The calibration inputs as a list of keyword-argument dicts.
 
-    Raises:
-        ValueError: ``None``, a string, an empty iterable, or an entry that is not a mapping with string keys.
+    ``ValueError`` for ``None``, a string or mapping, an empty iterable, or an entry not a dict with string keys.
     """
     if calibration is None or isinstance(calibration, (str, bytes, Mapping)):
         raise ValueError(
@@ -112,7 +78,7 @@ def check_calibration(calibration: Iterable[Mapping[str, Any]]) -> list[dict[str
 
 
 class _Stop(Exception):
-    """Raised by a capture hook to end a forward after the captured layer."""
+    """Ends a forward after the captured layer."""
 
 
 def _sample(output) -> torch.Tensor:
@@ -125,11 +91,7 @@ def _to_device(entry: dict, device: torch.device) -> dict:
 
 @torch.no_grad()
 def _model_outputs(transformer: nn.Module, calibration: list[dict]) -> list[torch.Tensor]:
-    """The transformer's output sample on each calibration entry (float32 copies).
-
-    Raises:
-        ValueError: an entry that the forward rejects (naming the entry and the error).
-    """
+    """The transformer's output on each calibration entry (fp32); ``ValueError`` naming an entry it rejects."""
     outputs = []
     for i, entry in enumerate(calibration):
         try:
@@ -152,8 +114,7 @@ def _detached(value):
 
 @torch.no_grad()
 def _capture_layer(transformer: nn.Module, family, attn: nn.Module, calibration: list[dict]) -> list[tuple]:
-    """``[(args, kwargs, stock output, token grid)]`` of the layer ``attn``, one per calibration entry;
-    each forward stops right after the layer."""
+    """``[(args, kwargs, stock output, token grid)]`` of layer ``attn`` per entry, each forward stopped after it."""
     captured, grids, current = [], [], {}
 
     def grid_hook(module, args):
@@ -197,7 +158,6 @@ def _float_copy(value):
 
 
 def _working_copy(attn: nn.Module, family) -> nn.Module:
-    """A float32 copy of an MHLA layer whose processor knows the family (it runs outside the transformer)."""
     work = copy.deepcopy(attn).float()
     proc = attn.processor
     work.set_processor(MHLAProcessor(
@@ -236,7 +196,7 @@ def _start_mixing(work: nn.Module, captured: list[tuple], energy: float) -> tupl
 
 
 def _fit_layer(work: nn.Module, captured: list[tuple], steps: int, lr: float, mixing_lr: float, fit_projections: bool) -> dict:
-    """Attention transfer on the working copy; leaves it at the best parameters seen. Returns the fit's record."""
+    """Attention transfer on the working copy, left at the best parameters seen; the fit's record."""
     energy = sum(t.float().square().sum().item() for _, _, t, _ in captured) or 1.0
     init, init_loss = _start_mixing(work, captured, energy)
     mixing = work.mhla_mixing.weight
@@ -265,8 +225,7 @@ def _fit_layer(work: nn.Module, captured: list[tuple], steps: int, lr: float, mi
 
 
 def _late_share(history: list[float]) -> float:
-    """The share of the fit's total drop in log error made by its last 20% of steps: 0.2 for a steady
-    exponential decrease, less for a fit that has slowed down, 0 for one that did not move."""
+    """The share of the fit's drop in log error made by its last 20% of steps."""
     best = min(history)
     if best <= 0 or history[0] <= best:
         return 0.0
@@ -286,8 +245,7 @@ def _damage(transformer: nn.Module, calibration: list[dict], reference: list[tor
 
 
 def _score_layer(transformer, family, index: int, calibration, reference, mhla: dict, fit: dict) -> dict:
-    """Capture, fit and score one layer (steps 1-3 of the module docstring), then restore it (step 4).
-    Returns the fit's record plus ``"score"`` and ``"block_grid"``."""
+    """Capture, fit and score one layer, then restore it."""
     attn = self_attention_modules(transformer, family)[index][1]
     captured = _capture_layer(transformer, family, attn, calibration)
     state = _LayerState(attn)
@@ -306,7 +264,7 @@ def _score_layer(transformer, family, index: int, calibration, reference, mhla: 
 
 
 class _LayerState:
-    """Everything :func:`layer_sensitivity` may change on one attention layer, to put back exactly."""
+    """What :func:`layer_sensitivity` may change on one layer, to put back exactly."""
 
     def __init__(self, attn: nn.Module):
         self.attn = attn
@@ -314,7 +272,7 @@ class _LayerState:
         self.processor = attn.processor
 
     def restore(self) -> None:
-        """Weights bitwise and the processor object back (after ``remove_mhla`` took MHLA off)."""
+        """Weights bitwise and the processor object back."""
         with torch.no_grad():
             current = self.attn.state_dict(keep_vars=True)
             for key, value in self.tensors.items():
@@ -338,35 +296,15 @@ def layer_sensitivity(
     seed: int = 0,
     progress: bool = True,
 ) -> LayerSensitivity:
-    """Score every self-attention layer by the damage done when it alone becomes MHLA (see the module
-    docstring for the method: capture, attention-transfer fit, output error, exact restoration).
+    """Score each self-attention layer by the output damage when it alone becomes MHLA (``docs/selection.md``).
 
-    Args:
-        transformer: a supported diffusers transformer without MHLA (DiT, SANA, Wan), on any device and
-            dtype (the fit runs on a float32 copy of the layer).
-        calibration: an iterable of dicts of keyword arguments for ``transformer(**entry)``, on the
-            model's device (e.g. from :func:`~mhla_diffusers.calibration_inputs`); a few samples
-            (4-16) at the resolution the model will run at.
-        num_blocks, block_grid, normalize: the MHLA settings to score, as
-            :func:`~mhla_diffusers.apply_mhla` takes them (the conversion should use the same).
-        layers: indices to score (default: all).
-        fit_steps: Adam steps of each layer's fit (each a full pass over the calibration inputs).
-        lr: learning rate of the layer's own parameters (projections, norms); mixing_lr: of the mixing
-            matrix (values in [0, 1]).
-        fit_projections: ``False`` fits the mixing matrix alone (q, k, v, out frozen).
-        convergence_tol: a fit whose last 20% of steps made more than this share of its total drop in log
-            error is reported as not converged (still speeding up or steady: a ``UserWarning`` names the
-            layers; raise ``fit_steps``).
-        seed: torch's global RNG is seeded with it inside (and restored afterwards): the result is a
-            deterministic function of the model, the inputs and the seed on a given machine.
-        progress: a tqdm progress bar over the layers.
-
-    Returns:
-        A :class:`LayerSensitivity` (a mapping ``{layer index: score}`` plus the fit's record).
+    ``transformer``: DiT, SANA or Wan without MHLA; ``calibration``: dicts of forward keyword arguments
+    (:func:`~mhla_diffusers.calibration_inputs`); ``num_blocks``, ``block_grid``, ``normalize``: the
+    MHLA settings scored; ``fit_steps``, ``lr``, ``mixing_lr``, ``fit_projections``: each layer's fit;
+    ``convergence_tol``: the largest late share of a converged fit; ``seed``: the RNG seed inside.
 
     Raises:
-        ValueError: unsupported model; a model that already has MHLA; bad or empty calibration (or an
-            entry the forward rejects); a layer index out of range; bad fit settings.
+        ValueError: unsupported model or one with MHLA; bad calibration; a layer out of range; bad fit settings.
     """
 
     family = family_of(transformer)

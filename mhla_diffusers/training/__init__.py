@@ -1,25 +1,7 @@
-"""Fine-tuning diffusion transformers with or without MHLA on accelerate: DiT, SANA and Wan 2.1.
+"""Fine-tuning DiT, SANA and Wan with or without MHLA, on accelerate (needs accelerate, peft, yaml).
 
-accelerate / peft / yaml are needed only here. The modules, in the order a run uses them:
-
-- :mod:`.config` — :data:`DEFAULT_CONFIG`, :func:`load_config` (defaults + a YAML file +
-  ``key.path=value`` overrides), :func:`validate_config` (a table of typed rules).
-- :mod:`.recipes` — what differs per family (:class:`DiTRecipe`, :class:`SanaRecipe`,
-  :class:`WanRecipe`) and :func:`build_models`: the transformer, the autoencoder, the objective, the
-  frozen teacher, MHLA applied if asked, the trainable set, in :class:`TrainingParts`.
-- :mod:`.data` — the datasets (photos, class folders, captioned folders, videos), :func:`build_dataset`;
-  :mod:`.cache` — latents (and text embeddings) encoded once, to disk.
-- :mod:`.optim` — :func:`set_trainable`, :func:`prepare_parameter_dtypes`, :func:`build_optimizer`
-  (mixing matrices in their own group), :func:`gradient_groups` / :func:`clip_grad_norms_`
-  (gradient norms clipped and logged per parameter group).
-- :mod:`.losses` — :func:`training_loss`: the objective's data loss (:mod:`.flow`: DDPM epsilon for
-  DiT, flow matching for SANA and Wan) plus the distillation terms (:mod:`.distill`).
-- :mod:`.evaluation` — :func:`evaluate_heldout` / :func:`evaluate_loss` on fixed noise and timesteps.
-- :mod:`.logs` — ``loss.csv`` and ``loss.png``; :mod:`.export` — the final pipeline, written atomically;
-  :mod:`.resume` — checkpoints and resuming.
-- :mod:`.fsdp` — FSDP2 under accelerate: the launch checks and the units (one per transformer block).
-- :mod:`.loop` — :func:`train`; :mod:`.retrofit` — :func:`retrofit`: distillation then fine-tuning of a
-  converted checkpoint (the recipe the demo and the study run).
+:func:`train` runs a config (:func:`load_config`); :func:`retrofit` distils then fine-tunes a
+converted checkpoint. Module map and design: ``docs/training.md``.
 """
 
 from mhla_diffusers.data import build_dataset

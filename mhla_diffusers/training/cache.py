@@ -1,15 +1,7 @@
-"""On-disk cache of encoded training inputs: latents and text embeddings (safetensors).
+"""On-disk cache of encoded training inputs (latents, text embeddings), one safetensors file per item.
 
-Encoding every crop with the VAE (and every caption with a 2B-parameter text encoder) at every
-step costs more than the transformer's step on small runs. :func:`build_cache` encodes a dataset
-once and writes one safetensors file per item; :class:`CachedDataset` reads them back. The cache
-folder is keyed by a hash of the dataset's fingerprint (class, sizes, seed, flips, file names,
-sizes and modification times, captions) and of the encoders' fingerprints (class, config, shapes
-and a sample of their weights), so a changed dataset or encoder gets a fresh folder, never a
-stale cache.
-
-Items are the crops of epoch 0: with a cache each index keeps one crop for the whole run
-(``crops_per_image`` views per image), where the uncached datasets draw new crops each epoch.
+Keyed by the dataset's and the encoders' fingerprints, so a change gets a fresh folder; items are
+the crops of epoch 0. See ``docs/training.md``, "Latent cache".
 """
 
 from __future__ import annotations
@@ -34,8 +26,7 @@ _DONE = "cache_complete.json"
 
 
 def module_fingerprint(module: nn.Module | None) -> dict:
-    """A cheap identity of an encoder: class, config, parameter shapes and a strided sample of
-    its weights (hashing every weight of a multi-GB text encoder would take longer than encoding)."""
+    """A cheap identity of an encoder: class, config, parameter shapes, a strided sample of its weights."""
     if module is None:
         return {"class": None}
     digest = hashlib.sha256()
@@ -54,13 +45,13 @@ def module_fingerprint(module: nn.Module | None) -> dict:
 
 
 def cache_key(*parts: Any) -> str:
-    """The sha256 (first 16 hex digits) of the JSON of ``parts`` (dataset and encoder fingerprints, options)."""
+    """The first 16 hex digits of the sha256 of the JSON of ``parts``."""
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def is_complete(folder: str | os.PathLike) -> bool:
-    """Whether ``folder`` holds a finished cache (its completion marker was written)."""
+    """Whether ``folder`` holds a finished cache."""
     return (Path(folder) / _DONE).is_file()
 
 
@@ -79,19 +70,10 @@ def build_cache(
     barrier: Callable[[], None] | None = None,
     progress: bool = False,
 ) -> Path:
-    """Encode every item of ``dataset`` (at epoch 0) into ``folder`` (skipped if already complete).
+    """Encode every item of ``dataset`` (epoch 0) into ``folder`` unless complete; returns ``folder``.
 
-    Args:
-        dataset: items are dicts of tensors (and strings, e.g. ``caption``); collated in batches.
-        encode: ``batch -> {name: tensor [B, ...]}`` (e.g. ``latents``, ``prompt_embeds``); run under
-            ``torch.no_grad``. Tensors are stored per item on the CPU in their dtype.
-        folder: the cache folder (``<cache_dir>/<cache_key(...)>``).
-        rank, world_size, barrier: several processes share the work (item ``i`` on rank
-            ``i % world_size``); ``barrier`` (e.g. ``accelerator.wait_for_everyone``) is called before the
-            completion marker is written by rank 0 and once more after it.
-
-    Returns:
-        ``folder``.
+    ``encode`` maps a batch to ``{name: tensor [B, ...]}`` (run without grad; stored per item on the
+    CPU); item ``i`` is encoded on rank ``i % world_size``, and ``barrier`` brackets the completion marker.
     """
     folder = Path(folder)
     if is_complete(folder):
@@ -127,15 +109,7 @@ def build_cache(
 
 
 class CachedDataset(Dataset):
-    """Items of a cache written by :func:`build_cache`: ``{name: tensor}`` as encoded, plus ``extra(i)``.
-
-    Args:
-        folder: a complete cache folder.
-        extra: optional ``index -> dict`` merged into every item (e.g. class labels kept as is).
-
-    Raises:
-        FileNotFoundError: the folder holds no complete cache.
-    """
+    """The items of a :func:`build_cache` folder, plus ``extra(index)``; ``FileNotFoundError`` if incomplete."""
 
     def __init__(self, folder: str | os.PathLike, extra: Callable[[int], dict] | None = None):
         self.folder = Path(folder)
@@ -148,7 +122,7 @@ class CachedDataset(Dataset):
         return self.length
 
     def set_epoch(self, epoch: int) -> None:
-        """No-op: cached items are fixed (the crops of epoch 0)."""
+        """No-op: cached items are fixed."""
 
     def __getitem__(self, index: int) -> dict:
         if not -self.length <= index < self.length:

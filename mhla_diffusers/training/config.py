@@ -1,9 +1,7 @@
-"""The training config: :data:`DEFAULT_CONFIG` (every key, with its default), YAML loading,
-``key.path=value`` overrides and validation.
+"""The training config: :data:`DEFAULT_CONFIG`, YAML loading, ``key.path=value`` overrides, validation.
 
-Validation is a table (:data:`_RULES`: one typed rule per checked key: a choice, an integer bound
-or a number range) plus a few checks that tie keys together (:func:`validate_config`). Every error
-names the key and what to do.
+Validation is one typed rule per key (:data:`_RULES`) plus cross-key checks; every error names the
+key and the fix. See ``docs/training.md``, "Config".
 """
 
 from __future__ import annotations
@@ -180,13 +178,7 @@ def _merge(base: dict, update: Mapping, path: tuple[str, ...] = ()) -> dict:
 
 
 def apply_overrides(config: dict, overrides: Iterable[str]) -> dict:
-    """Apply ``"dotted.key=value"`` overrides (value parsed as YAML: ``10``, ``1e-4``, ``null``, ``[1, 2]``).
-
-    Setting a key inside a null section creates it (``mhla.layers=hybrid`` turns MHLA on).
-
-    Raises:
-        ValueError: malformed override or unknown key.
-    """
+    """Apply ``"dotted.key=value"`` overrides (YAML values; a null section is created); ``ValueError`` if malformed or unknown."""
     config = copy.deepcopy(config)
     for item in overrides:
         if "=" not in item:
@@ -209,15 +201,11 @@ def apply_overrides(config: dict, overrides: Iterable[str]) -> dict:
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> dict:
-    """Defaults (:data:`DEFAULT_CONFIG`) <- the YAML file at ``path`` <- ``overrides``; validated.
-
-    Returns:
-        The complete config dict (every key present).
+    """The complete config: :data:`DEFAULT_CONFIG` <- the YAML at ``path`` <- ``overrides``, validated.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: unknown keys, a missing ``output_dir``, neither or both of ``model.pretrained``
-            and ``model.init``, bad values (the message names the key and what to do).
+        ValueError: unknown keys or bad values (the message names the key and what to do).
     """
     config = copy.deepcopy(DEFAULT_CONFIG)
     if path is not None:
@@ -246,7 +234,7 @@ class Choice:
     nullable: bool = False
 
     def check(self, name: str, value: Any) -> Any:
-        """``value``, or the choice YAML 1.1 read as this boolean; raises ``ValueError`` otherwise."""
+        """``value``, or the choice YAML 1.1 read as this boolean (``no`` -> False); else ``ValueError``."""
         if isinstance(value, bool):
             # YAML 1.1 reads no / off / yes / on as booleans (`mixed_precision: no` arrives as False):
             # the one choice that YAML reads as this boolean is what was written.
@@ -260,13 +248,13 @@ class Choice:
 
 @dataclass(frozen=True)
 class Integer:
-    """An integer (not a boolean) ``>= minimum`` (1: "a positive integer"), or null when ``nullable``."""
+    """An integer (not a boolean) ``>= minimum``, or null when ``nullable``."""
 
     minimum: int
     nullable: bool = False
 
     def check(self, name: str, value: Any) -> Any:
-        """``value`` unchanged; raises ``ValueError`` when it breaks the rule."""
+        """``value`` unchanged, or ``ValueError``."""
         if value is None and self.nullable:
             return value
         if isinstance(value, int) and not isinstance(value, bool) and value >= self.minimum:
@@ -277,12 +265,12 @@ class Integer:
 
 @dataclass(frozen=True)
 class Boolean:
-    """``true`` or ``false`` (YAML booleans; not 0 / 1 or strings), or null when ``nullable``."""
+    """A YAML boolean (not 0 / 1 or strings), or null when ``nullable``."""
 
     nullable: bool = False
 
     def check(self, name: str, value: Any) -> Any:
-        """``value`` unchanged; raises ``ValueError`` unless it is a boolean (or an allowed null)."""
+        """``value`` unchanged, or ``ValueError``."""
         if isinstance(value, bool) or (value is None and self.nullable):
             return value
         raise ValueError(f"{name} must be true or false{' or null' if self.nullable else ''}; got {value!r}")
@@ -290,15 +278,14 @@ class Boolean:
 
 @dataclass(frozen=True)
 class Number:
-    """A number (numeric strings accepted: PyYAML reads ``1e-4`` as a string) for which ``valid``
-    holds (``bound`` says it in words: ``"> 0"``, ``"in [0, 1)"``); null when ``nullable``."""
+    """A number (numeric strings accepted: PyYAML reads ``1e-4`` as one) satisfying ``valid``, said by ``bound``."""
 
     valid: Callable[[float], bool] = lambda v: True
     bound: str = ""
     nullable: bool = False
 
     def check(self, name: str, value: Any) -> Any:
-        """``float(value)`` (or None); raises ``ValueError`` when it is not a number or out of bounds."""
+        """``float(value)`` (or None), or ``ValueError``."""
         if value is None and self.nullable:
             return None
         try:
@@ -373,11 +360,7 @@ _MHLA_RULES: dict[str, Choice | Integer | Number | Boolean] = {
 
 
 def validate_config(config: dict) -> None:
-    """Check a merged config in place (numeric strings become floats, YAML booleans the choice written).
-
-    Raises:
-        ValueError: naming the offending key and what to do.
-    """
+    """Check a merged config in place (numbers to float, YAML booleans to the choice); ``ValueError`` naming key and fix."""
     if not config.get("output_dir"):
         raise ValueError("output_dir is not set: add `output_dir: <folder>` to the YAML or pass --set output_dir=<folder>")
     _check_model(config["model"])
@@ -403,7 +386,7 @@ def validate_config(config: dict) -> None:
 
 
 def _check_model(m: Mapping) -> None:
-    """``model``: exactly one of pretrained / init, a family with a recipe, the text options."""
+    """``model``: one of pretrained / init, a family with a recipe, the text options."""
     if (m["pretrained"] is None) == (m["init"] is None):
         raise ValueError(
             "set exactly one of model.pretrained (a pipeline folder) and model.init "
@@ -427,7 +410,7 @@ def _check_model(m: Mapping) -> None:
 
 
 def _check_mhla(mh: Any) -> None:
-    """``mhla``: null or a mapping of :func:`mhla_diffusers.apply_mhla` arguments."""
+    """``mhla``: null or a mapping of :func:`mhla_diffusers.apply_mhla` arguments (not ``layers=auto``)."""
     if mh is None:
         return
     if not isinstance(mh, Mapping):
@@ -447,7 +430,7 @@ def _check_mhla(mh: Any) -> None:
 
 
 def _check_data(d: Mapping) -> None:
-    """``data``: a root for folder kinds, the caption template, the crop size (``[h, w]`` for videos)."""
+    """``data``: a root for folder kinds, the caption template, the crop size."""
     if d["kind"] in ("folder", "captions", "video") and not d["root"]:
         raise ValueError(f"data.kind={d['kind']} needs data.root (the image folder)")
     if not isinstance(d["caption_template"], str) or "{}" not in d["caption_template"]:
@@ -461,7 +444,7 @@ def _check_data(d: Mapping) -> None:
 
 
 def _check_distill(ds: Mapping) -> None:
-    """``distill``: the loss weights against the teacher (none: the data loss alone)."""
+    """``distill``: loss weights consistent with the teacher and the condition."""
     if ds["teacher"] is None:
         if ds["output_weight"] or ds["attention_weight"]:
             raise ValueError("distill.output_weight / attention_weight need a teacher: set distill.teacher (original or a folder)")

@@ -1,4 +1,4 @@
-"""Moved to :mod:`mhla_diffusers.data` (the diagnostics use the photos too); this path keeps working (a re-export)."""
+"""Re-export of :mod:`mhla_diffusers.data` (its former path)."""
 
 from mhla_diffusers.data import (
     IMAGE_EXTENSIONS,

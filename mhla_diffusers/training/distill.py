@@ -1,18 +1,7 @@
 """Distillation from the original model: output matching and attention transfer.
 
-The teacher is the original transformer (softmax DiT / Wan, linear-attention SANA) kept frozen in
-memory; the student is the same model with MHLA (possibly with LoRA). On the same noisy latent,
-timestep and condition:
-
-- output matching: ``MSE(student(x_t), teacher(x_t))`` over every output element;
-- attention transfer: forward hooks record the output of each matched self-attention module
-  (``to_out`` included, i.e. what the block adds to its residual stream) in both models;
-  the loss is the mean over matched layers of ``MSE(student_l, teacher_l)``. Each model runs its
-  own forward (the student's layer ``l`` sees the student's hidden states), as in the authors'
-  optional Wan loss.
-
-Neither needs captions or labels: the condition can be random class labels (DiT) or the
-null label / empty caption (:data:`CONDITIONS`).
+The teacher is the original transformer, frozen; the student the same model with MHLA. Both see
+the same noisy latent, timestep and condition. See ``docs/training.md``, "The loss".
 """
 
 from __future__ import annotations
@@ -40,12 +29,7 @@ TRANSFER_LAYERS = ("mhla", "all")
 
 
 def make_teacher(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
-    """A frozen copy of ``model`` as the original: MHLA removed (stock processors back), LoRA
-    merged away if present, eval mode, ``requires_grad=False``, optionally cast to ``dtype``.
-
-    Call it on the loaded model BEFORE fine-tuning changes its weights: a copy of a converted
-    checkpoint is the original model only while its base weights are the original ones.
-    """
+    """A frozen copy of ``model`` without MHLA and LoRA; call it before fine-tuning changes the weights."""
     teacher = copy.deepcopy(model)
     if has_lora(teacher):
         unload_lora_(teacher)
@@ -58,11 +42,7 @@ def make_teacher(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Modul
 
 
 def load_teacher(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module:
-    """The transformer of a pipeline or transformer folder (plain or converted), frozen, as a teacher.
-
-    Raises:
-        FileNotFoundError, MHLACheckpointError: from :func:`mhla_diffusers.load_mhla_transformer`.
-    """
+    """The frozen transformer of a pipeline or transformer folder, as a teacher (errors: ``load_mhla_transformer``'s)."""
     teacher = load_mhla_transformer(path, torch_dtype=torch.float32)
     teacher.requires_grad_(False).eval()
     if dtype is not None:
@@ -71,12 +51,7 @@ def load_teacher(path: str | os.PathLike, dtype: torch.dtype | None = None) -> n
 
 
 def transfer_modules(model: nn.Module, which: str = "mhla") -> dict[str, nn.Module]:
-    """The self-attention modules attention transfer matches, ``{name: module}`` in layer order:
-    ``"mhla"`` those with MHLA installed (all of them if the model has none), ``"all"`` every one.
-
-    Raises:
-        ValueError: unknown ``which``.
-    """
+    """``{name: module}`` for attention transfer: ``"mhla"`` (MHLA layers, or all) or ``"all"``; else ``ValueError``."""
     if which not in TRANSFER_LAYERS:
         raise ValueError(f"attention-transfer layers must be one of {TRANSFER_LAYERS}; got {which!r}")
     modules = self_attention_modules(model)
@@ -87,14 +62,9 @@ def transfer_modules(model: nn.Module, which: str = "mhla") -> dict[str, nn.Modu
 
 
 class AttentionRecorder:
-    """Forward hooks keeping the latest output of each named module (with its autograd graph).
+    """Forward hooks keeping the latest output of each named module (with its graph); a context manager.
 
-    Use as a context manager around one forward; ``outputs[name]`` is the module's last output.
-    Calls made during the backward pass (activation-checkpoint recomputation) are ignored, so
-    gradient checkpointing does not overwrite what the forward recorded.
-
-    Args:
-        modules: ``{name: module}``, e.g. from :func:`transfer_modules`.
+    Calls during the backward pass (checkpoint recomputation) are ignored.
     """
 
     def __init__(self, modules: dict[str, nn.Module]):
@@ -123,7 +93,7 @@ class AttentionRecorder:
 
 
 def output_matching_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-    """``mean((student - teacher)^2)`` in fp32 (the teacher's output carries no gradient)."""
+    """``mean((student - teacher)^2)`` in fp32; the teacher carries no gradient."""
     return F.mse_loss(student.float(), teacher.detach().float(), reduction="mean")
 
 
@@ -132,12 +102,8 @@ def attention_transfer_loss(
 ) -> torch.Tensor:
     """Mean over layers of the per-layer MSE between recorded attention outputs (fp32).
 
-    Args:
-        student, teacher: ``{layer name: output}`` from two :class:`AttentionRecorder` s.
-        names: layers to match (default: the student's).
-
     Raises:
-        KeyError: a layer was not recorded in both models.
+        KeyError: a layer not recorded in both models.
         ValueError: no layers.
     """
     names = list(student if names is None else names)

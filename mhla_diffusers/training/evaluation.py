@@ -1,4 +1,4 @@
-"""Held-out losses on fixed noise and timesteps (the same numbers for every model given the same arguments)."""
+"""Held-out losses on fixed noise and timesteps: the same numbers for every model given the same arguments."""
 
 from __future__ import annotations
 
@@ -23,17 +23,10 @@ def evaluate_heldout(
     seed: int = 12345,
     teacher: torch.nn.Module | None = None,
 ) -> dict[str, float | None]:
-    """Held-out losses on a fixed set: the same numbers for every model given the same arguments.
+    """Held-out losses of ``model`` on ``num_samples`` items: deterministic draws, noise seeded on the CPU.
 
-    Item ``i`` of ``dataset`` (its current epoch; ``i`` wraps around ``len(dataset)``) with its own
-    condition (no dropout) gets the deterministic draw :meth:`Objective.evenly_spaced` (epsilon:
-    ``t = round(i (T - 1) / (n - 1))``; flow: ``u = (i + 0.5) / n``) and noise drawn from
-    ``torch.Generator().manual_seed(seed)`` on the CPU, batch by batch. Models run in eval mode
-    (restored after).
-
-    Returns:
-        ``{"loss": the objective's MSE per element (unweighted), "distill_output": MSE per element
-        between the model's and the teacher's outputs (None without teacher)}``.
+    Returns ``{"loss", "distill_output"}``: the objective's MSE per element, and the MSE to the
+    teacher's output (``None`` without a teacher).
 
     Raises:
         ValueError: ``num_samples < 1`` or an empty dataset.
@@ -78,13 +71,6 @@ def evaluate_loss(
     batch_size: int = 16,
     seed: int = 12345,
 ) -> float:
-    """Held-out epsilon MSE of a DiT on a fixed set (see :func:`evaluate_heldout`, which it calls).
-
-    Returns:
-        Mean squared error per element, a Python float.
-
-    Raises:
-        ValueError: ``num_samples < 1`` or an empty dataset.
-    """
+    """Held-out epsilon MSE per element of a DiT (:func:`evaluate_heldout`, whose errors it raises)."""
     parts = TrainingParts("dit", transformer, vae, noise_scheduler, Objective("epsilon", noise_scheduler))
     return evaluate_heldout(parts, transformer, dataset, num_samples=num_samples, batch_size=batch_size, seed=seed)["loss"]

@@ -32,16 +32,11 @@ def export_pipeline(
     id2label: Mapping[int, str] | None = None,
     overwrite: bool = True,
 ) -> Path:
-    """Write a complete ``DiTPipeline`` folder (atomic, via :func:`mhla_diffusers.save_mhla_pipeline`).
-
-    The sampling scheduler is built from the training ``noise_scheduler``'s config:
-    ``DPMSolverMultistepScheduler`` (``sampler="dpm"``), ``DDIMScheduler`` (``"ddim"``) or the
-    ``DDPMScheduler`` itself. ``id2label`` is stored in ``model_index.json``, from where
-    ``DiTPipeline.from_pretrained`` restores ``pipe.labels``. A transformer with MHLA is written as
-    a converted checkpoint (base weights + ``mhla_config.json`` + ``mhla.safetensors``).
+    """Write a complete ``DiTPipeline`` folder (sampler ``"dpm"``, ``"ddim"`` or ``"ddpm"``; labels in ``model_index.json``).
 
     Raises:
-        ValueError: unknown ``sampler``. FileExistsError: ``out_dir`` not empty and not ``overwrite``.
+        ValueError: unknown ``sampler``.
+        FileExistsError: ``out_dir`` not empty and not ``overwrite``.
     """
     classes = {"dpm": DPMSolverMultistepScheduler, "ddim": DDIMScheduler, "ddpm": DDPMScheduler}
     if sampler not in classes:
@@ -63,14 +58,9 @@ def export_model(
     id2label: Mapping[int, str] | None = None,
     lora_export: str = "merge",
 ) -> Path:
-    """Write the trained model as the family's complete pipeline in the converted-checkpoint format,
-    atomically (a staging folder renamed into place; an existing ``out_dir`` is replaced).
+    """Write the trained model as the family's pipeline, atomically (an existing ``out_dir`` is replaced).
 
-    A model with LoRA adapters is changed IN PLACE: ``lora_export="merge"`` merges them into the
-    weights (:func:`mhla_diffusers.checkpoint.lora.merge_lora_`; the folder then loads with
-    :func:`mhla_diffusers.load_mhla_pipeline` and computes what the adapted model computed);
-    ``"separate"`` writes the adapter to ``<out_dir>/transformer_lora/`` and the base weights
-    unmerged (load both with :func:`mhla_diffusers.checkpoint.lora.load_mhla_pipeline_with_lora`).
+    LoRA adapters are merged in place (``"merge"``) or written to ``transformer_lora/`` (``"separate"``).
 
     Raises:
         ValueError: unknown ``lora_export``.

@@ -1,18 +1,7 @@
-"""Training objectives: DDPM epsilon prediction (DiT) and rectified-flow matching (SANA, Wan).
+"""Training objectives: DDPM epsilon prediction (DiT; Ho et al. 2020, Eq. 14) and rectified-flow
+matching (SANA, Wan; as in diffusers' ``train_dreambooth_lora_sana.py``).
 
-One small class, :class:`Objective`, turns clean latents, noise and one random draw per sample
-into what the loss needs, the same way in training and in the held-out evaluation:
-
-- ``kind="epsilon"`` (Ho et al. 2020, Eq. 14; DiT): ``t ~ U{0..T-1}``,
-  ``x_t = sqrt(alpha_bar_t) x_0 + sqrt(1 - alpha_bar_t) eps`` (``DDPMScheduler.add_noise``),
-  target ``eps``.
-- ``kind="flow"`` (rectified flow / flow matching as trained by SD3, SANA and Wan; diffusers'
-  ``train_dreambooth_lora_sana.py``): ``u`` from
-  :func:`diffusers.training_utils.compute_density_for_timestep_sampling` (``logit_normal`` by
-  default), mapped through the shifted sigma table of a ``FlowMatchEulerDiscreteScheduler``
-  (``sigma = shift s / (1 + (shift - 1) s)``), ``x_t = (1 - sigma) x_0 + sigma eps``,
-  transformer timestep ``sigma * 1000``, target ``eps - x_0`` (the velocity), per-sample loss
-  weights from :func:`diffusers.training_utils.compute_loss_weighting_for_sd3`.
+Equations: ``docs/training.md``, "Objectives".
 """
 
 from __future__ import annotations
@@ -32,39 +21,22 @@ LOSS_WEIGHTING = ("none", "sigma_sqrt", "cosmap")
 
 
 def flow_match_scheduler(shift: float = 1.0, num_train_timesteps: int = 1000):
-    """A fresh ``FlowMatchEulerDiscreteScheduler`` whose sigma table is the training one (``shift`` applied).
-
-    ``scheduler.sigmas[i]`` / ``scheduler.timesteps[i]`` (``i = 0 .. T - 1``) run from ``sigma = 1``
-    (pure noise) down to ``shift / (T + shift - 1)``; timesteps are ``sigma * T``.
-
-    Raises:
-        ValueError: ``shift <= 0``.
-    """
+    """A ``FlowMatchEulerDiscreteScheduler`` with the training sigma table (``shift`` applied; ``ValueError`` if ``<= 0``)."""
     if not shift > 0:
         raise ValueError(f"the flow-matching shift must be > 0; got {shift!r}")
     return FlowMatchEulerDiscreteScheduler(num_train_timesteps=int(num_train_timesteps), shift=float(shift))
 
 
 class Objective:
-    """The noising and the regression target of one training objective.
+    """The noising and the regression target of one objective, ``kind`` ``"epsilon"`` or ``"flow"``.
 
-    Args:
-        kind: ``"epsilon"`` or ``"flow"``.
-        scheduler: ``DDPMScheduler``-like (epsilon: ``add_noise``, ``config.num_train_timesteps``) or
-            the flow table from :func:`flow_match_scheduler`.
-        timestep_sampling: flow only; ``"logit_normal"`` (SD3 / SANA / Wan), ``"mode"`` or ``"uniform"``.
-        logit_mean, logit_std: of the logit-normal density (default 0, 1).
-        mode_scale: of the ``"mode"`` density (SD3's 1.29).
-        loss_weighting: flow only; ``"none"``, ``"sigma_sqrt"`` (``sigma^-2``) or ``"cosmap"``.
-        timestep_range: flow only; ``(low, high)``: train on the table's timesteps ``t`` with
-            ``low <= t < high`` only (transformer timestep units, ``sigma * T``), the draw ``u`` spread
-            over them in the same order (Wan 2.2 A14B's experts: ``transformer`` on
-            ``[boundary_ratio * T, inf)``, ``transformer_2`` on ``[0, boundary_ratio * T)``, as
-            ``WanPipeline`` switches them). ``None``: every timestep.
+    ``scheduler``: ``DDPMScheduler``-like (epsilon) or :func:`flow_match_scheduler`'s table (flow). Flow
+    only: ``timestep_sampling`` (``"logit_normal"``, ``"mode"``, ``"uniform"``) and its parameters,
+    ``loss_weighting`` (``"none"``, ``"sigma_sqrt"``, ``"cosmap"``), ``timestep_range`` (``(low, high)``
+    in transformer timestep units: Wan 2.2's experts).
 
     Raises:
-        ValueError: unknown ``kind`` / ``timestep_sampling`` / ``loss_weighting``; a ``timestep_range``
-            for the epsilon objective or one holding no timestep of the table.
+        ValueError: unknown options; a ``timestep_range`` for epsilon or holding no timestep of the table.
     """
 
     def __init__(
@@ -113,7 +85,7 @@ class Objective:
 
     # -- the random draw of each sample ---------------------------------------------------------
     def draw(self, n: int, generator: torch.Generator | None, device: torch.device | str = "cpu") -> torch.Tensor:
-        """One draw per sample, ``[n]``: epsilon ``t`` (long, uniform over ``0 .. T-1``); flow ``u`` in ``(0, 1)`` (float)."""
+        """One draw per sample ``[n]``: epsilon ``t`` (long), flow ``u`` in ``(0, 1)``."""
         if self.kind == "epsilon":
             return torch.randint(0, self.num_train_timesteps, (n,), generator=generator, device=device)
         return compute_density_for_timestep_sampling(
@@ -122,8 +94,7 @@ class Objective:
         )
 
     def evenly_spaced(self, index: torch.Tensor, n: int) -> torch.Tensor:
-        """Deterministic draws for a held-out evaluation: sample ``i`` of ``n`` gets epsilon
-        ``t = round(i (T - 1) / (n - 1))`` or flow ``u = (i + 0.5) / n`` (midpoints, every noise level)."""
+        """Deterministic held-out draws: epsilon ``t = round(i (T-1) / (n-1))``, flow ``u = (i + 0.5) / n``."""
         index = torch.as_tensor(index)
         if self.kind == "epsilon":
             t = [round(int(i) * (self.num_train_timesteps - 1) / max(n - 1, 1)) for i in index]
@@ -134,11 +105,9 @@ class Objective:
     def inputs(
         self, latents: torch.Tensor, noise: torch.Tensor, draw: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(noisy, timesteps, target, weights)`` for clean ``latents`` ``[B, ...]``, ``noise`` (same
-        shape) and ``draw`` ``[B]`` from :meth:`draw` / :meth:`evenly_spaced`.
+        """``(noisy, timesteps, target, weights)`` for clean ``latents``, same-shape ``noise`` and ``draw`` ``[B]``.
 
-        ``timesteps`` is what the transformer receives (epsilon: long ``t``; flow: float
-        ``sigma * T``); ``weights`` ``[B]`` is ``None`` when every sample weighs the same.
+        ``timesteps`` as the transformer takes them; ``weights`` ``[B]`` or ``None``.
         """
         if self.kind == "epsilon":
             t = draw.to(latents.device)
@@ -156,8 +125,7 @@ class Objective:
 
     @staticmethod
     def loss(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean squared error in fp32; with ``weights`` ``[B]``, the mean over samples of
-        ``weights[b] * mean((pred[b] - target[b])^2)``."""
+        """Mean squared error in fp32, per-sample weighted when ``weights`` ``[B]`` is given."""
         if weights is None:
             return F.mse_loss(pred.float(), target.float(), reduction="mean")
         per_sample = (pred.float() - target.float()).pow(2).reshape(pred.shape[0], -1).mean(dim=1)

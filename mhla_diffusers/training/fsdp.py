@@ -1,10 +1,4 @@
-"""FSDP for the trainer: accelerate's FSDP2 plugin (``fully_shard``, one unit per transformer block),
-as ``finetune/accelerate/fsdp.yaml`` asks for it.
-
-:func:`check_fsdp_setup` refuses a launch config that asks for FSDP when accelerate did not set it up
-(CPU processes, one process) or asks for FSDP1; :func:`set_fsdp_wrap` makes each transformer block
-(:func:`transformer_block_classes`) one FSDP unit when the config names no class (DiT: the whole model).
-"""
+"""FSDP2 for the trainer (accelerate's plugin, one unit per transformer block); see ``docs/training.md``, "FSDP"."""
 
 from __future__ import annotations
 
@@ -17,19 +11,12 @@ __all__ = ["fsdp_requested", "check_fsdp_setup", "transformer_block_classes", "s
 
 
 def fsdp_requested() -> bool:
-    """Whether the launch asks for FSDP (``accelerate launch`` with ``distributed_type: FSDP`` sets
-    ``ACCELERATE_USE_FSDP=true``)."""
+    """Whether the launch asks for FSDP (``ACCELERATE_USE_FSDP=true``)."""
     return parse_flag_from_env("ACCELERATE_USE_FSDP", default=False)
 
 
 def check_fsdp_setup(accelerator) -> None:
-    """Refuse an FSDP launch that would not run as FSDP2.
-
-    Raises:
-        ValueError: the launch asks for FSDP but accelerate set up another distributed type
-            (accelerate shards on GPUs only: on CPU processes it runs DDP, in one process nothing is
-            distributed), or the FSDP plugin is FSDP1 (``fsdp_version: 1``; the trainer runs FSDP2).
-    """
+    """``ValueError`` for an FSDP launch that would not run as FSDP2 (CPU processes, one process, FSDP1)."""
     if not fsdp_requested() and accelerator.distributed_type != DistributedType.FSDP:
         return
     if accelerator.distributed_type != DistributedType.FSDP:
@@ -47,9 +34,7 @@ def check_fsdp_setup(accelerator) -> None:
 
 
 def transformer_block_classes(model: nn.Module) -> list[str]:
-    """Class names of the transformer blocks of ``model``: the modules holding its self-attention
-    layers (DiT: ``BasicTransformerBlock``, SANA: ``SanaTransformerBlock``, Wan: ``WanTransformerBlock``),
-    each once, in layer order."""
+    """Class names of the modules holding ``model``'s self-attention layers, once each, in layer order."""
     modules = dict(model.named_modules())
     names: list[str] = []
     for name, _ in self_attention_modules(model):
@@ -60,18 +45,9 @@ def transformer_block_classes(model: nn.Module) -> list[str]:
 
 
 def set_fsdp_wrap(accelerator, model: nn.Module) -> str | None:
-    """Choose the FSDP units before ``accelerator.prepare`` (``fsdp_auto_wrap_policy:
-    TRANSFORMER_BASED_WRAP``): without ``fsdp_transformer_layer_cls_to_wrap``, every transformer block
-    (:func:`transformer_block_classes`), or the whole model as one unit for a family whose blocks
-    cannot be units (:attr:`~mhla_diffusers.models.families.Family.fsdp_blocks`: DiT). Classes named
-    in the config must be in the model and must not be such blocks.
+    """Choose the FSDP units before ``accelerator.prepare``; a line saying them, or ``None`` (no FSDP, other policy).
 
-    Returns:
-        A line saying the units (``None`` without FSDP or for another wrap policy: accelerate applies it).
-
-    Raises:
-        ValueError: a class to wrap that ``model`` does not have (the message names its block
-            classes), or the blocks of a family whose blocks cannot be FSDP units.
+    ``ValueError`` for a class to wrap the model lacks, or blocks that cannot be FSDP units.
     """
     if accelerator.distributed_type != DistributedType.FSDP:
         return None

@@ -19,13 +19,9 @@ GRAD_NORM_PREFIX = "grad_norm_"
 
 
 def write_loss_csv(path: str | os.PathLike, rows: Sequence[tuple]) -> None:
-    """Write ``step,loss,lr[,<term>...][,grad_norm_<group>...]`` rows (atomic). ``step`` counts optimizer steps from 1.
+    """Write ``step,loss,lr[,<term>...][,grad_norm_<group>...]`` rows atomically.
 
-    A row is ``(step, loss, lr)``, ``(step, loss, lr, {term: value})`` or
-    ``(step, loss, lr, {term: value}, {group: gradient norm})``: the loss terms (``data``,
-    ``output``, ``attention``) and the gradient norms of the parameter groups before clipping
-    (``grad_norm_model``, ``grad_norm_lora``, ``grad_norm_mhla_mixing``: see
-    :func:`gradient_groups`) become extra columns (empty where a row lacks one).
+    A row is ``(step, loss, lr[, {term: value}[, {group: norm}]])``; missing values are empty cells.
     """
     def extra(r, i):
         return r[i] if len(r) > i and r[i] else {}
@@ -62,18 +58,17 @@ def read_rows(path: str | os.PathLike) -> list[tuple[int, float, float, dict[str
 
 
 def read_loss_csv(path: str | os.PathLike) -> list[tuple[int, float, float]]:
-    """Rows ``(step, loss, lr)`` of a loss CSV written by :func:`write_loss_csv`.
+    """Rows ``(step, loss, lr)`` of a loss CSV.
 
     Raises:
-        FileNotFoundError: no such file. ValueError: not a loss CSV.
+        FileNotFoundError: no such file.
+        ValueError: not a loss CSV.
     """
     return [r[:3] for r in read_rows(path)]
 
 
 def read_grad_norms(path: str | os.PathLike) -> dict[str, tuple[list[int], list[float]]]:
-    """The gradient norms of a loss CSV, per parameter group before clipping: ``{group: (steps, norms)}``
-    (``model``, ``lora``, ``mhla_mixing``; see :func:`gradient_groups`). A non-finite norm marks a
-    skipped step."""
+    """``{group: (steps, norms)}`` before clipping; a non-finite norm marks a skipped step."""
     out: dict[str, tuple[list[int], list[float]]] = {}
     for step, _, _, _, norms in read_rows(path):
         for k, v in norms.items():
@@ -84,7 +79,7 @@ def read_grad_norms(path: str | os.PathLike) -> dict[str, tuple[list[int], list[
 
 
 def read_loss_terms(path: str | os.PathLike) -> dict[str, tuple[list[int], list[float]]]:
-    """The loss terms of a loss CSV: ``{term: (steps, values)}`` (``data``, ``output``, ``attention``)."""
+    """``{term: (steps, values)}`` of a loss CSV."""
     out: dict[str, tuple[list[int], list[float]]] = {}
     for step, _, _, terms, _ in read_rows(path):
         for k, v in terms.items():
@@ -114,18 +109,10 @@ def plot_loss_curves(
     log_y: bool = True,
     ylabel: str = "loss",
 ) -> None:
-    """Plot loss-vs-step curves (one per name) to a PNG (matplotlib Agg backend; atomic write).
-
-    Args:
-        curves: ``{label: (steps, losses)}``.
-        path: the ``.png`` to write.
-        smooth: moving-average window in steps (default: about 1/20 of the longest curve, >= 1);
-            the raw curve is drawn faintly behind the smoothed one.
-        log_y: logarithmic loss axis.
-        ylabel: the y-axis label.
+    """Plot ``{label: (steps, losses)}`` to a PNG (atomic), smoothed over ``smooth`` steps (default ~1/20).
 
     Raises:
-        ValueError: no curves, or a curve whose step and loss lists differ in length.
+        ValueError: no curves, or steps and losses of different lengths.
         ImportError: matplotlib is not installed.
     """
     import matplotlib  # optional: only the plot needs it (the caller reports a missing matplotlib)

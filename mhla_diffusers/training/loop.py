@@ -1,10 +1,7 @@
-"""The training loop (:func:`train`; ``finetune/train.py`` only parses arguments and calls it), run
-under accelerate over the family-agnostic pieces of this package: the config
-(:mod:`~mhla_diffusers.training.config`), the family recipes and models
-(:mod:`~mhla_diffusers.training.recipes`), the optimizer and gradient clipping
-(:mod:`~mhla_diffusers.training.optim`), the loss (:mod:`~mhla_diffusers.training.losses`), held-out
-evaluation, the loss log, resuming and the export. After every optimizer step
+"""The training loop, :func:`train`, under accelerate; after every optimizer step
 :func:`mhla_diffusers.clamp_mixing_` keeps the mixing matrices in ``[0, 1]`` (MHLA paper, Sec. 3.3).
+
+Outputs, resuming and the summary: ``docs/training.md``, "The loop".
 """
 
 from __future__ import annotations
@@ -64,7 +61,6 @@ def _step_seed(seed: int, step: int, micro: int, rank: int = 0) -> int:
 
 
 def _flat_config(config: Mapping, prefix: str = "") -> dict[str, Any]:
-    """Scalars of a nested config as ``{"a/b": value}`` (lists and None as strings) for trackers."""
     out = {}
     for k, v in config.items():
         key = f"{prefix}{k}"
@@ -76,7 +72,7 @@ def _flat_config(config: Mapping, prefix: str = "") -> dict[str, Any]:
 
 
 def _cached_dataset(parts: TrainingParts, dataset, cache_dir: Path, accelerator, batch_size: int):
-    """Encode ``dataset`` once into ``cache_dir/<key>`` (all processes share the work) and return the cache."""
+    """Encode ``dataset`` once into ``cache_dir/<key>`` (all processes share the work); the cache."""
     encoders = [e if isinstance(e, Mapping) else module_fingerprint(e) for e in parts.recipe.encoders(parts)]
     key = cache_key(parts.family, dataset.fingerprint(), encoders)
     folder = build_cache(
@@ -88,49 +84,16 @@ def _cached_dataset(parts: TrainingParts, dataset, cache_dir: Path, accelerator,
 
 
 def train(config: dict) -> dict[str, Any]:
-    """Train / fine-tune as ``config`` says (see :data:`DEFAULT_CONFIG`); run it under accelerate.
+    """Train / fine-tune as ``config`` says (:data:`DEFAULT_CONFIG`), under accelerate; the run's summary.
 
-    Writes into ``output_dir``: ``config.yaml`` (the resolved config), ``loss.csv`` (step, loss, lr
-    and the loss terms), ``loss.png``, ``checkpoints/checkpoint_<i>/`` (accelerate states plus EMA,
-    every ``train.checkpointing_steps``), ``final/`` (the final pipeline in the converted-checkpoint
-    format, written atomically; or ``export.dir``), ``train_summary.json`` and, with
-    ``report_to: tensorboard``, ``logs/``. With ``train.resume`` it continues from the latest
-    complete checkpoint (same data order, noise and final weights as an uninterrupted run on the
-    same hardware, bitwise on the CPU); a checkpoint at ``max_steps`` (a run killed while exporting)
-    is only evaluated and exported; a run that already finished at ``max_steps`` (its
-    ``train_summary.json`` and final model are there) is left as it is and its summary returned.
-    A resume compares the config with the one the checkpoint records: settings that shape the
-    trained parameters must not change (``ValueError`` naming them); every other change applies
-    from the resumed step (the optimizer takes the config's lr, mixing_lr, weight decay and Adam
-    settings, not the checkpoint's) and is printed.
-
-    Gradients are clipped per parameter group (:func:`gradient_groups`, :func:`clip_grad_norms_`)
-    and the norms logged (``loss.csv``, tracker); a step with a non-finite gradient norm is skipped
-    (not applied) and said.
-
-    The random draws of each step (noise, timesteps, condition dropout) are made for the global
-    batch and sliced per process, so ``N`` processes with per-process batch ``B`` follow the run of
-    one process with batch ``N B`` (up to floating-point reduction order).
-
-    Returns:
-        The summary dict (also written to ``train_summary.json``; empty on processes other than the
-        main one): ``final_dir``, ``steps``, ``final_loss`` (mean of the last ``log_every`` steps),
-        ``wall_time_s``, ``step_time_s``, ``step_cpu_time_s``, ``num_parameters``,
-        ``num_trainable_parameters``, ``family``, ``objective``, ``trainable``, ``mhla``,
-        ``mhla_layers``, ``mixing_range``, ``batch_size`` (global), ``skipped_steps`` (steps not
-        applied: a non-finite gradient norm), ``eval_loss_start`` /
-        ``eval_loss`` (held-out data loss before / after, see :func:`evaluate_heldout`; ``None``
-        unless ``eval.samples > 0``), ``eval_distill_start`` / ``eval_distill`` (held-out MSE to the
-        teacher's output; ``None`` without teacher).
+    Writes ``config.yaml``, ``loss.csv``, ``loss.png``, ``checkpoints/``, the final pipeline and
+    ``train_summary.json`` into ``output_dir`` (``docs/training.md``, "The loop"). The summary is empty
+    on non-main processes.
 
     Raises:
-        ValueError: invalid config (see :func:`load_config`), an FSDP launch that would not shard
-            (:func:`~mhla_diffusers.training.fsdp.check_fsdp_setup`), a dataset smaller than one batch,
-            ``resume`` without a complete checkpoint (or checkpoints without ``resume``), ``resume``
-            with the latest checkpoint or the finished run (``train_summary.json``) past
-            ``max_steps``, ``resume`` with a changed setting that shapes the trained parameters
-            (these are raised before anything is written), a checkpoint that does not load into the
-            model this config builds, a non-finite loss.
+        ValueError: invalid config, an FSDP launch that would not shard, a dataset smaller than one
+            batch, a resume that does not fit the output folder or changes a setting that shapes the
+            trained parameters (raised before anything is written), a non-finite loss.
     """
     validate_config(config)
     t_cfg = config["train"]
@@ -170,7 +133,6 @@ def train(config: dict) -> dict[str, Any]:
 
 @dataclass
 class _Run:
-    """What the steps of one :func:`train` call share (filled in step by step)."""
 
     config: dict
     accelerator: Accelerator
@@ -223,8 +185,7 @@ class _Run:
 
     @property
     def fsdp(self) -> bool:
-        """FSDP2 (:mod:`~mhla_diffusers.training.fsdp`): parameters are sharded across processes, so the
-        main process alone can neither evaluate nor export the wrapped model; see :func:`_final_model`."""
+        """Whether parameters are FSDP2-sharded (the main process alone cannot evaluate or export them)."""
         return self.accelerator.distributed_type == DistributedType.FSDP
 
     @property
@@ -234,8 +195,7 @@ class _Run:
 
 
 def _accelerator(t_cfg: Mapping, out: Path) -> Accelerator:
-    """A fresh ``Accelerator`` for this run; raises ``RuntimeError`` when it does not see every launched process,
-    ``ValueError`` for an FSDP launch it would not run as FSDP2 (:func:`check_fsdp_setup`)."""
+    """A fresh ``Accelerator``; ``RuntimeError`` if it misses launched processes, ``ValueError`` for a bad FSDP launch."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     # Several train() calls in one process (the demo, tests) may differ in mixed precision or
     # accumulation: forget the previous call's accelerate settings (the process group is kept).
@@ -266,8 +226,7 @@ def _accelerator(t_cfg: Mapping, out: Path) -> Accelerator:
 
 
 def _build_parts(run: _Run) -> None:
-    """The models (:func:`build_models`) on the device: frozen weights in the mixed-precision dtype,
-    trainable ones in fp32; the main process keeps an fp32 copy of the frozen weights for the export."""
+    """The models on the device: frozen weights in the mixed-precision dtype, trainable ones in fp32."""
     config, accelerator = run.config, run.accelerator
     t_cfg = config["train"]
     run.parts = parts = build_models(config)
@@ -286,7 +245,7 @@ def _build_parts(run: _Run) -> None:
     # the export (LoRA merged into them) is written at full precision, not from the bf16 / fp16 copies.
     if weight_dtype != torch.float32 and accelerator.is_main_process:
         run.frozen_fp32 = {n: p.detach().to("cpu", copy=True) for n, p in transformer.named_parameters() if not p.requires_grad}
-    prepare_parameter_dtypes(transformer, weight_dtype)  # frozen -> weight_dtype, trainable -> fp32 (C16)
+    prepare_parameter_dtypes(transformer, weight_dtype)  # frozen -> weight_dtype, trainable -> fp32 (GradScaler)
     frozen = [parts.teacher, getattr(parts.pipeline, "text_encoder", None)]
     for module in [m for m in frozen if m is not None]:  # teacher, text encoder: in the weight dtype
         module.to(accelerator.device)
@@ -296,11 +255,7 @@ def _build_parts(run: _Run) -> None:
 
 
 def _build_data(run: _Run) -> None:
-    """The dataset (cached if asked), its classes, the recipe's checks, the distributed sampler.
-
-    Raises:
-        ValueError: a dataset smaller than one optimizer step.
-    """
+    """The dataset (cached if asked), its classes, the recipe's checks, the sampler; ``ValueError`` if under one step."""
     parts, d_cfg = run.parts, run.config["data"]
     dataset = build_dataset(d_cfg)
     labels = getattr(dataset, "id2label", None)
@@ -323,11 +278,7 @@ def _build_data(run: _Run) -> None:
 
 
 def _build_optimization(run: _Run) -> None:
-    """Optimizer, lr schedule and model prepared by accelerate; the clipping groups; the EMA.
-
-    Raises:
-        ValueError: ``ema.enabled`` with FSDP.
-    """
+    """Optimizer, lr schedule and model prepared by accelerate, clipping groups, EMA (``ValueError`` with FSDP)."""
     config, accelerator, transformer = run.config, run.accelerator, run.parts.transformer
     t_cfg, e_cfg = config["train"], config["ema"]
     optimizer = build_optimizer(
@@ -362,7 +313,6 @@ def _build_optimization(run: _Run) -> None:
 
 
 def _remove_incomplete(run: _Run, incomplete: list[Path]) -> None:
-    """Delete checkpoint folders of a run killed while saving (unusable), on the main process."""
     run.accelerator.wait_for_everyone()
     if incomplete and run.accelerator.is_main_process:
         for folder in incomplete:
@@ -371,12 +321,7 @@ def _remove_incomplete(run: _Run, incomplete: list[Path]) -> None:
 
 
 def _resume(run: _Run, latest: tuple[int, Path], changes: Mapping[str, tuple[Any, Any]]) -> None:
-    """Load the latest complete checkpoint (checked by :func:`check_resume`) with this config's optimizer
-    settings, the EMA and the loss log up to its step; say what changed.
-
-    Raises:
-        ValueError: the checkpoint does not load into the model this config builds.
-    """
+    """Load the latest complete checkpoint with this config's optimizer settings; ``ValueError`` if it does not fit."""
     accelerator = run.accelerator
     step, folder = latest
     fresh = [{k: v for k, v in g.items() if k != "params"} for g in run.optimizer.param_groups]
@@ -410,7 +355,7 @@ def _resume(run: _Run, latest: tuple[int, Path], changes: Mapping[str, tuple[Any
 
 
 def _evaluate_start(run: _Run) -> None:
-    """Build the held-out set (``eval.samples > 0``) and, on a fresh run, its losses before training."""
+    """Build the held-out set and, on a fresh run, its losses before training."""
     config, accelerator = run.config, run.accelerator
     d_cfg, ev_cfg = config["data"], config["eval"]
     if int(ev_cfg["samples"]) <= 0:
@@ -425,12 +370,7 @@ def _evaluate_start(run: _Run) -> None:
 
 
 def _loss_options(run: _Run) -> dict[str, Any]:
-    """The keyword arguments of :func:`training_loss` that stay fixed over the run: the loss weights,
-    the attention recorders (attention transfer), the condition mode and dropout, the class count.
-
-    Raises:
-        ValueError: ``distill.condition=random`` on a model without classes.
-    """
+    """The fixed keyword arguments of :func:`training_loss` for this run."""
     parts, ds_cfg = run.parts, run.config["distill"]
     options = dict(
         data_weight=float(ds_cfg["data_weight"]) if parts.teacher is not None else 1.0,
@@ -450,8 +390,7 @@ def _loss_options(run: _Run) -> dict[str, Any]:
 
 
 def _run_steps(run: _Run, loss_options: Mapping[str, Any]) -> None:
-    """Train from ``run.step`` to ``max_steps``, epoch by epoch (a resume skips the steps already taken
-    in its epoch); times the steps this call takes."""
+    """Train from ``run.step`` to ``max_steps``, epoch by epoch, timing the steps."""
     accelerator, d_cfg = run.accelerator, run.config["data"]
     if not run.per_group_clip:
         accelerator.print(f"{accelerator.distributed_type}: train.grad_clip clips the global gradient norm, not each parameter group's")
@@ -483,12 +422,7 @@ def _run_steps(run: _Run, loss_options: Mapping[str, Any]) -> None:
 
 
 def _micro_step(run: _Run, batch: Mapping, micro: int, loss_options: Mapping[str, Any]):
-    """Forward and backward of one micro-batch; at the end of an accumulation, clip and (unless a gradient
-    norm is not finite) apply the optimizer step. Returns ``(loss, terms, norms, skipped)`` (detached).
-
-    Raises:
-        ValueError: a non-finite loss.
-    """
+    """One micro-batch's forward and backward (clip and step at an accumulation's end): ``(loss, terms, norms, skipped)``."""
     accelerator, model, optimizer = run.accelerator, run.model, run.optimizer
     batch = {k: v.to(accelerator.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     g = torch.Generator(device=accelerator.device).manual_seed(_step_seed(int(run.config["train"]["seed"]), run.step, micro))
@@ -512,9 +446,7 @@ def _micro_step(run: _Run, batch: Mapping, micro: int, loss_options: Mapping[str
 
 
 def _end_step(run: _Run, losses: list, terms: list, norms: Mapping[str, float], skip: bool, epoch: int, progress) -> None:
-    """After one optimizer step (or a skipped one: the weights keep their values, the EMA does not move):
-    clamp the mixing matrices, step the EMA, log the step's mean loss and terms over all processes,
-    write ``loss.csv`` every ``log_every`` steps and a checkpoint every ``checkpointing_steps``."""
+    """After an optimizer step (applied or skipped): clamp, EMA, log, ``loss.csv``, checkpoint."""
     accelerator, t_cfg = run.accelerator, run.config["train"]
     skipped = skip or accelerator.optimizer_step_was_skipped
     mixing_ops.clamp_mixing_(run.parts.transformer)  # MHLA paper Sec. 3.3: mixing coefficients kept in [0, 1]
@@ -549,7 +481,7 @@ def _end_step(run: _Run, losses: list, terms: list, norms: Mapping[str, float], 
 
 
 def _save_checkpoint(run: _Run, epoch: int) -> None:
-    """accelerate's state, the EMA, then ``train_state.json`` (last: it marks the checkpoint complete)."""
+    """accelerate's state, the EMA, then ``train_state.json`` (last: marks it complete)."""
     accelerator = run.accelerator
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -565,7 +497,7 @@ def _save_checkpoint(run: _Run, epoch: int) -> None:
 
 
 def _finish(run: _Run) -> dict[str, Any]:
-    """Evaluate and export the final model, write ``loss.csv``, ``loss.png`` and the summary (main process)."""
+    """Evaluate and export the final model; write ``loss.csv``, ``loss.png`` and the summary."""
     accelerator = run.accelerator
     accelerator.wait_for_everyone()
     summary: dict[str, Any] = {}
@@ -588,9 +520,7 @@ def _finish(run: _Run) -> dict[str, Any]:
 
 
 def _final_model(run: _Run, full_state: Mapping | None) -> torch.nn.Module:
-    """The trained model ready for evaluation and export: unwrapped (FSDP: a fresh unsharded copy with the
-    gathered ``full_state``), the recipe's changes undone, eval mode, the EMA weights if exported, the
-    frozen weights back at full precision."""
+    """The trained model ready for evaluation and export (unsharded, restored, EMA, full precision)."""
     model = run.accelerator.unwrap_model(run.model)
     restore = run.restore
     if run.fsdp:  # a fresh, unsharded copy of the model carrying the gathered weights
@@ -612,7 +542,6 @@ def _final_model(run: _Run, full_state: Mapping | None) -> torch.nn.Module:
 
 
 def _plot_losses(run: _Run) -> None:
-    """``loss.png``: the loss and, when there are several, each loss term (skipped without matplotlib)."""
     rows = run.rows
     if not rows:
         return
@@ -627,7 +556,6 @@ def _plot_losses(run: _Run) -> None:
 
 
 def _summary(run: _Run, model: torch.nn.Module, eval_end: Mapping) -> dict[str, Any]:
-    """The run's summary (see :func:`train`)."""
     t_cfg, rows, n = run.config["train"], run.rows, run.steps_this_run
     recent = [r[1] for r in rows[-int(t_cfg["log_every"]):]]
     mixing = mixing_parameters(model)

@@ -1,6 +1,4 @@
-"""The training loss: the family objective's data loss plus the distillation terms, with the random
-draws of a step made for the global batch (:func:`training_loss`); DiT's plain epsilon loss
-(:func:`diffusion_loss`)."""
+"""The training loss: data loss plus distillation terms (:func:`training_loss`); DiT's plain :func:`diffusion_loss`."""
 
 from __future__ import annotations
 
@@ -20,11 +18,7 @@ __all__ = ["training_loss", "diffusion_loss"]
 # -- the loss --------------------------------------------------------------------------------------
 def _step_draws(parts: TrainingParts, latents: torch.Tensor, generator, *, rank: int, world_size: int, dropout: float,
                 condition: str, num_classes: int | None):
-    """The random draws of one micro-batch, made for the GLOBAL micro-batch (``world_size`` x the local
-    one) from one generator and sliced: sample ``j`` of rank ``r`` takes global position ``j * world + r``,
-    the position ``DistributedSampler`` gives it. The same global batch thus gets the same noise,
-    timesteps and dropout whatever the number of processes (and, for one process, the draws of the
-    original single-process trainer)."""
+    """The random draws of one micro-batch, made for the global batch and sliced (sample ``j`` of rank ``r``: ``j * world + r``)."""
     b, device = latents.shape[0], latents.device
     g = b * world_size
     noise = torch.randn((g,) + tuple(latents.shape[1:]), generator=generator, device=device, dtype=latents.dtype)
@@ -55,28 +49,13 @@ def training_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one micro-batch: ``data_weight * data + output_weight * output + attention_weight * attention``.
 
-    - data: the family's objective (:class:`~mhla_diffusers.training.flow.Objective`: epsilon MSE for DiT,
-      flow matching ``||v_theta(x_t) - (noise - x0)||^2`` with its loss weighting for SANA);
-    - output: ``MSE(student, teacher)`` on the same ``x_t``, timestep and condition;
-    - attention: attention transfer, the mean over layers of the MSE between the recorded
-      self-attention outputs of student and teacher (``recorders``).
-
-    Args:
-        parts: from :func:`build_models` (``parts.teacher`` is used when a distillation weight is > 0).
-        model: the student (``parts.transformer``, possibly wrapped by accelerate / DDP).
-        batch: on the training device: ``pixel_values`` or cached ``latents``, and ``class_labels``,
-            ``caption`` or cached text embeddings.
-        generator: the step's generator (noise, timesteps, dropout, random labels); see
-            :func:`_step_draws` for how ranks share one global draw.
-        rank, world_size: this process among the data-parallel processes.
-        dropout: probability of replacing a sample's condition by the null label / empty caption.
-        condition: ``"dataset"``, ``"random"`` (random class ids in ``[0, num_classes)``) or ``"null"``.
-        recorders: ``(student_recorder, teacher_recorder)``
-            (:class:`~mhla_diffusers.training.distill.AttentionRecorder`), needed when ``attention_weight > 0``.
+    ``batch`` holds ``pixel_values`` or cached ``latents`` plus labels, captions or embeddings, on the
+    device; the step's draws come from ``generator`` for the global batch (``rank`` of ``world_size``);
+    ``condition`` is ``"dataset"``, ``"random"`` or ``"null"``; ``recorders`` the ``(student, teacher)``
+    :class:`~mhla_diffusers.training.distill.AttentionRecorder` pair for attention transfer.
 
     Returns:
-        ``(loss, terms)``: the scalar fp32 loss and its unweighted terms ``{"data", "output", "attention"}``
-        (those with a weight > 0).
+        ``(loss, terms)``: the fp32 scalar and its unweighted terms with a weight > 0.
     """
     recipe = parts.recipe
     latents = recipe.latents(parts, batch, generator, rank=rank, world_size=world_size)  # posterior noise: global draw
@@ -124,25 +103,11 @@ def diffusion_loss(
     class_dropout: float = 0.1,
     null_class: int = 1000,
 ) -> torch.Tensor:
-    """DDPM epsilon-prediction loss of one batch: ``mean ||eps - eps_theta(x_t, t, y)||^2``.
+    """DDPM epsilon-prediction loss of one DiT batch: ``mean ||eps - eps_theta(x_t, t, y)||^2`` (fp32).
 
-    ``x_0 = vae.encode(pixels).latent_dist.sample() * scaling_factor``; ``t ~ U{0..T-1}``;
-    ``x_t = noise_scheduler.add_noise(x_0, eps, t)``; with probability ``class_dropout`` a label is
-    replaced by ``null_class`` (classifier-free guidance, as DiT trains). For a transformer with
-    learned sigma (``out_channels == 2 * in_channels``) only the epsilon half is trained.
-
-    Args:
-        transformer: ``DiTTransformer2DModel`` (possibly wrapped by accelerate / DDP).
-        vae: any diffusers-style autoencoder (frozen; encoded without grad).
-        noise_scheduler: a ``DDPMScheduler`` (``add_noise``, ``config.num_train_timesteps``).
-        batch: ``pixel_values`` float ``[B, 3, H, W]`` in ``[-1, 1]``, ``class_labels`` long ``[B]``;
-            on the training device.
-        generator: draws ``t``, ``eps`` and the dropout (on the batch's device); ``None``: global RNG.
-        class_dropout: probability of dropping a label.
-        null_class: the unconditional label (``num_embeds_ada_norm``; 1000 for DiT).
-
-    Returns:
-        Scalar fp32 loss.
+    ``batch``: ``pixel_values`` float ``[B, 3, H, W]`` in ``[-1, 1]`` and ``class_labels`` long ``[B]``;
+    labels are replaced by ``null_class`` with probability ``class_dropout``; ``generator`` (``None``:
+    the global RNG) draws ``t``, ``eps`` and the dropout.
     """
     pixels = batch["pixel_values"]
     labels = batch["class_labels"]

@@ -1,5 +1,4 @@
-"""What trains and how: the trainable set, parameter dtypes, AdamW with the mixing matrices in their
-own group, and gradient norms clipped per parameter group."""
+"""What trains and how: trainable set, parameter dtypes, AdamW, per-group gradient clipping (``docs/training.md``)."""
 
 from __future__ import annotations
 
@@ -19,20 +18,12 @@ __all__ = ["set_trainable", "prepare_parameter_dtypes", "build_optimizer", "grad
 def set_trainable(
     transformer: torch.nn.Module, trainable: str = "full", *, lora: Mapping | None = None, train_mixing: bool = True
 ) -> int:
-    """Choose which parameters train, in place; returns how many parameter elements do.
+    """Choose which parameters train, in place: ``"full"``, ``"lora"``, ``"attention"`` or ``"mixing"``; the trainable element count.
 
-    - ``"full"``: every parameter.
-    - ``"lora"``: LoRA adapters from :func:`mhla_diffusers.checkpoint.lora.add_lora` (``lora``: the config's
-      ``lora`` section: rank, alpha, dropout, target_modules); everything else frozen.
-    - ``"attention"``: the parameters of the self-attention modules (q, k, v, out projections, norms).
-    - ``"mixing"``: nothing but the MHLA parameters (mixing matrices, Wan's output norms).
-
-    With ``train_mixing`` the MHLA parameters (mixing matrices, Wan's output norms:
-    :func:`mhla_diffusers.checkpoint.lora.mhla_parameters`) train in every set (``add_lora`` would freeze them
-    otherwise); without it they are frozen in every set.
+    With ``train_mixing`` the MHLA parameters train in every set, else they are frozen in every set.
 
     Raises:
-        ValueError: unknown ``trainable``, ``"mixing"`` on a model without MHLA, nothing left to train.
+        ValueError: unknown ``trainable``, ``"mixing"`` without MHLA, nothing left to train.
     """
     if trainable not in TRAINABLE_SETS:
         raise ValueError(f"trainable must be one of {TRAINABLE_SETS}; got {trainable!r}")
@@ -62,20 +53,12 @@ def set_trainable(
 
 
 def prepare_parameter_dtypes(model: torch.nn.Module, weight_dtype: torch.dtype) -> dict[str, int]:
-    """Frozen parameters to ``weight_dtype`` (memory), trainable ones (mixing matrices included) to fp32.
+    """Frozen parameters to ``weight_dtype``, trainable ones to fp32 (a ``GradScaler`` cannot unscale fp16 grads).
 
-    The fp16 recipe (CASES C16): a ``GradScaler`` refuses to unscale fp16 gradients ("Attempting to
-    unscale FP16 gradients"), so every parameter that receives a gradient must be fp32; frozen
-    weights may be fp16 / bf16 and run under autocast. Trainable parameters are never round-tripped
-    through the low-precision dtype (no precision is lost). Same end state as casting the model and
-    then :func:`diffusers.training_utils.cast_training_params`.
-
-    Frozen parameters of the modules the model class keeps in fp32 (diffusers'
-    ``_keep_in_fp32_modules``, e.g. Wan's time embedder and norms) stay fp32, as
-    ``from_pretrained(torch_dtype=...)`` keeps them.
+    Frozen parameters of ``_keep_in_fp32_modules`` stay fp32.
 
     Returns:
-        ``{"frozen": elements in weight_dtype, "trainable": elements in fp32, "kept_fp32": frozen elements kept in fp32}``.
+        ``{"frozen", "trainable", "kept_fp32"}`` element counts.
     """
     keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
     frozen = trainable = kept = 0
@@ -104,14 +87,7 @@ def build_optimizer(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
 ) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters of ``model``; MHLA mixing matrices in a second group.
-
-    Group 0: every other trainable parameter (``lr``, ``weight_decay``). Group 1 (if the model has
-    trainable mixing matrices): the mixing matrices (``mixing_lr`` or ``lr``, no weight decay).
-
-    Raises:
-        ValueError: no trainable parameters.
-    """
+    """AdamW: group ``model`` and group ``mhla_mixing`` (``mixing_lr``, no decay); ``ValueError`` if nothing trains."""
     mixing = [p for p in mixing_parameters(model) if p.requires_grad]
     ids = {id(p) for p in mixing}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
@@ -126,14 +102,7 @@ def build_optimizer(
 
 
 def gradient_groups(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter]]:
-    """The trainable parameters of ``model`` in the groups whose gradient norms are clipped and logged
-    one by one (:func:`clip_grad_norms_`), so that a spike in one group cannot scale the others' step
-    to nothing.
-
-    ``"model"``: every trainable parameter not in the next two (Wan's MHLA output norms included);
-    ``"lora"``: the LoRA adapter weights (:func:`mhla_diffusers.checkpoint.lora.lora_parameters`);
-    ``"mhla_mixing"``: the MHLA mixing matrices. Empty groups are left out; the order is that one.
-    """
+    """The trainable parameters as ``{"model", "lora", "mhla_mixing"}`` (empty groups left out), clipped one by one."""
     mixing = [p for p in mixing_parameters(model) if p.requires_grad]
     lora_ids = {id(p) for p in lora_parameters(model)}
     taken = {id(p) for p in mixing} | lora_ids
@@ -147,22 +116,9 @@ def gradient_groups(model: torch.nn.Module) -> dict[str, list[torch.nn.Parameter
 
 @torch.no_grad()
 def clip_grad_norms_(groups: Mapping[str, Sequence[torch.nn.Parameter]], max_norm: float | None) -> dict[str, float]:
-    """Clip the gradients of each group of ``groups`` to a 2-norm of at most ``max_norm``, in place.
+    """Clip each group's gradients to a 2-norm of at most ``max_norm`` (0 / ``None``: measure only), in place.
 
-    Each group is scaled on its own by ``min(1, max_norm / (norm + 1e-6))`` (what
-    ``torch.nn.utils.clip_grad_norm_`` does to all parameters at once), so one group's gradient
-    spike leaves the others' as they are. ``max_norm`` 0 or ``None``: nothing is clipped, the norms
-    are still measured. A group with a non-finite norm is not scaled (the caller skips the step).
-    Gradients may be FSDP2 shards (DTensors): DTensor's norm is then the whole gradient's, the same on
-    every process (a collective: every process calls this with the same groups).
-
-    Args:
-        groups: ``{name: parameters}`` (e.g. :func:`gradient_groups`); parameters without a
-            gradient are ignored.
-        max_norm: the largest gradient norm of a group, or 0 / ``None``.
-
-    Returns:
-        ``{name: norm before clipping}`` (Python floats; ``0.0`` for a group without gradients).
+    Returns ``{name: norm before clipping}``; a non-finite norm is not scaled. A collective under FSDP2.
     """
     norms = {}
     for name, params in groups.items():
@@ -181,11 +137,7 @@ def clip_grad_norms_(groups: Mapping[str, Sequence[torch.nn.Parameter]], max_nor
 
 def clip_step_gradients(accelerator, model, groups: Mapping[str, Sequence[torch.nn.Parameter]], max_norm: float | None,
                     per_group: bool) -> dict[str, float]:
-    """Unscale (fp16) and clip the gradients of one optimizer step; returns the norms before clipping.
-
-    ``per_group``: each of ``groups`` on its own (:func:`clip_grad_norms_`; FSDP2's sharded gradients
-    included). Otherwise (DeepSpeed, XLA: engine-managed gradients) the global norm, as ``"all"``.
-    """
+    """Unscale (fp16) and clip one step's gradients, per group or (DeepSpeed, XLA) globally; the norms."""
     if per_group:
         accelerator.unscale_gradients()
         return clip_grad_norms_(groups, max_norm)

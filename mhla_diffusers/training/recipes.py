@@ -1,6 +1,8 @@
-"""What differs per model family: one small recipe class each (:class:`DiTRecipe`,
-:class:`SanaRecipe`, :class:`WanRecipe`), and :func:`build_models`, which loads the family's models
-into :class:`TrainingParts` (MHLA applied if asked, the teacher, the trainable set)."""
+"""What differs per model family: a recipe class each (:class:`DiTRecipe`, :class:`SanaRecipe`,
+:class:`WanRecipe`), and :func:`build_models`, which loads them into :class:`TrainingParts`.
+
+See ``docs/training.md``, "Recipes".
+"""
 
 from __future__ import annotations
 
@@ -38,12 +40,9 @@ __all__ = [
 
 
 def resolve_family(config: dict) -> str:
-    """The model family of a config: ``model.family``, else the class of ``model.pretrained``'s
-    transformer, else ``"dit"`` (training from scratch).
+    """The config's model family: ``model.family``, else ``model.pretrained``'s transformer class, else ``"dit"``.
 
-    Raises:
-        ValueError: the pretrained transformer's class belongs to no family with a training recipe,
-            or contradicts ``model.family``.
+    ``ValueError`` for a transformer class without a recipe, or one contradicting ``model.family``.
     """
     m = config["model"]
     found = None
@@ -69,23 +68,11 @@ def resolve_family(config: dict) -> str:
 # -- what differs per family ---------------------------------------------------------------------
 @dataclass
 class TrainingParts:
-    """Everything :func:`train` builds besides the optimizer: models, objective, teacher, options.
+    """Everything :func:`train` builds besides the optimizer.
 
-    Attributes:
-        family: ``"dit"`` / ``"sana"`` / ``"wan"``.
-        transformer: the model being trained (fp32, train mode, MHLA installed if asked).
-        vae: the frozen autoencoder.
-        noise_scheduler: DiT: the ``DDPMScheduler`` (its config also defines the exported sampler);
-            flow families: the ``FlowMatchEulerDiscreteScheduler`` sigma table.
-        objective: the :class:`~mhla_diffusers.training.flow.Objective` trained.
-        pipeline: text families: the loaded pipeline (``encode_prompt``, export), else ``None``.
-        id2label: DiT: the pretrained pipeline's labels (the dataset's replace them in :func:`train`).
-        mhla_applied: names of the attention modules converted by this run (``[]`` if none).
-        teacher: the frozen distillation teacher, or ``None``.
-        text: ``model.text`` options (max_sequence_length, complex_human_instruction).
-        null_condition: text families: the empty caption's encoding (caption dropout on cached data).
-        expert: the pipeline component trained (``"transformer"``; Wan 2.2 A14B: ``"transformer"`` or
-            ``"transformer_2"``, see :func:`select_expert`).
+    ``transformer`` is trained (fp32, train mode); ``vae``, ``teacher`` and the ``pipeline``'s encoders
+    are frozen; ``noise_scheduler`` is DiT's ``DDPMScheduler`` or the flow sigma table; ``expert`` is
+    the pipeline component trained (Wan 2.2 A14B: ``"transformer"`` or ``"transformer_2"``).
     """
 
     family: str
@@ -103,23 +90,14 @@ class TrainingParts:
 
     @property
     def recipe(self) -> "_Recipe":
-        """The family's recipe."""
         return get_recipe(self.family)
 
 
 def posterior_sample(latent_dist, generator: torch.Generator | None = None, *, rank: int = 0, world_size: int = 1) -> torch.Tensor:
-    """A sample of a VAE posterior whose noise is drawn for the GLOBAL batch and sliced.
+    """A VAE posterior sample ``[B, ...]`` whose noise is drawn for the global batch and sliced for ``rank``.
 
-    For diffusers' ``DiagonalGaussianDistribution`` (``mean + std * noise``, the KL autoencoders' and
-    Wan's posterior) the noise is drawn for ``world_size`` x the local batch from ``generator`` and
-    sample ``j`` of rank ``r`` takes global position ``j * world_size + r``, as the step's other draws
-    (:func:`~mhla_diffusers.training.losses.training_loss`): the same global batch gets the same
-    latents whatever the number of processes. One process: exactly ``latent_dist.sample(generator)``.
-    Other posteriors (e.g. the deterministic :class:`~mhla_diffusers.PointLatentDistribution`) sample
-    as they do.
-
-    Returns:
-        ``[B, ...]`` in the posterior's dtype.
+    The same global batch gets the same latents whatever ``world_size``; one process: exactly
+    ``latent_dist.sample(generator)``. Non-Gaussian posteriors sample as they do.
     """
     from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
@@ -133,8 +111,6 @@ def posterior_sample(latent_dist, generator: torch.Generator | None = None, *, r
 
 def _encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None = None, *, rank: int = 0,
                     world_size: int = 1) -> torch.Tensor:
-    """``vae.encode(pixels)`` -> fp32 latents times ``scaling_factor`` (KL: a posterior sample,
-    :func:`posterior_sample`; DC-AE: ``.latent``)."""
     out = vae.encode(pixels.to(vae.dtype))
     if hasattr(out, "latent_dist"):
         z = posterior_sample(out.latent_dist, generator, rank=rank, world_size=world_size)
@@ -146,7 +122,7 @@ def _encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None
 
 
 class _Recipe(abc.ABC):
-    """The per-family part of training (one small subclass per family)."""
+    """The per-family part of training."""
 
     family = ""
     objective = ""
@@ -154,10 +130,9 @@ class _Recipe(abc.ABC):
 
     @abc.abstractmethod
     def load(self, config: dict) -> TrainingParts:
-        """Load the pipeline / transformer / VAE / encoders named by ``config`` (MHLA installed as configured)."""
+        """Load the models named by ``config`` (MHLA installed as configured)."""
 
     def dropout(self, config: dict) -> float:
-        """Probability of dropping a sample's condition (classifier-free guidance)."""
         return float(config["train"]["caption_dropout" if self.text_conditioned else "class_dropout"])
 
     def prepare(self, parts: TrainingParts, dataset, config: dict) -> list:
@@ -166,8 +141,7 @@ class _Recipe(abc.ABC):
 
     def latents(self, parts: TrainingParts, batch: Mapping, generator: torch.Generator | None = None, *, rank: int = 0,
                 world_size: int = 1) -> torch.Tensor:
-        """The clean latents of a batch: cached ``latents``, or the frozen vae on ``pixel_values`` (a posterior
-        sample drawn for the global batch of ``world_size`` processes, :func:`posterior_sample`)."""
+        """A batch's clean latents: cached ``latents``, or the frozen vae on ``pixel_values``."""
         if "latents" in batch:
             return batch["latents"].float()
         with torch.no_grad():
@@ -175,34 +149,31 @@ class _Recipe(abc.ABC):
 
     @abc.abstractmethod
     def condition(self, parts, batch, drop, mode="dataset", random_labels=None) -> dict:
-        """The transformer's conditioning kwargs for ``batch`` (labels or text embeddings), ``drop`` [B] bool marking dropped conditions."""
+        """The transformer's conditioning kwargs for ``batch``; ``drop`` ``[B]`` bool marks dropped conditions."""
 
     @abc.abstractmethod
     def predict(self, model, noisy, timesteps, cond) -> torch.Tensor:
-        """The model's prediction for noisy latents ``noisy`` at ``timesteps`` (epsilon or flow velocity, by objective)."""
+        """The model's prediction (epsilon or velocity) for ``noisy`` at ``timesteps``."""
 
     @abc.abstractmethod
     def cache_encode(self, parts: TrainingParts, batch: Mapping, device) -> dict:
-        """What a latent cache stores for ``batch``: latents and, for text families, the text embeddings."""
+        """What a latent cache stores for ``batch``."""
 
     def encoders(self, parts: TrainingParts) -> list:
-        """The frozen encoders whose outputs a latent cache stores (fingerprinted in its key)."""
         return [parts.vae]
 
     @abc.abstractmethod
     def write(self, model, parts: TrainingParts, out_dir: Path, *, sampler: str, id2label) -> None:
-        """Write the trained model as a ready diffusers pipeline (converted-checkpoint format) into ``out_dir``."""
+        """Write the trained model as a ready pipeline (converted-checkpoint format) into ``out_dir``."""
 
 
 class DiTRecipe(_Recipe):
-    """Class-conditional DiT (``DiTTransformer2DModel`` + ``DiTPipeline``): DDPM epsilon prediction,
-    label dropout to the null class ``num_embeds_ada_norm`` (1000), exported with a DPM / DDIM / DDPM sampler."""
+    """Class-conditional DiT: DDPM epsilon prediction, label dropout to the null class, DPM / DDIM / DDPM export."""
 
     family = "dit"
     objective = "epsilon"
 
     def load(self, config: dict) -> TrainingParts:
-        """Load ``model.pretrained`` (a DiTPipeline folder) or build ``model.init`` from scratch."""
         m = config["model"]
         id2label = None
         if m["pretrained"] is not None:
@@ -239,7 +210,6 @@ class DiTRecipe(_Recipe):
         )
 
     def prepare(self, parts, dataset, config):
-        """Resolution vs ``sample_size``, class count vs the null label; diffusers' own label dropout off."""
         check_resolution(parts.transformer, parts.vae, int(config["data"]["resolution"]))
         null_class = int(parts.transformer.config.num_embeds_ada_norm)
         labels = getattr(dataset, "id2label", None) or {}
@@ -251,8 +221,6 @@ class DiTRecipe(_Recipe):
         return restore
 
     def condition(self, parts, batch, drop, mode="dataset", random_labels=None):
-        """``{"class_labels"}``: the batch's (``mode="dataset"``), ``random_labels`` (``"random"``) or
-        the null class (``"null"``); dropped samples get the null class."""
         null_class = int(parts.transformer.config.num_embeds_ada_norm)
         labels = batch["class_labels"]
         if mode == "random":
@@ -267,25 +235,20 @@ class DiTRecipe(_Recipe):
         return pred[:, : noisy.shape[1]]
 
     def cache_encode(self, parts, batch, device):
-        """``{"latents", "class_labels"}`` of a batch."""
         return {"latents": _encode_latents(parts.vae, batch["pixel_values"].to(device)), "class_labels": batch["class_labels"]}
 
     def write(self, model, parts, out_dir, *, sampler, id2label):
-        """A complete ``DiTPipeline`` (see :func:`export_pipeline`)."""
         export_pipeline(model, parts.vae, parts.noise_scheduler, out_dir, sampler=sampler, id2label=id2label, overwrite=True)
 
 
 def select_expert(pipe, expert: str | None, where="the pipeline") -> tuple[str, tuple[float, float] | None]:
-    """``(component name, timestep range)`` of the transformer to fine-tune in ``pipe`` (``model.expert``).
+    """``(component name, timestep range)`` of the transformer to fine-tune in ``pipe``.
 
-    Wan 2.2 A14B denoises with two experts, switched at ``boundary = boundary_ratio * num_train_timesteps``
-    (diffusers' ``WanPipeline``): ``transformer`` for timesteps ``t >= boundary`` (high noise),
-    ``transformer_2`` for ``t < boundary`` (low noise); each is trained on its own range. A pipeline with
-    one transformer trains it on every timestep (range ``None``).
+    Wan 2.2 A14B: ``transformer`` for ``t >= boundary_ratio * T``, ``transformer_2`` below (as
+    ``WanPipeline`` switches them). One transformer: range ``None``.
 
     Raises:
-        ValueError: a two-expert pipeline without ``expert``; ``expert`` naming a component the pipeline
-            does not have.
+        ValueError: a two-expert pipeline without ``expert``, or an ``expert`` it does not have.
     """
     present = pipeline_transformers(pipe)
     boundary_ratio = getattr(pipe, "config", {}).get("boundary_ratio")
@@ -302,12 +265,6 @@ def select_expert(pipe, expert: str | None, where="the pipeline") -> tuple[str, 
 
 
 def _expert_folder(path, expert: str):
-    """The folder of ``expert`` in a pipeline folder ``path`` (Wan 2.2: ``<path>/transformer_2`` teaches the
-    low-noise expert); ``path`` itself for the first transformer or a transformer folder.
-
-    Raises:
-        FileNotFoundError: a pipeline folder without that expert.
-    """
     path = Path(path)
     if expert == "transformer" or not (path / "model_index.json").is_file():
         return path
@@ -317,14 +274,12 @@ def _expert_folder(path, expert: str):
 
 
 def _call_default(pipe, name: str):
-    """The default of ``name`` in the pipeline's ``__call__`` (what inference uses), or ``None``."""
     param = inspect.signature(type(pipe).__call__).parameters.get(name)
     return None if param is None or param.default is inspect.Parameter.empty else param.default
 
 
 class _TextRecipe(_Recipe):
-    """Shared by the text-conditioned flow-matching families (SANA, Wan): the pipeline's own
-    ``encode_prompt``, caption dropout to the empty caption, export as the same pipeline."""
+    """Shared by the text-conditioned flow-matching families (SANA, Wan)."""
 
     objective = "flow"
     text_conditioned = True
@@ -333,8 +288,7 @@ class _TextRecipe(_Recipe):
     condition_keys: dict[str, str] = {}
 
     def load(self, config: dict) -> TrainingParts:
-        """Load ``model.pretrained`` (a pipeline folder, plain or converted) and the flow objective;
-        the flow shift defaults to the pipeline scheduler's ``flow_shift``."""
+        """Load ``model.pretrained`` and the flow objective (shift default: the scheduler's ``flow_shift``)."""
         m = config["model"]
         pipe = load_mhla_pipeline(m["pretrained"], torch_dtype=torch.float32)
         expert, timestep_range = select_expert(pipe, m.get("expert"), m["pretrained"])
@@ -362,17 +316,16 @@ class _TextRecipe(_Recipe):
         )
 
     def prepare(self, parts, dataset, config):
-        """Encode the empty caption once (caption dropout on cached embeddings)."""
         parts.null_condition = self.encode_text(parts, [""], parts.pipeline.text_encoder.device)
         return []
 
     @abc.abstractmethod
     def encode_text(self, parts, captions: Sequence[str], device) -> dict:
-        """Encode ``captions`` with the pipeline's own ``encode_prompt``: the transformer's text kwargs."""
+        """Encode ``captions`` with the pipeline's ``encode_prompt``."""
 
     @staticmethod
     def captions(batch: Mapping, id2label: Mapping | None, template: str = "{}") -> list[str]:
-        """A batch's captions: its ``caption`` strings, or its class names through ``template``."""
+        """A batch's captions, or its class names through ``template``."""
         if "caption" in batch:
             return [str(c) for c in batch["caption"]]
         if "class_labels" in batch and id2label:
@@ -382,8 +335,6 @@ class _TextRecipe(_Recipe):
         )
 
     def condition(self, parts, batch, drop, mode="dataset", random_labels=None):
-        """The transformer's text inputs; dropped samples (and ``mode="null"``) get the empty caption.
-        ``mode="random"`` is not defined for text (use ``null``)."""
         if mode == "random":
             raise ValueError("distill.condition=random needs class labels; use null (empty captions) for text models")
         device = batch["latents"].device if "latents" in batch else batch["pixel_values"].device
@@ -404,17 +355,14 @@ class _TextRecipe(_Recipe):
         return out
 
     def cache_encode(self, parts, batch, device):
-        """``{"latents", <text embeddings>}`` of a batch."""
         captions = self.captions(batch, parts.id2label, parts.text.get("template", "{}"))
         latents = self.latents(parts, {"pixel_values": batch["pixel_values"].to(device)})
         return {"latents": latents, **self.encode_text(parts, captions, device)}
 
     def encoders(self, parts):
-        """The vae, the text encoder and the text options (all change what the cache holds)."""
         return [parts.vae, parts.pipeline.text_encoder, {"text": {k: v for k, v in parts.text.items()}}]
 
     def write(self, model, parts, out_dir, *, sampler, id2label):
-        """The loaded pipeline with the trained transformer (its own scheduler; ``sampler`` is DiT's)."""
         components = dict(parts.pipeline.components)
         components[parts.expert] = model
         config = {k: parts.pipeline.config[k] for k in ("boundary_ratio", "expand_timesteps") if k in parts.pipeline.config}
@@ -422,24 +370,20 @@ class _TextRecipe(_Recipe):
 
 
 class SanaRecipe(_TextRecipe):
-    """Text-to-image SANA (``SanaTransformer2DModel`` + ``SanaPipeline``): flow matching (target
-    ``noise - x0``), captions encoded by the pipeline's ``encode_prompt`` (Gemma-2, with the
-    complex human instruction as at inference unless ``model.text`` says otherwise), caption dropout
-    to the empty caption; exported as the same pipeline (its text encoder, vae and sampler)."""
+    """Text-to-image SANA: flow matching, Gemma-2 captions via ``encode_prompt``, caption dropout."""
 
     family = "sana"
     transformer_class = "SanaTransformer2DModel"
     condition_keys = {"prompt_embeds": "encoder_hidden_states", "prompt_attention_mask": "encoder_attention_mask"}
 
     def load(self, config: dict) -> TrainingParts:
-        """As :meth:`_TextRecipe.load`; ``complex_human_instruction: default`` becomes the pipeline's own."""
         parts = super().load(config)
         if parts.text["complex_human_instruction"] == "default":
             parts.text["complex_human_instruction"] = _call_default(parts.pipeline, "complex_human_instruction")
         return parts
 
     def encode_text(self, parts, captions: Sequence[str], device) -> dict:
-        """``{"prompt_embeds" [B, L, D], "prompt_attention_mask" [B, L]}`` of ``captions`` (no grad)."""
+        """``{"prompt_embeds" [B, L, D], "prompt_attention_mask" [B, L]}`` (no grad)."""
         with torch.no_grad():
             embeds, mask, _, _ = parts.pipeline.encode_prompt(
                 list(captions), do_classifier_free_guidance=False, device=device, clean_caption=False,
@@ -449,7 +393,6 @@ class SanaRecipe(_TextRecipe):
         return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
 
     def predict(self, model, noisy, timesteps, cond):
-        """The velocity prediction ``v = noise - x0``."""
         return model(
             noisy, encoder_hidden_states=cond["encoder_hidden_states"], encoder_attention_mask=cond["encoder_attention_mask"],
             timestep=timesteps,
@@ -457,23 +400,14 @@ class SanaRecipe(_TextRecipe):
 
 
 class WanRecipe(_TextRecipe):
-    """Text-to-video Wan 2.1 (``WanTransformer3DModel`` + ``WanPipeline``): flow matching (the
-    authors' recipe: shift 3 from the pipeline's scheduler, logit-normal timesteps), UMT5 captions
-    through ``encode_prompt`` (zero-padded to ``max_sequence_length``, 512 by default), latents of
-    ``AutoencoderKLWan`` normalised with its ``latents_mean`` / ``latents_std`` (the inverse of what
-    ``WanPipeline`` does before decoding). Images (photos, folders) train as one-frame videos."""
+    """Text-to-video Wan 2.1 / 2.2: flow matching, UMT5 captions, normalised ``AutoencoderKLWan`` latents."""
 
     family = "wan"
     transformer_class = "WanTransformer3DModel"
     condition_keys = {"prompt_embeds": "encoder_hidden_states"}
 
     def load(self, config: dict) -> TrainingParts:
-        """As :meth:`_TextRecipe.load` (Wan 2.2 A14B: the expert ``model.expert``, on its timestep range; TI2V-5B
-        trains as text-to-video); refuses image-to-video transformers, whose input also holds the first frame.
-
-        Raises:
-            ValueError: a transformer whose ``in_channels`` is not the VAE's ``z_dim`` (Wan I2V: 36 = 16 + 4 + 16).
-        """
+        """As :meth:`_TextRecipe.load`; ``ValueError`` for image-to-video transformers (``in_channels`` != the VAE's ``z_dim``)."""
         parts = super().load(config)
         z_dim, channels = int(parts.vae.config.z_dim), int(parts.transformer.config.in_channels)
         if channels != z_dim:
@@ -484,8 +418,7 @@ class WanRecipe(_TextRecipe):
         return parts
 
     def latents(self, parts, batch, generator=None, *, rank=0, world_size=1):
-        """Normalised video latents ``[B, z, F', H/8, W/8]`` (``pixel_values`` ``[B, 3, F, H, W]`` or images
-        ``[B, 3, H, W]``); the posterior sample is drawn for the global batch (:func:`posterior_sample`)."""
+        """Normalised video latents ``[B, z, F', H/8, W/8]`` of ``[B, 3, F, H, W]`` (or image) pixels."""
         if "latents" in batch:
             return batch["latents"].float()
         pixels = batch["pixel_values"]
@@ -500,7 +433,7 @@ class WanRecipe(_TextRecipe):
         return (z - mean) / std
 
     def encode_text(self, parts, captions: Sequence[str], device) -> dict:
-        """``{"prompt_embeds" [B, L, D]}`` (zero rows after each caption's tokens), no grad."""
+        """``{"prompt_embeds" [B, L, D]}``, zero rows after each caption (no grad)."""
         with torch.no_grad():
             embeds, _ = parts.pipeline.encode_prompt(
                 list(captions), do_classifier_free_guidance=False, device=device,
@@ -509,7 +442,6 @@ class WanRecipe(_TextRecipe):
         return {"prompt_embeds": embeds}
 
     def predict(self, model, noisy, timesteps, cond):
-        """The velocity prediction ``v = noise - x0``."""
         return model(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=cond["encoder_hidden_states"]).sample
 
 
@@ -518,11 +450,7 @@ assert tuple(RECIPES) == TRAINED_FAMILIES, "config.TRAINED_FAMILIES lists the fa
 
 
 def get_recipe(family: str) -> _Recipe:
-    """The training recipe of a model family.
-
-    Raises:
-        ValueError: no recipe for ``family``.
-    """
+    """The training recipe of a model family; ``ValueError`` if it has none."""
     if family not in RECIPES:
         raise ValueError(f"no training recipe for family {family!r}; available: {sorted(RECIPES)}")
     return RECIPES[family]
@@ -530,21 +458,11 @@ def get_recipe(family: str) -> _Recipe:
 
 # -- models, data, optimizer -----------------------------------------------------------------------
 def build_models(config: dict) -> TrainingParts:
-    """Build what training needs from ``config`` (``model``, ``mhla``, ``objective``, ``distill``,
-    ``lora``, ``train.trainable``).
-
-    Order: load the family's models; copy the teacher (``distill.teacher: original``) before anything
-    changes the weights; apply MHLA (unless the checkpoint has it); cast to fp32; choose the trainable
-    set (:func:`set_trainable`: full, LoRA, attention-only or mixing-only).
-
-    Returns:
-        :class:`TrainingParts` (the transformer in fp32 and train mode; vae / text encoder / teacher
-        frozen in eval mode).
+    """Build the models training needs from ``config``: load, copy the teacher, apply MHLA, fp32, trainable set.
 
     Raises:
-        ValueError: a bad ``model.init`` / ``model.vae`` / ``model.noise_scheduler`` dict, a model
-            that does not fit its family, an ``objective.kind`` the family does not train, a teacher
-            of another family.
+        ValueError: a bad ``model.*`` dict, a model that does not fit its family or objective, a teacher
+            of another class.
         FileNotFoundError, MHLACheckpointError: from :func:`mhla_diffusers.load_mhla_pipeline`.
     """
     family = resolve_family(config)
@@ -578,18 +496,9 @@ def build_models(config: dict) -> TrainingParts:
 
 
 def resize_dit(transformer: torch.nn.Module, sample_size: int) -> torch.nn.Module:
-    """The same DiT at another latent size ``sample_size`` (progressive-resolution training).
+    """The same DiT at latent size ``sample_size`` (progressive resolution); weights kept, sincos table rebuilt.
 
-    DiT's positional embedding is the fixed 2D sincos table of ``PatchEmbed`` (a non-persistent
-    buffer, rebuilt for the new grid: diffusers spaces positions by ``sample_size / patch_size``, so
-    the new size sees positions ``0 .. sample_size / patch - 1``, beyond the old range, which the
-    continued training adapts to); every learned weight is carried over unchanged. ``DiTPipeline``
-    samples at ``config.sample_size``, which is why the model is rebuilt rather than run at another size.
-    Returns ``transformer`` itself when the size is already ``sample_size``.
-
-    Raises:
-        ValueError: the model has MHLA (its block grids are tied to the old token grid: convert after
-            resizing), or ``sample_size`` does not divide by the patch size.
+    ``ValueError`` for a model with MHLA (resize before converting) or a size not a patch multiple.
     """
     if int(transformer.config.sample_size) == sample_size:
         return transformer
@@ -603,10 +512,7 @@ def resize_dit(transformer: torch.nn.Module, sample_size: int) -> torch.nn.Modul
 
 
 def check_resolution(transformer, vae, resolution: int) -> None:
-    """Raise ``ValueError`` unless ``resolution / vae_scale_factor == transformer.config.sample_size``.
-
-    DiT's positional embedding and ``DiTPipeline`` are fixed to ``sample_size`` latent pixels.
-    """
+    """Raise ``ValueError`` unless ``resolution / vae_scale_factor == transformer.config.sample_size``."""
     f = vae_scale_factor(vae)
     size = transformer.config.sample_size
     if resolution % f or resolution // f != size:
@@ -617,11 +523,9 @@ def check_resolution(transformer, vae, resolution: int) -> None:
 
 
 def disable_internal_label_dropout(transformer: torch.nn.Module) -> list[tuple[torch.nn.Module, float]]:
-    """Turn off diffusers' own label dropout inside DiT (each block draws its own, from the global RNG).
+    """Turn off diffusers' own label dropout inside DiT; returns ``[(module, old_prob)]`` to restore.
 
-    :func:`training_loss` drops labels itself, once per sample, from a seeded generator. Returns
-    ``[(module, old_prob)]`` so the caller can restore them (the probability is not in the config
-    or the state dict, so saving is unaffected either way).
+    :func:`training_loss` drops labels itself, once per sample, from a seeded generator.
     """
     changed = []
     for module in transformer.modules():

@@ -1,6 +1,8 @@
-"""Checkpoints and resuming: which checkpoints are complete, whether ``train.resume`` fits what the
-output folder holds, which config changes a resume refuses, the config's optimizer settings put
-into a loaded optimizer, and the EMA weights saved beside accelerate's state."""
+"""Checkpoints and resuming: complete checkpoints, whether ``train.resume`` fits the output folder,
+config changes a resume refuses, optimizer settings after loading, EMA weights.
+
+See ``docs/training.md``, "Resuming".
+"""
 
 from __future__ import annotations
 
@@ -21,8 +23,7 @@ SUMMARY = "train_summary.json"
 
 
 def find_checkpoints(ckpt_root: Path) -> tuple[list[tuple[int, Path]], list[Path]]:
-    """``([(step, folder)] of complete checkpoints by step, [incomplete folders])``. A checkpoint is
-    complete once its ``train_state.json`` is written (last, after the accelerate state and EMA)."""
+    """``([(step, folder)] complete, by step; [incomplete folders])``; complete once ``train_state.json`` exists."""
     complete, incomplete = [], []
     if ckpt_root.is_dir():
         for folder in ckpt_root.iterdir():
@@ -36,23 +37,15 @@ def find_checkpoints(ckpt_root: Path) -> tuple[list[tuple[int, Path]], list[Path
 
 
 def _complete_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
-    """``[(step, folder)]`` of checkpoints whose ``train_state.json`` was written (i.e. complete), by step."""
     return find_checkpoints(ckpt_root)[0]
 
 
 def check_resume(out: Path, final_dir: Path, resume: bool, complete: list[tuple[int, Path]], max_steps: int) -> dict | None:
-    """Check ``train.resume`` against what ``out`` holds, before anything is written.
-
-    Returns the stored summary (``train_summary.json``) when the run already finished at
-    ``max_steps`` with its final model in ``final_dir``: resuming it again has nothing to do.
-    ``None`` otherwise (train, or, with a checkpoint at ``max_steps`` but no final model, e.g. a run
-    killed while exporting, only export).
+    """Check ``train.resume`` against ``out`` before anything is written; the stored summary if the run finished at ``max_steps``.
 
     Raises:
-        ValueError: ``resume`` without a complete checkpoint; checkpoints without ``resume``; the
-            latest checkpoint past ``max_steps``; a run that already went past ``max_steps``
-            (its summary): resuming would overwrite its final model, ``loss.csv`` and summary with
-            those of an earlier step.
+        ValueError: ``resume`` without a complete checkpoint, checkpoints without ``resume``, or a
+            checkpoint or finished run past ``max_steps``.
     """
     ckpt_root = out / "checkpoints"
     if resume and not complete:
@@ -89,17 +82,13 @@ def check_resume(out: Path, final_dir: Path, resume: bool, complete: list[tuple[
 
 
 def save_ema(ema, folder: Path) -> None:
-    """Write the shadow parameters of diffusers' ``EMAModel`` ``ema`` (and its step) to ``folder/ema.safetensors``."""
+    """Write an ``EMAModel``'s shadow parameters and step to ``folder/ema.safetensors``."""
     tensors = {f"shadow.{i:05d}": p.detach().to("cpu").contiguous() for i, p in enumerate(ema.shadow_params)}
     save_file(tensors, str(folder / EMA_WEIGHTS), metadata={"optimization_step": str(ema.optimization_step)})
 
 
 def load_ema(ema, folder: Path) -> None:
-    """Read what :func:`save_ema` wrote in ``folder`` back into ``ema`` (values copied in place, step restored).
-
-    Raises:
-        ValueError: the file is missing or damaged, or holds another number of tensors than ``ema``.
-    """
+    """Read :func:`save_ema`'s file back into ``ema`` in place; ``ValueError`` if missing, damaged or mismatched."""
     path = folder / EMA_WEIGHTS
     if not path.is_file():
         raise ValueError(f"{path} is missing: the checkpoint was written without EMA; set ema.enabled=false or start a new run")
@@ -122,7 +111,6 @@ _UNSET = "<unset>"
 
 
 def _dotted(config: Mapping, prefix: str = "") -> dict[str, Any]:
-    """``{"section.key": value}`` of a nested config (a null or empty section is one key)."""
     out = {}
     for k, v in config.items():
         key = f"{prefix}{k}"
@@ -134,8 +122,7 @@ def _dotted(config: Mapping, prefix: str = "") -> dict[str, Any]:
 
 
 def _config_changes(recorded: Mapping, config: Mapping) -> dict[str, tuple[Any, Any]]:
-    """``{dotted key: (recorded value, new value)}`` for every key that differs (``train.resume`` aside);
-    a key one side lacks reads ``"<unset>"``. Sequences compare by their items (JSON turns tuples into lists)."""
+    """``{dotted key: (recorded, new)}`` of every differing key (``"<unset>"`` where missing)."""
     old, new = _dotted(recorded), _dotted(config)
     changes = {}
     for key in sorted(set(old) | set(new)):
@@ -148,9 +135,7 @@ def _config_changes(recorded: Mapping, config: Mapping) -> dict[str, tuple[Any, 
 
 
 def _recorded_config(out: Path, folder: Path) -> tuple[dict | None, Path | None]:
-    """The config a checkpoint was trained with: the one its ``train_state.json`` records, else the
-    run's ``config.yaml`` (checkpoints written before configs were recorded in them); ``(None, None)``
-    when neither is there."""
+    """``(config, source)`` a checkpoint was trained with (``train_state.json``, else ``config.yaml``)."""
     try:
         recorded = json.loads((folder / TRAIN_STATE).read_text()).get("config")
         if isinstance(recorded, Mapping):
@@ -167,7 +152,7 @@ def _recorded_config(out: Path, folder: Path) -> tuple[dict | None, Path | None]
 
 
 def _shape_changes(changes: Mapping[str, tuple[Any, Any]], config: Mapping, recorded: Mapping) -> list[str]:
-    """The keys of ``changes`` that shape the trained parameters (see ``_SHAPE_KEYS``)."""
+    """The changed keys that shape the trained parameters."""
     lora = "lora" in (config["train"]["trainable"], (recorded.get("train") or {}).get("trainable"))
     shaping = _SHAPE_KEYS_MHLA + (_SHAPE_KEYS_LORA if lora else ())
     # "mhla" itself changes when MHLA is turned on or off (a null section against a mapping)
@@ -180,15 +165,9 @@ def _shape_changes(changes: Mapping[str, tuple[Any, Any]], config: Mapping, reco
 
 
 def check_resume_config(out: Path, folder: Path, config: Mapping) -> dict[str, tuple[Any, Any]]:
-    """Compare ``config`` with the config recorded for the checkpoint ``folder`` (before anything is
-    built or written). Returns the changed settings (``{}`` when nothing is recorded).
+    """The settings changed since checkpoint ``folder``'s recorded config.
 
-    Raises:
-        ValueError: a changed setting that shapes the trained parameters (``mhla`` on / off,
-            ``mhla.layers``, ``num_blocks``, ``block_grid``, ``output_norm``, ``train.trainable``,
-            ``train.train_mixing``, ``model.family``, ``model.init``, ``model.expert`` (one Wan 2.2 expert
-            for another), ``lora.rank`` / ``target_modules`` of a LoRA run): the message names each, old and
-            new value.
+    ``ValueError`` naming each changed setting that shapes the trained parameters, old and new value.
     """
     recorded, source = _recorded_config(out, folder)
     if recorded is None:
@@ -210,21 +189,9 @@ def check_resume_config(out: Path, folder: Path, config: Mapping) -> dict[str, t
 
 
 def apply_optimizer_settings(optimizer, lr_scheduler, fresh: Sequence[Mapping[str, Any]]) -> list[str]:
-    """After ``load_state``: put this config's optimizer settings into the loaded optimizer and lr schedule.
+    """After ``load_state``: put this config's optimizer settings (``fresh``) back; returns what changed.
 
-    ``load_state`` brings back the checkpoint's param-group settings (learning rate, weight decay,
-    betas, eps) with the moment estimates; the run's config may have changed them. ``fresh`` is each
-    param group's settings as this config built them (before loading). Every setting that differs is
-    set to the config's; a changed learning rate becomes the schedule's base rate (``initial_lr``) and
-    the current rate is recomputed from the schedule at the resumed step (so a changed warm-up or
-    schedule applies too). Nothing changes when the config is the run's own.
-
-    Returns:
-        What was changed, e.g. ``["model: lr 0.001 -> 0.0005"]``.
-
-    Raises:
-        ValueError: a changed learning rate under a schedule that is not a ``LambdaLR`` (its base
-            rate cannot be replaced).
+    ``ValueError`` for a changed learning rate under a schedule that is not a ``LambdaLR``.
     """
     sched = getattr(lr_scheduler, "scheduler", lr_scheduler)
     lambdas = getattr(sched, "lr_lambdas", None) if isinstance(sched, torch.optim.lr_scheduler.LambdaLR) else None

@@ -1,19 +1,7 @@
-"""The retrofit recipe: a converted checkpoint -> label-free distillation -> fine-tuning (issue 13).
+"""The retrofit recipe: a converted checkpoint, then label-free distillation, then fine-tuning.
 
-Two runs of :func:`~mhla_diffusers.training.train` over one base config, each measuring the held-out
-losses before and after (the config's ``eval`` section):
-
-1. **distillation without labels**: attention transfer (per-layer MSE between the MHLA layers' and
-   the original softmax layers' outputs, weight ``attention_weight``) plus output matching (MSE to
-   the original model's output, ``output_weight``), no data loss, on the dataset's inputs with the
-   condition ``distill_condition`` (DiT: random class labels). Skipped for a model without MHLA
-   (the softmax control): there it is the identity, the original distilled into itself.
-2. **fine-tuning**: the objective's data loss plus output matching against the original
-   (``output_weight``), which anchors the model to what it was, so that the softmax control fine-tuned
-   the same way does not drift away from its pretrained optimum (the "do no harm" control).
-
-The optimiser settings (per-group learning rates, warm-up, decay) come from the base config; the
-shipped demo configs hold the ones measured in ``docs/study/report.md``.
+Two :func:`~mhla_diffusers.training.train` runs (``docs/training.md``, "Retrofit"); the demo
+configs hold the settings measured in ``docs/study/report.md``.
 """
 
 from __future__ import annotations
@@ -44,37 +32,16 @@ def retrofit(
     distill_lr: float | None = None,
     overrides: Iterable[str] = (),
 ) -> dict:
-    """Distil then fine-tune ``pretrained`` (a converted or plain pipeline folder) against ``teacher``.
+    """Distil then fine-tune ``pretrained`` against ``teacher`` (pipeline folders), into ``<output_dir>/{distill,finetune}``.
 
-    Args:
-        config: the fine-tuning YAML both phases start from (data, optimiser, ``eval``, ``export``).
-        pretrained: the student's pipeline folder (``convert_checkpoint`` output, or the original for
-            the control).
-        teacher: the original pipeline folder (frozen; distillation and output-matching target).
-        output_dir: runs go to ``<output_dir>/distill`` and ``<output_dir>/finetune``.
-        distill_steps: optimizer steps of phase 1 (0, or a model without MHLA: skipped).
-        finetune_steps: optimizer steps of phase 2 (>= 1).
-        attention_weight, output_weight: weights of the attention-transfer and output-matching MSEs
-            (``distill.attention_weight`` / ``distill.output_weight``); phase 2 uses ``output_weight``
-            only.
-        distill_condition: ``distill.condition`` of phase 1: ``"random"`` (DiT: random class labels),
-            ``"null"`` or ``"dataset"``.
-        distill_lr: phase 1's learning rate (constant after the config's warm-up); ``None``: the
-            config's ``train.lr`` and schedule. Phase 1 repairs a converted model (a larger step
-            helps); phase 2 runs the config's schedule, which must not harm the original.
-        overrides: extra ``key=value`` overrides for both phases (e.g. ``eval.samples=64``).
-
-    Returns:
-        ``{"heldout_loss": {"conversion", "distill", "finetune"}, "heldout_teacher_mse": {...},
-        "steps": {"distill", "finetune"}, "step_time_s": {...}, "wall_time_s": {...},
-        "final_dir", "runs": {"distill": path | None, "finetune": path}}``; held-out values are
-        ``None`` when the config has ``eval.samples: 0``; the ``distill`` entries equal the
-        ``conversion`` ones when phase 1 was skipped.
+    Phase 1 (``distill_steps``; skipped at 0 or without MHLA): attention transfer and output matching,
+    no data loss, ``distill_lr`` a constant rate (``None``: the config's schedule). Phase 2
+    (``finetune_steps >= 1``): the data loss plus output matching. ``config`` is the YAML both start
+    from; ``overrides`` apply to both. Returns held-out losses and teacher MSEs at ``conversion`` /
+    ``distill`` / ``finetune``, steps, times, ``final_dir`` and the run folders.
 
     Raises:
-        ValueError: ``finetune_steps`` / ``distill_steps`` not an integer (``True``, ``2.5``: never truncated),
-            ``finetune_steps < 1``, ``distill_steps < 0``, ``distill_lr <= 0``; config errors (see
-            :func:`~mhla_diffusers.training.load_config`).
+        ValueError: non-integer or out-of-range step counts, ``distill_lr <= 0``, config errors.
     """
     if distill_lr is not None and not distill_lr > 0:
         raise ValueError(f"distill_lr must be > 0 or None; got {distill_lr!r}")
