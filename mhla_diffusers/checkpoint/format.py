@@ -54,7 +54,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
-import inspect
 import json
 import logging
 import os
@@ -67,7 +66,6 @@ import diffusers
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.configuration_utils import FrozenDict
-from huggingface_hub import try_to_load_from_cache
 from safetensors.torch import save_file
 from torch import nn
 
@@ -76,7 +74,16 @@ from mhla_diffusers.checkpoint.adapter import describe_lora, has_lora, load_lora
 from mhla_diffusers.checkpoint.io import atomic_directory
 from mhla_diffusers.checkpoint.safetensors_file import MHLACheckpointError, load_safetensors, read_safetensors_header
 from mhla_diffusers.checkpoint.safetensors_file import is_int as _is_int
-from mhla_diffusers.models.families import FAMILIES, family_of, self_attention_modules
+from mhla_diffusers.families import (
+    FAMILIES,
+    canonical_model_class,
+    expert_timestep_range,
+    family_of,
+    pipeline_quirks,
+    pipeline_transformers,
+    self_attention_modules,
+    transformer_components,
+)
 from mhla_diffusers.models.install import (
     apply_mhla,
     idle_mhla_layers,
@@ -107,6 +114,7 @@ __all__ = [
     "load_mhla_pipeline",
     "load_mhla_weights",
     "pipeline_transformers",
+    "expert_timestep_range",
     "TRANSFORMER_COMPONENTS",
     "transformer_folder",
     "check_loaded",
@@ -342,76 +350,6 @@ def _forget_marker(model: nn.Module) -> None:
         model._internal_dict = FrozenDict({k: v for k, v in config.items() if k != CONFIG_MARKER_KEY})
 
 
-def _pipeline_id2label(pipe) -> dict[str, str] | None:
-    """The ``id2label`` of a pipeline (DiT's class names) as ``model_index.json`` stores it, or ``None``.
-
-    diffusers' ``save_pretrained`` writes only what is registered in the pipeline's config, and
-    ``DiTPipeline`` keeps the names it was built or loaded with in ``pipe.labels`` only. In order:
-    ``pipe.config["id2label"]`` (registered, as :func:`~mhla_diffusers.training.export.export_pipeline`
-    does); the ``model_index.json`` the pipeline was loaded from, when its names give exactly
-    ``pipe.labels``; else the names rebuilt from ``pipe.labels`` (``name -> id``; the names of one id
-    joined with ", ", which ``DiTPipeline`` splits back into the same ``labels``).
-    """
-    config = getattr(pipe, "config", None) or {}
-    raw = config.get("id2label") if hasattr(config, "get") else None
-    if raw:
-        return _sorted_id2label(raw)
-    labels = getattr(pipe, "labels", None)
-    if not isinstance(labels, dict) or not labels:
-        return None
-    source = _source_id2label(config.get("_name_or_path") if hasattr(config, "get") else None)
-    if source is not None and _labels_of(source) == {str(k): int(v) for k, v in labels.items()}:
-        return source
-    by_id: dict[int, list[str]] = {}
-    for name, idx in labels.items():
-        by_id.setdefault(int(idx), []).append(str(name))
-    return {str(i): ", ".join(names) for i, names in sorted(by_id.items())}
-
-
-def _sorted_id2label(raw) -> dict[str, str]:
-    """``{"0": name, "1": ...}``: string keys (as JSON stores them), in the order of the class ids."""
-    items = [(str(k), str(v)) for k, v in dict(raw).items()]
-    return dict(sorted(items, key=lambda kv: (0, int(kv[0]), "") if kv[0].lstrip("-").isdigit() else (1, 0, kv[0])))
-
-
-def _source_id2label(name_or_path) -> dict[str, str] | None:
-    """``id2label`` of the ``model_index.json`` a pipeline was loaded from: a local folder, or a Hub
-    id's cached copy (never downloaded); ``None`` if unknown."""
-    if not name_or_path:
-        return None
-    index = Path(str(name_or_path)) / "model_index.json"
-    try:
-        if not index.is_file():
-            cached = try_to_load_from_cache(str(name_or_path), "model_index.json")
-            if not isinstance(cached, str):
-                return None
-            index = Path(cached)
-        raw = json.loads(index.read_text()).get("id2label")
-        return _sorted_id2label(raw) if raw else None
-    except Exception:  # no such repository id, unreadable JSON, ...: the names are rebuilt from pipe.labels
-        return None
-
-
-def _labels_of(id2label: dict[str, str]) -> dict[str, int]:
-    """``DiTPipeline.labels`` built from ``id2label`` (names split at commas)."""
-    return {name.strip(): int(key) for key, value in id2label.items() for name in value.split(",")}
-
-
-def _write_id2label(pipe, folder: Path) -> None:
-    """Put the pipeline's ``id2label`` into the written ``model_index.json`` when diffusers left it out."""
-    index = folder / "model_index.json"
-    if not index.is_file():
-        return
-    data = json.loads(index.read_text())
-    if data.get("id2label"):
-        return
-    id2label = _pipeline_id2label(pipe)
-    if id2label is None:
-        return
-    data["id2label"] = id2label
-    index.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -448,31 +386,9 @@ def save_mhla_transformer(
     return Path(out_dir)
 
 
-# The pipeline components that are transformers MHLA may be installed on: Wan 2.2 A14B has two experts,
-# ``transformer`` (high noise) and ``transformer_2`` (low noise); every other pipeline has the first only.
-TRANSFORMER_COMPONENTS = ("transformer", "transformer_2")
-
-
-def pipeline_transformers(pipe) -> dict[str, nn.Module]:
-    """``{component name: transformer}`` of a pipeline, in :data:`TRANSFORMER_COMPONENTS` order, those present
-    only (Wan 2.2 A14B: ``transformer`` and ``transformer_2``; a Wan 2.2 pipeline saved with ``transformer``
-    set to ``None`` has the second only)."""
-    return {name: t for name in TRANSFORMER_COMPONENTS if (t := getattr(pipe, name, None)) is not None}
-
-
-def expert_timestep_range(pipe, expert: str) -> tuple[float, float] | None:
-    """The timesteps ``[low, high)`` (the scale the transformer's ``timestep`` input takes, 0..num_train_timesteps)
-    on which ``pipe`` runs its transformer ``expert``; ``None`` when it runs one transformer on every timestep.
-
-    Wan 2.2 A14B switches experts at ``boundary = boundary_ratio * num_train_timesteps`` (diffusers'
-    ``WanPipeline``): ``transformer`` runs ``t >= boundary`` (high noise, ``(boundary, inf)``), ``transformer_2``
-    ``t < boundary`` (low noise, ``(-inf, boundary)``). The one source of these ranges (training, calibration).
-    """
-    boundary_ratio = getattr(pipe, "config", {}).get("boundary_ratio")
-    if len(pipeline_transformers(pipe)) < 2 or boundary_ratio is None:
-        return None
-    boundary = float(boundary_ratio) * int(pipe.scheduler.config.get("num_train_timesteps", 1000))
-    return (boundary, float("inf")) if expert == "transformer" else (float("-inf"), boundary)
+# The pipeline components that are transformers MHLA may be installed on (families.transformer_components: Wan 2.2
+# A14B's experts ``transformer`` and ``transformer_2``; every other pipeline has the first only).
+TRANSFORMER_COMPONENTS = transformer_components()
 
 
 def save_mhla_pipeline(
@@ -482,7 +398,7 @@ def save_mhla_pipeline(
     its own folder (``<out_dir>/transformer/``, and ``<out_dir>/transformer_2/`` for Wan 2.2's second expert,
     each with its own layers and settings). The pipeline's ``id2label`` (DiT class names), which
     diffusers' ``save_pretrained`` leaves out unless registered in ``pipe.config``, is written
-    into ``model_index.json`` (see :func:`_pipeline_id2label`). A component with peft adapters
+    into ``model_index.json`` (see :class:`~mhla_diffusers.families.dit.DiTLabels`). A component with peft adapters
     (``pipe.load_lora_weights``, fused or not) is refused unless ``merge_lora=True``, as in
     :func:`save_mhla_transformer`, whose errors this raises."""
     transformers = pipeline_transformers(pipe)
@@ -495,7 +411,8 @@ def save_mhla_pipeline(
             for model in transformers.values():
                 stack.enter_context(_without_mixing(model))
             pipe.save_pretrained(tmp, **save_kwargs)
-        _write_id2label(pipe, tmp)
+        for quirks in pipeline_quirks():  # DiT: the id2label diffusers left out of model_index.json
+            quirks.after_save(pipe, tmp)
         for name, model in transformers.items():
             _write_mhla_files(model, tmp / name)
     return Path(out_dir)
@@ -879,8 +796,7 @@ def _read_json_object(path: Path) -> dict:
 
 def _transformer_class(folder: Path):
     name = _read_json_object(folder / "config.json").get("_class_name")
-    if name == "Transformer2DModel":  # the original DiT checkpoints
-        name = "DiTTransformer2DModel"
+    name = canonical_model_class(name)  # the original DiT checkpoints: Transformer2DModel
     cls = getattr(diffusers, str(name), None)
     if cls is None:
         raise MHLACheckpointError(f"{folder / 'config.json'} names an unknown model class {name!r}")
@@ -931,22 +847,6 @@ def load_mhla_transformer(
     return model.eval()
 
 
-def _register_id2label(pipe, path: Path) -> None:
-    """Keep the ``id2label`` of ``model_index.json`` in ``pipe.config`` (diffusers passes it to the
-    pipeline's ``__init__`` only), so that ``pipe.config["id2label"]`` holds the class names and a
-    later ``save_pretrained`` writes them again."""
-    config = getattr(pipe, "config", None)
-    if config is None or config.get("id2label") or "id2label" not in inspect.signature(type(pipe).__init__).parameters:
-        return
-    index = Path(path) / "model_index.json"
-    try:
-        raw = json.loads(index.read_text()).get("id2label")
-    except (OSError, ValueError, AttributeError):
-        return
-    if raw and isinstance(raw, dict):
-        pipe.register_to_config(id2label=_sorted_id2label(raw))
-
-
 def load_mhla_pipeline(
     path: str | os.PathLike, *, torch_dtype: torch.dtype | None = None, lora: bool | str | os.PathLike = True, **kwargs
 ):
@@ -974,7 +874,8 @@ def load_mhla_pipeline(
     with _loading_converted():
         pipe = DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(torch_dtype), **kwargs)
         _check_pipeline_loaded(pipe, path)
-        _register_id2label(pipe, path)
+        for quirks in pipeline_quirks():  # DiT: id2label kept in pipe.config
+            quirks.after_load(pipe, path)
         for name, model in pipeline_transformers(pipe).items():
             _forget_marker(model)
             if configs.get(name) is not None:
