@@ -17,14 +17,29 @@ from typing import Any, Callable, Iterable, Mapping
 
 import yaml
 
-from mhla_diffusers.models.families import FAMILIES
+from mhla_diffusers.families import FAMILIES
 from mhla_diffusers.training.distill import CONDITIONS, TRANSFER_LAYERS
 from mhla_diffusers.training.flow import LOSS_WEIGHTING, OBJECTIVES, TIMESTEP_SAMPLING
 
-__all__ = ["DEFAULT_CONFIG", "TRAINABLE_SETS", "TRAINED_FAMILIES", "load_config", "apply_overrides", "validate_config"]
+__all__ = [
+    "DEFAULT_CONFIG", "TRAINABLE_SETS", "TRAINED_FAMILIES", "default_family", "load_config", "apply_overrides", "validate_config",
+]
 
-# The families with a training recipe (mhla_diffusers.training.recipes.RECIPES has one for each).
-TRAINED_FAMILIES = ("dit", "sana", "wan")
+# The families with a training recipe (Family.training; mhla_diffusers.training.recipes.RECIPES has one for each).
+TRAINED_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.training is not None)
+# Those whose recipe builds a model from model.init (DiT) / continues one at another model.sample_size (DiT).
+_FROM_SCRATCH = [f for f in FAMILIES.values() if f.training is not None and f.training.from_scratch]
+_RESIZABLE = [f for f in FAMILIES.values() if f.training is not None and f.training.resizable]
+
+
+def default_family() -> str:
+    """The family of a config that names none and whose ``model.pretrained`` tells none: the first that trains
+    from scratch (``"dit"``)."""
+    return _FROM_SCRATCH[0].name
+
+
+def _names(families, attr: str = "title") -> str:
+    return " / ".join(getattr(f, attr) for f in families)
 TRAINABLE_SETS = ("full", "lora", "attention", "mixing")
 
 
@@ -404,22 +419,26 @@ def validate_config(config: dict) -> None:
 
 def _check_model(m: Mapping) -> None:
     """``model``: exactly one of pretrained / init, a family with a recipe, the text options."""
+    scratch_class = " / ".join(f.model_classes[0] for f in _FROM_SCRATCH)
     if (m["pretrained"] is None) == (m["init"] is None):
         raise ValueError(
             "set exactly one of model.pretrained (a pipeline folder) and model.init "
-            "(a DiTTransformer2DModel config dict to train from scratch)"
+            f"(a {scratch_class} config dict to train from scratch)"
         )
     if m["init"] is not None and not isinstance(m["init"], Mapping):
-        raise ValueError(f"model.init must be a mapping of DiTTransformer2DModel arguments; got {m['init']!r}")
+        raise ValueError(f"model.init must be a mapping of {scratch_class} arguments; got {m['init']!r}")
     if m["family"] is not None and m["family"] not in TRAINED_FAMILIES:
         known = sorted(FAMILIES)
         raise ValueError(f"model.family must be one of {sorted(TRAINED_FAMILIES)} (MHLA knows {known}) or null; got {m['family']!r}")
-    if m["init"] is not None and m["family"] not in (None, "dit"):
-        raise ValueError(f"model.init (training from scratch) is supported for DiT only; family {m['family']!r} needs model.pretrained")
-    if m["sample_size"] is not None and (m["pretrained"] is None or m["family"] not in (None, "dit")):
+    if m["init"] is not None and m["family"] not in (None, *(f.name for f in _FROM_SCRATCH)):
         raise ValueError(
-            "model.sample_size (continue a pretrained DiT at another latent size) needs model.pretrained and the dit "
-            f"family; for model.init set init.sample_size instead (got sample_size={m['sample_size']!r})"
+            f"model.init (training from scratch) is supported for {_names(_FROM_SCRATCH)} only; family {m['family']!r} needs "
+            "model.pretrained"
+        )
+    if m["sample_size"] is not None and (m["pretrained"] is None or m["family"] not in (None, *(f.name for f in _RESIZABLE))):
+        raise ValueError(
+            f"model.sample_size (continue a pretrained {_names(_RESIZABLE)} at another latent size) needs model.pretrained and "
+            f"the {_names(_RESIZABLE, 'name')} family; for model.init set init.sample_size instead (got sample_size={m['sample_size']!r})"
         )
     chi = m["text"]["complex_human_instruction"]
     if not (chi is None or chi == "default" or (isinstance(chi, list) and all(isinstance(s, str) for s in chi))):

@@ -1,21 +1,22 @@
-"""What differs per model family: one small recipe class each (:class:`DiTRecipe`,
-:class:`SanaRecipe`, :class:`WanRecipe`), and :func:`build_models`, which loads the family's models
-into :class:`TrainingParts` (MHLA applied if asked, the teacher, the trainable set)."""
+"""The training recipes: :func:`build_models`, which loads a family's models into :class:`TrainingParts` (MHLA
+applied if asked, the teacher, the trainable set), and one recipe per family (:data:`RECIPES`).
+
+A recipe is the generic part written here, the class-conditional one (:class:`ClassConditionalRecipe`) or the
+text one (:class:`TextRecipe`), bound to the family's :class:`~mhla_diffusers.families.TrainingSpec`
+(``Family.training``: prediction, text encoding, loading checks, ...). Each family's recipe class is named
+by its spec (``DiTRecipe``, ``SanaRecipe``, ``WanRecipe``) and importable from here.
+"""
 
 from __future__ import annotations
 
 import abc
-import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
-from diffusers import DDPMScheduler, DiTTransformer2DModel
-from diffusers.models.embeddings import LabelEmbedding
 
-from mhla_diffusers.autoencoder import SpaceToDepthAutoencoder
 from mhla_diffusers.checkpoint.format import (
     expert_timestep_range,
     load_mhla_pipeline,
@@ -23,23 +24,32 @@ from mhla_diffusers.checkpoint.format import (
     save_mhla_pipeline,
     transformer_folder,
 )
-from mhla_diffusers.models.families import FAMILIES
+from mhla_diffusers.families import (
+    FAMILIES,
+    Family,
+    TrainingSpec,
+    canonical_model_class,
+    family_of_class_name,
+    posterior_sample,
+    vae_scale_factor,
+)
+from mhla_diffusers.families.base import _call_default
+from mhla_diffusers.families.dit import check_resolution, disable_internal_label_dropout  # re-exported (public names)
 from mhla_diffusers.models.install import apply_mhla, is_mhla_model
-from mhla_diffusers.training.config import TRAINED_FAMILIES
+from mhla_diffusers.training.config import TRAINED_FAMILIES, default_family
 from mhla_diffusers.training.distill import load_teacher, make_teacher
-from mhla_diffusers.training.export import export_pipeline
 from mhla_diffusers.training.flow import Objective, flow_match_scheduler
 from mhla_diffusers.training.optim import set_trainable
 
 __all__ = [
-    "TrainingParts", "DiTRecipe", "SanaRecipe", "WanRecipe", "RECIPES", "get_recipe", "resolve_family", "build_models",
+    "TrainingParts", "ClassConditionalRecipe", "TextRecipe", "RECIPES", "get_recipe", "resolve_family", "build_models",
     "check_resolution", "vae_scale_factor", "disable_internal_label_dropout", "select_expert", "posterior_sample",
 ]
 
 
 def resolve_family(config: dict) -> str:
     """The model family of a config: ``model.family``, else the class of ``model.pretrained``'s
-    transformer, else ``"dit"`` (training from scratch).
+    transformer, else the family that trains from scratch (``"dit"``).
 
     Raises:
         ValueError: the pretrained transformer's class belongs to no family with a training recipe,
@@ -53,36 +63,34 @@ def resolve_family(config: dict) -> str:
             name = json.loads((folder / "config.json").read_text()).get("_class_name")
         except (FileNotFoundError, json.JSONDecodeError):
             name = None  # the loader reports a missing / broken folder with its own message
-        if name == "Transformer2DModel":
-            name = "DiTTransformer2DModel"
-        found = next((f.name for f in FAMILIES.values() if name in f.model_classes), None)
+        name = canonical_model_class(name)
+        found = getattr(family_of_class_name(name), "name", None)
         if name is not None and found is None:
             raise ValueError(f"{m['pretrained']}: transformer class {name!r} belongs to no supported family")
         if found is not None and found not in RECIPES:
             raise ValueError(f"{m['pretrained']} is a {found} model; this trainer has recipes for {sorted(RECIPES)}")
-    family = m["family"] or found or "dit"
+    family = m["family"] or found or default_family()
     if found is not None and m["family"] is not None and found != m["family"]:
         raise ValueError(f"model.family is {m['family']!r} but {m['pretrained']} holds a {found} transformer")
     return family
 
 
-# -- what differs per family ---------------------------------------------------------------------
+# -- the generic recipes -------------------------------------------------------------------------
 @dataclass
 class TrainingParts:
     """Everything :func:`train` builds besides the optimizer: models, objective, teacher, options.
 
     Attributes:
-        family: ``"dit"`` / ``"sana"`` / ``"wan"``.
+        family: the family's name (``"dit"`` / ``"sana"`` / ``"wan"``).
         transformer: the model being trained (fp32, train mode, MHLA installed if asked).
         vae: the frozen autoencoder.
-        noise_scheduler: DiT: the ``DDPMScheduler`` (its config also defines the exported sampler);
-            flow families: the ``FlowMatchEulerDiscreteScheduler`` sigma table.
+        noise_scheduler: class-conditional families: the ``DDPMScheduler`` (its config also defines the exported
+            sampler); flow families: the ``FlowMatchEulerDiscreteScheduler`` sigma table.
         objective: the :class:`~mhla_diffusers.training.flow.Objective` trained.
         pipeline: text families: the loaded pipeline (``encode_prompt``, export), else ``None``.
-        id2label: DiT: the pretrained pipeline's labels (the dataset's replace them in :func:`train`).
+        id2label: class-conditional families: the pretrained pipeline's labels (the dataset's replace them in :func:`train`).
         mhla_applied: names of the attention modules converted by this run (``[]`` if none).
-        teacher: the frozen distillation teacher, or ``None``.
-        text: ``model.text`` options (max_sequence_length, complex_human_instruction).
+        teacher: the frozen distillation teacher, or ``None``. text: ``model.text`` options.
         null_condition: text families: the empty caption's encoding (caption dropout on cached data).
         expert: the pipeline component trained (``"transformer"``; Wan 2.2 A14B: ``"transformer"`` or
             ``"transformer_2"``, see :func:`select_expert`).
@@ -107,50 +115,13 @@ class TrainingParts:
         return get_recipe(self.family)
 
 
-def posterior_sample(latent_dist, generator: torch.Generator | None = None, *, rank: int = 0, world_size: int = 1) -> torch.Tensor:
-    """A sample of a VAE posterior whose noise is drawn for the GLOBAL batch and sliced.
-
-    For diffusers' ``DiagonalGaussianDistribution`` (``mean + std * noise``, the KL autoencoders' and
-    Wan's posterior) the noise is drawn for ``world_size`` x the local batch from ``generator`` and
-    sample ``j`` of rank ``r`` takes global position ``j * world_size + r``, as the step's other draws
-    (:func:`~mhla_diffusers.training.losses.training_loss`): the same global batch gets the same
-    latents whatever the number of processes. One process: exactly ``latent_dist.sample(generator)``.
-    Other posteriors (e.g. the deterministic :class:`~mhla_diffusers.PointLatentDistribution`) sample
-    as they do.
-
-    Returns:
-        ``[B, ...]`` in the posterior's dtype.
-    """
-    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-
-    if world_size == 1 or not isinstance(latent_dist, DiagonalGaussianDistribution):
-        return latent_dist.sample(generator=generator)
-    mean = latent_dist.mean
-    b = mean.shape[0]
-    noise = torch.randn((b * world_size,) + tuple(mean.shape[1:]), generator=generator, device=mean.device, dtype=mean.dtype)
-    return mean + latent_dist.std * noise[torch.arange(b, device=mean.device) * world_size + rank]
-
-
-def _encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None = None, *, rank: int = 0,
-                    world_size: int = 1) -> torch.Tensor:
-    """``vae.encode(pixels)`` -> fp32 latents times ``scaling_factor`` (KL: a posterior sample,
-    :func:`posterior_sample`; DC-AE: ``.latent``)."""
-    out = vae.encode(pixels.to(vae.dtype))
-    if hasattr(out, "latent_dist"):
-        z = posterior_sample(out.latent_dist, generator, rank=rank, world_size=world_size)
-    elif hasattr(out, "latent"):
-        z = out.latent
-    else:
-        z = out[0]
-    return z.float() * vae.config.scaling_factor
-
-
 class _Recipe(abc.ABC):
-    """The per-family part of training (one small subclass per family)."""
+    """The generic part of training, bound to a family's :class:`~mhla_diffusers.families.TrainingSpec` (``spec``)."""
 
     family = ""
     objective = ""
     text_conditioned = False
+    spec: TrainingSpec = TrainingSpec()
 
     @abc.abstractmethod
     def load(self, config: dict) -> TrainingParts:
@@ -171,15 +142,15 @@ class _Recipe(abc.ABC):
         if "latents" in batch:
             return batch["latents"].float()
         with torch.no_grad():
-            return _encode_latents(parts.vae, batch["pixel_values"], generator, rank=rank, world_size=world_size)
+            return self.spec.encode_latents(parts.vae, batch["pixel_values"], generator, rank=rank, world_size=world_size)
 
     @abc.abstractmethod
     def condition(self, parts, batch, drop, mode="dataset", random_labels=None) -> dict:
         """The transformer's conditioning kwargs for ``batch`` (labels or text embeddings), ``drop`` [B] bool marking dropped conditions."""
 
-    @abc.abstractmethod
     def predict(self, model, noisy, timesteps, cond) -> torch.Tensor:
         """The model's prediction for noisy latents ``noisy`` at ``timesteps`` (epsilon or flow velocity, by objective)."""
+        return self.spec.predict(model, noisy, timesteps, cond)
 
     @abc.abstractmethod
     def cache_encode(self, parts: TrainingParts, batch: Mapping, device) -> dict:
@@ -194,66 +165,39 @@ class _Recipe(abc.ABC):
         """Write the trained model as a ready diffusers pipeline (converted-checkpoint format) into ``out_dir``."""
 
 
-class DiTRecipe(_Recipe):
-    """Class-conditional DiT (``DiTTransformer2DModel`` + ``DiTPipeline``): DDPM epsilon prediction,
-    label dropout to the null class ``num_embeds_ada_norm`` (1000), exported with a DPM / DDIM / DDPM sampler."""
-
-    family = "dit"
-    objective = "epsilon"
+class ClassConditionalRecipe(_Recipe):
+    """Class-conditional families (DiT): a pretrained pipeline or a model built from ``model.init``, label dropout to
+    the spec's null class, a pipeline built from the trained parts (the spec's ``pipeline``) on export."""
 
     def load(self, config: dict) -> TrainingParts:
-        """Load ``model.pretrained`` (a DiTPipeline folder) or build ``model.init`` from scratch."""
+        """Load ``model.pretrained`` (a pipeline folder) or build ``model.init`` from scratch."""
         m = config["model"]
         id2label = None
         if m["pretrained"] is not None:
             pipe = load_mhla_pipeline(m["pretrained"], torch_dtype=torch.float32)
-            transformer, vae = pipe.transformer, pipe.vae
-            noise_scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
-            raw = pipe.config.get("id2label") if hasattr(pipe, "config") else None
-            if raw:
-                id2label = {int(k): str(v) for k, v in dict(raw).items()}
+            transformer, vae, noise_scheduler, id2label = self.spec.from_pipeline(pipe)
         else:
-            try:
-                transformer = DiTTransformer2DModel(**dict(m["init"]))
-            except TypeError as e:
-                raise ValueError(f"model.init is not a valid DiTTransformer2DModel config: {e}") from e
-            try:
-                vae = SpaceToDepthAutoencoder(**dict(m["vae"]))
-            except TypeError as e:
-                raise ValueError(f"model.vae is not a valid SpaceToDepthAutoencoder config: {e}") from e
-            try:
-                noise_scheduler = DDPMScheduler(**dict(m["noise_scheduler"]))
-            except TypeError as e:
-                raise ValueError(f"model.noise_scheduler is not a valid DDPMScheduler config: {e}") from e
-        if type(transformer).__name__ != "DiTTransformer2DModel":
-            raise ValueError(f"family dit expects a DiTTransformer2DModel; {m['pretrained']} holds a {type(transformer).__name__}")
+            transformer, vae, noise_scheduler = self.spec.from_config(m)
+        if type(transformer).__name__ not in self.model_classes:
+            raise ValueError(
+                f"family {self.family} expects a {self.model_classes[0]}; {m['pretrained']} holds a {type(transformer).__name__}"
+            )
         if m.get("sample_size") is not None:
-            transformer = resize_dit(transformer, int(m["sample_size"]))
-        if getattr(noise_scheduler.config, "prediction_type", "epsilon") != "epsilon":
-            raise ValueError(f"only epsilon prediction is supported; the scheduler says {noise_scheduler.config.prediction_type!r}")
-        if transformer.config.get("num_embeds_ada_norm") is None:
-            raise ValueError("the transformer must be class-conditional (num_embeds_ada_norm set; DiTPipeline needs 1000)")
+            transformer = resize_transformer(transformer, int(m["sample_size"]))
+        self.spec.check(transformer, noise_scheduler)
         return TrainingParts(
             family=self.family, transformer=transformer, vae=vae, noise_scheduler=noise_scheduler,
-            objective=Objective("epsilon", noise_scheduler), id2label=id2label,
+            objective=Objective(self.objective, noise_scheduler), id2label=id2label,
         )
 
     def prepare(self, parts, dataset, config):
-        """Resolution vs ``sample_size``, class count vs the null label; diffusers' own label dropout off."""
-        check_resolution(parts.transformer, parts.vae, int(config["data"]["resolution"]))
-        null_class = int(parts.transformer.config.num_embeds_ada_norm)
-        labels = getattr(dataset, "id2label", None) or {}
-        if len(labels) > null_class:
-            raise ValueError(f"{len(labels)} classes but the model has {null_class} (num_embeds_ada_norm)")
-        restore = [(m, "dropout_prob", p) for m, p in disable_internal_label_dropout(parts.transformer)]
-        if parts.teacher is not None:
-            disable_internal_label_dropout(parts.teacher)
-        return restore
+        """The spec's checks of the data against the model (DiT: resolution, class count; label dropout off)."""
+        return self.spec.prepare(parts, dataset, config)
 
     def condition(self, parts, batch, drop, mode="dataset", random_labels=None):
         """``{"class_labels"}``: the batch's (``mode="dataset"``), ``random_labels`` (``"random"``) or
         the null class (``"null"``); dropped samples get the null class."""
-        null_class = int(parts.transformer.config.num_embeds_ada_norm)
+        null_class = self.spec.null_class(parts.transformer)
         labels = batch["class_labels"]
         if mode == "random":
             labels = random_labels
@@ -261,18 +205,14 @@ class DiTRecipe(_Recipe):
             labels = torch.full_like(labels, null_class)
         return {"class_labels": torch.where(drop.to(labels.device), torch.full_like(labels, null_class), labels)}
 
-    def predict(self, model, noisy, timesteps, cond):
-        """The epsilon half of the output (learned-sigma models predict ``2 C`` channels)."""
-        pred = model(noisy, timestep=timesteps, class_labels=cond["class_labels"]).sample
-        return pred[:, : noisy.shape[1]]
-
     def cache_encode(self, parts, batch, device):
         """``{"latents", "class_labels"}`` of a batch."""
-        return {"latents": _encode_latents(parts.vae, batch["pixel_values"].to(device)), "class_labels": batch["class_labels"]}
+        return {"latents": self.spec.encode_latents(parts.vae, batch["pixel_values"].to(device)), "class_labels": batch["class_labels"]}
 
     def write(self, model, parts, out_dir, *, sampler, id2label):
-        """A complete ``DiTPipeline`` (see :func:`export_pipeline`)."""
-        export_pipeline(model, parts.vae, parts.noise_scheduler, out_dir, sampler=sampler, id2label=id2label, overwrite=True)
+        """A complete pipeline of the family (DiT: ``DiTPipeline``, :func:`~mhla_diffusers.training.export_pipeline`)."""
+        pipe = self.spec.pipeline(model, parts.vae, parts.noise_scheduler, sampler=sampler, id2label=id2label)
+        save_mhla_pipeline(pipe, out_dir, overwrite=True)
 
 
 def select_expert(pipe, expert: str | None, where="the pipeline") -> tuple[str, tuple[float, float] | None]:
@@ -316,15 +256,9 @@ def _expert_folder(path, expert: str):
     return path / expert
 
 
-def _call_default(pipe, name: str):
-    """The default of ``name`` in the pipeline's ``__call__`` (what inference uses), or ``None``."""
-    param = inspect.signature(type(pipe).__call__).parameters.get(name)
-    return None if param is None or param.default is inspect.Parameter.empty else param.default
-
-
-class _TextRecipe(_Recipe):
-    """Shared by the text-conditioned flow-matching families (SANA, Wan): the pipeline's own
-    ``encode_prompt``, caption dropout to the empty caption, export as the same pipeline."""
+class TextRecipe(_Recipe):
+    """Text-conditioned flow-matching families (SANA, Wan): the pipeline's own ``encode_prompt`` (the spec's
+    ``encode_text``), caption dropout to the empty caption, export as the same pipeline."""
 
     objective = "flow"
     text_conditioned = True
@@ -334,12 +268,12 @@ class _TextRecipe(_Recipe):
 
     def load(self, config: dict) -> TrainingParts:
         """Load ``model.pretrained`` (a pipeline folder, plain or converted) and the flow objective;
-        the flow shift defaults to the pipeline scheduler's ``flow_shift``."""
+        the flow shift defaults to the pipeline scheduler's ``flow_shift``; then the spec's ``finish_load``."""
         m = config["model"]
         pipe = load_mhla_pipeline(m["pretrained"], torch_dtype=torch.float32)
         expert, timestep_range = select_expert(pipe, m.get("expert"), m["pretrained"])
         transformer = getattr(pipe, expert)
-        if type(transformer).__name__ != self.transformer_class or not hasattr(pipe, "encode_prompt"):
+        if type(transformer).__name__ not in self.model_classes or not hasattr(pipe, "encode_prompt"):
             raise ValueError(f"family {self.family} expects a pipeline with a {self.transformer_class}; "
                              f"{m['pretrained']} holds {type(pipe).__name__} / {type(transformer).__name__}")
         frozen = [t for name, t in pipeline_transformers(pipe).items() if name != expert]  # the other expert, exported as loaded
@@ -356,19 +290,21 @@ class _TextRecipe(_Recipe):
         text = dict(m["text"])
         if text["max_sequence_length"] is None:
             text["max_sequence_length"] = _call_default(pipe, "max_sequence_length") or 300
-        return TrainingParts(
+        parts = TrainingParts(
             family=self.family, transformer=transformer, vae=pipe.vae, noise_scheduler=table,
             objective=objective, pipeline=pipe, text=text, expert=expert,
         )
+        self.spec.finish_load(parts, config)
+        return parts
 
     def prepare(self, parts, dataset, config):
         """Encode the empty caption once (caption dropout on cached embeddings)."""
         parts.null_condition = self.encode_text(parts, [""], parts.pipeline.text_encoder.device)
         return []
 
-    @abc.abstractmethod
     def encode_text(self, parts, captions: Sequence[str], device) -> dict:
-        """Encode ``captions`` with the pipeline's own ``encode_prompt``: the transformer's text kwargs."""
+        """Encode ``captions`` with the pipeline's own ``encode_prompt`` (the spec's): the transformer's text kwargs."""
+        return self.spec.encode_text(parts, captions, device)
 
     @staticmethod
     def captions(batch: Mapping, id2label: Mapping | None, template: str = "{}") -> list[str]:
@@ -380,7 +316,6 @@ class _TextRecipe(_Recipe):
         raise ValueError(
             "a text-conditioned model needs captions: use data.kind=captions / video, or class-labelled data (photos / folder)"
         )
-
     def condition(self, parts, batch, drop, mode="dataset", random_labels=None):
         """The transformer's text inputs; dropped samples (and ``mode="null"``) get the empty caption.
         ``mode="random"`` is not defined for text (use ``null``)."""
@@ -421,99 +356,24 @@ class _TextRecipe(_Recipe):
         save_mhla_pipeline(type(parts.pipeline)(**components, **config), out_dir, overwrite=True)
 
 
-class SanaRecipe(_TextRecipe):
-    """Text-to-image SANA (``SanaTransformer2DModel`` + ``SanaPipeline``): flow matching (target
-    ``noise - x0``), captions encoded by the pipeline's ``encode_prompt`` (Gemma-2, with the
-    complex human instruction as at inference unless ``model.text`` says otherwise), caption dropout
-    to the empty caption; exported as the same pipeline (its text encoder, vae and sampler)."""
 
-    family = "sana"
-    transformer_class = "SanaTransformer2DModel"
-    condition_keys = {"prompt_embeds": "encoder_hidden_states", "prompt_attention_mask": "encoder_attention_mask"}
-
-    def load(self, config: dict) -> TrainingParts:
-        """As :meth:`_TextRecipe.load`; ``complex_human_instruction: default`` becomes the pipeline's own."""
-        parts = super().load(config)
-        if parts.text["complex_human_instruction"] == "default":
-            parts.text["complex_human_instruction"] = _call_default(parts.pipeline, "complex_human_instruction")
-        return parts
-
-    def encode_text(self, parts, captions: Sequence[str], device) -> dict:
-        """``{"prompt_embeds" [B, L, D], "prompt_attention_mask" [B, L]}`` of ``captions`` (no grad)."""
-        with torch.no_grad():
-            embeds, mask, _, _ = parts.pipeline.encode_prompt(
-                list(captions), do_classifier_free_guidance=False, device=device, clean_caption=False,
-                max_sequence_length=int(parts.text["max_sequence_length"]),
-                complex_human_instruction=parts.text["complex_human_instruction"],
-            )
-        return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
-
-    def predict(self, model, noisy, timesteps, cond):
-        """The velocity prediction ``v = noise - x0``."""
-        return model(
-            noisy, encoder_hidden_states=cond["encoder_hidden_states"], encoder_attention_mask=cond["encoder_attention_mask"],
-            timestep=timesteps,
-        ).sample
+def _recipe_class(family: Family) -> type:
+    """The recipe class of ``family``: the generic recipe of its conditioning bound to ``family.training``."""
+    spec = family.training
+    base = TextRecipe if family.conditioning == "text" else ClassConditionalRecipe
+    attrs = {
+        "__doc__": type(spec).__doc__, "__module__": __name__, "__qualname__": spec.recipe_name, "family": family.name,
+        "objective": spec.objective, "spec": spec, "model_classes": family.model_classes,
+    }
+    if base is TextRecipe:
+        attrs.update(transformer_class=family.model_classes[0], condition_keys=dict(spec.condition_keys))
+    return type(spec.recipe_name, (base,), attrs)
 
 
-class WanRecipe(_TextRecipe):
-    """Text-to-video Wan 2.1 (``WanTransformer3DModel`` + ``WanPipeline``): flow matching (the
-    authors' recipe: shift 3 from the pipeline's scheduler, logit-normal timesteps), UMT5 captions
-    through ``encode_prompt`` (zero-padded to ``max_sequence_length``, 512 by default), latents of
-    ``AutoencoderKLWan`` normalised with its ``latents_mean`` / ``latents_std`` (the inverse of what
-    ``WanPipeline`` does before decoding). Images (photos, folders) train as one-frame videos."""
-
-    family = "wan"
-    transformer_class = "WanTransformer3DModel"
-    condition_keys = {"prompt_embeds": "encoder_hidden_states"}
-
-    def load(self, config: dict) -> TrainingParts:
-        """As :meth:`_TextRecipe.load` (Wan 2.2 A14B: the expert ``model.expert``, on its timestep range; TI2V-5B
-        trains as text-to-video); refuses image-to-video transformers, whose input also holds the first frame.
-
-        Raises:
-            ValueError: a transformer whose ``in_channels`` is not the VAE's ``z_dim`` (Wan I2V: 36 = 16 + 4 + 16).
-        """
-        parts = super().load(config)
-        z_dim, channels = int(parts.vae.config.z_dim), int(parts.transformer.config.in_channels)
-        if channels != z_dim:
-            raise ValueError(
-                f"{config['model']['pretrained']}: the {parts.expert} takes {channels} input channels, the VAE gives {z_dim}: an "
-                "image-to-video model (noise + mask + first-frame latent); this trainer fine-tunes text-to-video Wan models"
-            )
-        return parts
-
-    def latents(self, parts, batch, generator=None, *, rank=0, world_size=1):
-        """Normalised video latents ``[B, z, F', H/8, W/8]`` (``pixel_values`` ``[B, 3, F, H, W]`` or images
-        ``[B, 3, H, W]``); the posterior sample is drawn for the global batch (:func:`posterior_sample`)."""
-        if "latents" in batch:
-            return batch["latents"].float()
-        pixels = batch["pixel_values"]
-        if pixels.ndim == 4:
-            pixels = pixels.unsqueeze(2)
-        vae = parts.vae
-        with torch.no_grad():
-            z = posterior_sample(vae.encode(pixels.to(vae.dtype)).latent_dist, generator, rank=rank, world_size=world_size).float()
-        shape = (1, vae.config.z_dim) + (1,) * (z.ndim - 2)
-        mean = torch.tensor(vae.config.latents_mean, device=z.device, dtype=z.dtype).view(shape)
-        std = torch.tensor(vae.config.latents_std, device=z.device, dtype=z.dtype).view(shape)
-        return (z - mean) / std
-
-    def encode_text(self, parts, captions: Sequence[str], device) -> dict:
-        """``{"prompt_embeds" [B, L, D]}`` (zero rows after each caption's tokens), no grad."""
-        with torch.no_grad():
-            embeds, _ = parts.pipeline.encode_prompt(
-                list(captions), do_classifier_free_guidance=False, device=device,
-                max_sequence_length=int(parts.text["max_sequence_length"]),
-            )
-        return {"prompt_embeds": embeds}
-
-    def predict(self, model, noisy, timesteps, cond):
-        """The velocity prediction ``v = noise - x0``."""
-        return model(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=cond["encoder_hidden_states"]).sample
-
-
-RECIPES: dict[str, _Recipe] = {"dit": DiTRecipe(), "sana": SanaRecipe(), "wan": WanRecipe()}
+# One recipe per family with a training spec, in registration order; its class is a name of this module.
+RECIPES: dict[str, _Recipe] = {name: _recipe_class(f)() for name, f in FAMILIES.items() if f.training is not None}
+globals().update({type(r).__name__: type(r) for r in RECIPES.values()})  # DiTRecipe, SanaRecipe, WanRecipe
+__all__ += [type(r).__name__ for r in RECIPES.values()]
 assert tuple(RECIPES) == TRAINED_FAMILIES, "config.TRAINED_FAMILIES lists the families with a recipe"
 
 
@@ -577,8 +437,9 @@ def build_models(config: dict) -> TrainingParts:
     return parts
 
 
-def resize_dit(transformer: torch.nn.Module, sample_size: int) -> torch.nn.Module:
-    """The same DiT at another latent size ``sample_size`` (progressive-resolution training).
+def resize_transformer(transformer: torch.nn.Module, sample_size: int) -> torch.nn.Module:
+    """The same model at another latent size ``sample_size`` (progressive-resolution training; families whose
+    training spec is ``resizable``: DiT).
 
     DiT's positional embedding is the fixed 2D sincos table of ``PatchEmbed`` (a non-persistent
     buffer, rebuilt for the new grid: diffusers spaces positions by ``sample_size / patch_size``, so
@@ -602,37 +463,4 @@ def resize_dit(transformer: torch.nn.Module, sample_size: int) -> torch.nn.Modul
     return resized.to(dtype=next(transformer.parameters()).dtype)
 
 
-def vae_scale_factor(vae) -> int:
-    """Pixels per latent pixel: ``config.factor`` (SpaceToDepthAutoencoder) or ``2 ** (levels - 1)`` (AutoencoderKL)."""
-    if "factor" in vae.config:
-        return int(vae.config.factor)
-    return 2 ** (len(vae.config.block_out_channels) - 1)
-
-
-def check_resolution(transformer, vae, resolution: int) -> None:
-    """Raise ``ValueError`` unless ``resolution / vae_scale_factor == transformer.config.sample_size``.
-
-    DiT's positional embedding and ``DiTPipeline`` are fixed to ``sample_size`` latent pixels.
-    """
-    f = vae_scale_factor(vae)
-    size = transformer.config.sample_size
-    if resolution % f or resolution // f != size:
-        raise ValueError(
-            f"data.resolution={resolution} px gives {resolution / f:g} latent pixels (vae factor {f}), but the "
-            f"transformer's sample_size is {size}: set data.resolution to {size * f}"
-        )
-
-
-def disable_internal_label_dropout(transformer: torch.nn.Module) -> list[tuple[torch.nn.Module, float]]:
-    """Turn off diffusers' own label dropout inside DiT (each block draws its own, from the global RNG).
-
-    :func:`training_loss` drops labels itself, once per sample, from a seeded generator. Returns
-    ``[(module, old_prob)]`` so the caller can restore them (the probability is not in the config
-    or the state dict, so saving is unaffected either way).
-    """
-    changed = []
-    for module in transformer.modules():
-        if isinstance(module, LabelEmbedding) and module.dropout_prob > 0:
-            changed.append((module, module.dropout_prob))
-            module.dropout_prob = 0.0
-    return changed
+resize_dit = resize_transformer  # its former name
