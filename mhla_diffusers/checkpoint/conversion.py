@@ -34,8 +34,8 @@ from mhla_diffusers.checkpoint.format import (
     save_mhla_transformer,
     transformer_folder,
 )
+from mhla_diffusers.families import FAMILIES, family_of, get_family
 from mhla_diffusers.models.calibration import calibration_inputs, clip_timestep_range
-from mhla_diffusers.models.families import FAMILIES, family_of, get_family
 from mhla_diffusers.models.install import apply_mhla, mhla_spec, record_selection
 from mhla_diffusers.models.provenance import is_hub_id
 

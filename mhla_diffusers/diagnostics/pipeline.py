@@ -14,7 +14,7 @@ from mhla_diffusers.checkpoint.io import atomic_write_json, atomic_write_text
 from mhla_diffusers.diagnostics.attention import KINDS
 from mhla_diffusers.diagnostics.capture import _layer_mixing, capture_query_key, qk_statistics
 from mhla_diffusers.diagnostics.plots import plot_mixing_matrix, plot_rank_entropy
-from mhla_diffusers.models.families import family_of, self_attention_modules
+from mhla_diffusers.families import family_of, self_attention_modules
 from mhla_diffusers.ops.mixing import mixing_init
 
 

@@ -7,7 +7,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from torch import nn
 
-from mhla_diffusers.models.families import attention_modules, family_of, self_attention_modules, stock_processor
+from mhla_diffusers.families import attention_modules, family_of, self_attention_modules, stock_processor
 from mhla_diffusers.models.grid import install_grid_hooks, remove_grid_hooks
 from mhla_diffusers.models.hybrid import attention_flops, scores_list, select_auto, select_layers
 from mhla_diffusers.models.processor import (
