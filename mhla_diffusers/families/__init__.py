@@ -18,8 +18,8 @@ from mhla_diffusers.families.base import *  # noqa: F403  (the registry API and 
 from mhla_diffusers.families.base import __all__ as _base_all
 
 # The registry: one line per family (importing the module registers its entry).
-from mhla_diffusers.families.dit import DIT  # noqa: E402
-from mhla_diffusers.families.sana import SANA  # noqa: E402
-from mhla_diffusers.families.wan import WAN, WanRotary, wan_native_video  # noqa: E402
+from mhla_diffusers.families.dit import DIT
+from mhla_diffusers.families.sana import SANA
+from mhla_diffusers.families.wan import WAN, WanRotary, wan_native_video
 
 __all__ = [*_base_all, "DIT", "SANA", "WAN", "WanRotary", "wan_native_video"]
