@@ -4,7 +4,7 @@ A family module (``dit.py``, ``sana.py``, ``wan.py``) builds one :class:`Family`
 :func:`register_family`; the generic modules (the processor, the grid hooks, conversion, the checkpoint
 format, generation, training, context parallelism) ask the registry (:func:`family_of`, :func:`get_family`,
 :data:`FAMILIES`) and call the entry's fields and hooks instead of naming families. This module imports
-only torch, diffusers and huggingface_hub: every part of the package may import it.
+only torch and diffusers: every part of the package may import it.
 """
 
 from __future__ import annotations
