@@ -11,13 +11,11 @@ cheap and never imports diffusers until a name that needs it is used:
 """
 
 import importlib
-import os as _os
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
-# Triton decides at import time whether its functions run in the CPU interpreter: remember whether
-# TRITON_INTERPRET was on when this package was imported, so that the Triton backend can say
-# clearly when it was switched on too late.
-_TRITON_INTERPRET_AT_IMPORT = _os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+# Imported first: it remembers the environment as it was at this import (a backend can then say
+# clearly when a setting its library fixes at import was switched on too late).
+from mhla_diffusers import env as _env  # noqa: F401
 
 __version__ = "0.1.0"
 
@@ -35,22 +33,22 @@ _EXPORTS = {
     "InterleavedRotary": "mhla_diffusers.ops",
     "available_backends": "mhla_diffusers.ops",
     "token_grid": "mhla_diffusers.models.grid",
-    "select_layers": "mhla_diffusers.models.hybrid",
-    "select_auto": "mhla_diffusers.models.hybrid",
-    "attention_flops": "mhla_diffusers.models.hybrid",
-    "layer_sensitivity": "mhla_diffusers.models.sensitivity",
-    "LayerSensitivity": "mhla_diffusers.models.sensitivity",
-    "calibration_inputs": "mhla_diffusers.models.calibration",
-    "encode_calibration_prompts": "mhla_diffusers.models.calibration",
+    "select_layers": "mhla_diffusers.selection.hybrid",
+    "select_auto": "mhla_diffusers.selection.hybrid",
+    "attention_flops": "mhla_diffusers.selection.hybrid",
+    "layer_sensitivity": "mhla_diffusers.selection.sensitivity",
+    "LayerSensitivity": "mhla_diffusers.selection.sensitivity",
+    "calibration_inputs": "mhla_diffusers.selection.calibration",
+    "encode_calibration_prompts": "mhla_diffusers.selection.calibration",
     "MHLAProcessor": "mhla_diffusers.models.processor",
     "apply_mhla": "mhla_diffusers.models.install",
-    "attention_cost": "mhla_diffusers.models.install",
+    "attention_cost": "mhla_diffusers.selection.cost",
     "materialize_mhla": "mhla_diffusers.models.install",
-    "remove_mhla": "mhla_diffusers.models.install",
-    "set_attn_processor": "mhla_diffusers.models.install",
+    "remove_mhla": "mhla_diffusers.models.installer",
+    "set_attn_processor": "mhla_diffusers.models.installer",
     "attention_modules": "mhla_diffusers.models.install",
-    "is_mhla_model": "mhla_diffusers.models.install",
-    "mhla_spec": "mhla_diffusers.models.install",
+    "is_mhla_model": "mhla_diffusers.models.installer",
+    "mhla_spec": "mhla_diffusers.models.installer",
     "context_parallel_plan": "mhla_diffusers.models.parallel",
     "enable_context_parallel": "mhla_diffusers.models.parallel",
     "MHLACheckpointError": "mhla_diffusers.checkpoint.format",
@@ -94,22 +92,15 @@ if _TYPE_CHECKING:  # static analysers and IDEs see the eager imports
         save_mhla_pipeline,
         save_mhla_transformer,
     )
-    from mhla_diffusers.models.calibration import calibration_inputs, encode_calibration_prompts
     from mhla_diffusers.models.grid import token_grid
-    from mhla_diffusers.models.hybrid import attention_flops, select_auto, select_layers
-    from mhla_diffusers.models.install import (
-        apply_mhla,
-        attention_cost,
-        attention_modules,
-        is_mhla_model,
-        materialize_mhla,
-        mhla_spec,
-        remove_mhla,
-        set_attn_processor,
-    )
+    from mhla_diffusers.models.install import apply_mhla, attention_modules, materialize_mhla
+    from mhla_diffusers.models.installer import is_mhla_model, mhla_spec, remove_mhla, set_attn_processor
     from mhla_diffusers.models.parallel import context_parallel_plan, enable_context_parallel
     from mhla_diffusers.models.processor import MHLAProcessor
-    from mhla_diffusers.models.sensitivity import LayerSensitivity, layer_sensitivity
     from mhla_diffusers.ops import InterleavedRotary, available_backends, mhla_attention, mhla_attention_reference
     from mhla_diffusers.ops.layout import BlockLayout, choose_block_grid, default_num_blocks
     from mhla_diffusers.ops.mixing import MixingMatrix, clamp_mixing_, mixing_init, mixing_parameters
+    from mhla_diffusers.selection.calibration import calibration_inputs, encode_calibration_prompts
+    from mhla_diffusers.selection.cost import attention_cost
+    from mhla_diffusers.selection.hybrid import attention_flops, select_auto, select_layers
+    from mhla_diffusers.selection.sensitivity import LayerSensitivity, layer_sensitivity

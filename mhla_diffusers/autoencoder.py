@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from mhla_diffusers.checkpoint.io import atomic_output
 
-__all__ = ["SpaceToDepthAutoencoder", "PointLatentDistribution"]
+__all__ = ["SpaceToDepthAutoencoder", "PointLatentDistribution", "vae_scale_factor"]
 
 
 class PointLatentDistribution:
@@ -190,3 +190,11 @@ class SpaceToDepthAutoencoder(ModelMixin, ConfigMixin):
         """Encode then decode (the identity, exactly). ``sample``: ``[B, C, H, W]``."""
         z = self.encode(sample).latent_dist.mode()
         return self.decode(z, return_dict=return_dict)
+
+
+def vae_scale_factor(vae) -> int:
+    """Pixels per latent pixel of ``vae``: ``config.factor`` (:class:`SpaceToDepthAutoencoder`) or
+    ``2 ** (levels - 1)`` (diffusers' ``AutoencoderKL``, ``levels = len(config.block_out_channels)``)."""
+    if "factor" in vae.config:
+        return int(vae.config.factor)
+    return 2 ** (len(vae.config.block_out_channels) - 1)

@@ -3,7 +3,7 @@
 - :func:`add_lora` puts LoRA adapters on a transformer's linear layers: ``model.add_adapter``
   where diffusers offers it (SANA, Wan), ``peft.inject_adapter_in_model`` elsewhere (DiT has no
   ``add_adapter`` in diffusers 0.42). Both freeze every non-LoRA parameter, the MHLA mixing
-  matrices included (FACTS.md, section 2): :func:`add_lora` makes the mixing matrices trainable
+  matrices included: :func:`add_lora` makes the mixing matrices trainable
   again (``train_mixing=True``), since the retrofit is what has to be learned.
 - :func:`merge_lora_` folds ``W + (alpha / r) B A`` into every adapted layer and removes the
   adapters: the model is then a plain diffusers model (plus MHLA) and saves as a converted

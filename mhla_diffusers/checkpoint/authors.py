@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
-from mhla_diffusers.checkpoint.conversion import _load_failure, _pipeline_around, _single_file_target
+from mhla_diffusers.checkpoint.conversion import load_failure, pipeline_around, single_file_target
 from mhla_diffusers.checkpoint.format import check_loaded, save_mhla_pipeline, save_mhla_transformer
 from mhla_diffusers.checkpoint.safetensors_file import MHLACheckpointError, load_safetensors
 from mhla_diffusers.families import NATIVE_SIZE_KEY, WAN, family_of, self_attention_modules
@@ -158,7 +158,7 @@ def _torch_load_weights(path: str | os.PathLike):
         with torch.serialization.safe_globals(ours):
             return torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as err:
-        reason = _load_failure(err)
+        reason = load_failure(err)
         built = re.search(r"but got <class '([^']+)'>", reason)  # weights_only refusing to build an allowed global's type
         reason = built.group(1) if built else reason
         refused = _refused_globals(path, ours) if "weights only" in str(err).lower() else None
@@ -420,7 +420,7 @@ def load_authors_wan(
     else:
         state = read_authors_state_dict(src, state_dict_key)
     stock, mhla = split_authors_state_dict(state)
-    cls, load_kwargs, pipeline_folder = _single_file_target(name, str(config), "wan")
+    cls, load_kwargs, pipeline_folder = single_file_target(name, str(config), "wan")
     if cls.__name__ != "WanTransformer3DModel":
         raise AuthorsCheckpointError(f"config {config} describes a {cls.__name__}; the authors' model needs a Wan2.1 config")
     converted, original = _to_diffusers_keys(stock)
@@ -434,7 +434,7 @@ def load_authors_wan(
     model.eval()
     if pipeline_folder is None:
         return None, model
-    return _pipeline_around(pipeline_folder, model, dtype), model
+    return pipeline_around(pipeline_folder, model, dtype), model
 
 
 def import_authors_wan(

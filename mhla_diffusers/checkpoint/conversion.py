@@ -21,23 +21,23 @@ from diffusers import DiffusionPipeline
 from mhla_diffusers.checkpoint.format import (
     TRANSFORMER_COMPONENTS,
     MHLACheckpointError,
-    _check_base_weights,
-    _check_pipeline_loaded,
-    _dtype_kwargs,
-    _transformer_class,
+    check_base_weights,
     check_loaded,
+    check_pipeline_loaded,
+    dtype_kwargs,
     expert_timestep_range,
     import_named_components,
     read_mhla_config,
     read_safetensors_header,
     save_mhla_pipeline,
     save_mhla_transformer,
+    transformer_class_of,
     transformer_folder,
 )
 from mhla_diffusers.families import FAMILIES, family_of, get_family
-from mhla_diffusers.models.calibration import calibration_inputs, clip_timestep_range
 from mhla_diffusers.models.install import apply_mhla, mhla_spec, record_selection
 from mhla_diffusers.models.provenance import is_hub_id
+from mhla_diffusers.selection.calibration import calibration_inputs, clip_timestep_range
 
 __all__ = ["convert_checkpoint", "AlreadyConvertedError"]
 
@@ -84,7 +84,7 @@ def _pipeline_dtypes(folder: Path) -> dict:
     return dtypes
 
 
-def _load_failure(err: BaseException) -> str:
+def load_failure(err: BaseException) -> str:
     """``"ErrorType: reason"`` of the first error behind ``err`` (loaders wrap it, e.g. diffusers' "Unable to load
     weights from checkpoint file"); a ``torch.load(weights_only=True)`` refusal reduced to its reason, without
     torch's advice to allow-list globals."""
@@ -103,7 +103,7 @@ def _load_failure(err: BaseException) -> str:
 def _unreadable(src, err: BaseException) -> MHLACheckpointError:
     """The error for a local source that diffusers failed to read (a damaged weights or config file)."""
     first = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
-    cause = _load_failure(err)
+    cause = load_failure(err)
     detail = first if cause.endswith(first) else f"{first} ({cause})"
     return MHLACheckpointError(f"{src} could not be loaded: {detail}; the file is damaged, truncated or not a checkpoint")
 
@@ -148,14 +148,14 @@ def _load_single_file(src: Path, config: str | None, family: str | None, torch_d
             "the model's config.json, e.g. a local copy of Efficient-Large-Model/Sana_600M_1024px_diffusers; "
             "diffusers would otherwise guess a model and fetch its config from the Hub"
         )
-    cls, load_kwargs, pipeline_folder = _single_file_target(src, config, family)
+    cls, load_kwargs, pipeline_folder = single_file_target(src, config, family)
     if not hasattr(cls, "from_single_file"):
         raise ValueError(f"{cls.__name__} cannot be read from a single-file checkpoint (diffusers has no from_single_file for it)")
     _check_weight_files(src)
     if torch_dtype is None:
         torch_dtype = stored_dtype(src)  # None for pickled files: diffusers' float32
     try:
-        model = cls.from_single_file(str(src), **load_kwargs, **_dtype_kwargs(torch_dtype))
+        model = cls.from_single_file(str(src), **load_kwargs, **dtype_kwargs(torch_dtype))
     except OSError as err:  # diffusers' "Unable to load weights from checkpoint file": a damaged or foreign file
         raise _unreadable(src, err) from err
     except (KeyError, IndexError) as err:  # diffusers' key mapping fails on another model's file
@@ -167,10 +167,10 @@ def _load_single_file(src: Path, config: str | None, family: str | None, torch_d
         ) from err
     if pipeline_folder is None:
         return None, model
-    return _pipeline_around(pipeline_folder, model, torch_dtype), None
+    return pipeline_around(pipeline_folder, model, torch_dtype), None
 
 
-def _single_file_target(src, config: str, family: str | None):
+def single_file_target(src, config: str, family: str | None):
     """``(transformer class, config kwargs of from_single_file, pipeline folder or Hub id or None)`` for a
     single-file ``src`` read with the diffusers ``config`` (a local pipeline or transformer folder, or a
     Hub id of a pipeline: then ``family`` names the class).
@@ -181,7 +181,7 @@ def _single_file_target(src, config: str, family: str | None):
     folder = Path(config)
     if folder.exists():
         transformer_dir = transformer_folder(folder)
-        cls = _transformer_class(transformer_dir)
+        cls = transformer_class_of(transformer_dir)
         return cls, {"config": str(transformer_dir)}, (folder if transformer_dir != folder else None)
     if is_hub_id(str(config)):
         if family is None:
@@ -191,7 +191,7 @@ def _single_file_target(src, config: str, family: str | None):
     raise FileNotFoundError(f"config {config} does not exist (and does not look like a Hub id 'owner/name')")
 
 
-def _pipeline_around(pipeline_folder, model, torch_dtype: torch.dtype | None):
+def pipeline_around(pipeline_folder, model, torch_dtype: torch.dtype | None):
     """The diffusers pipeline of ``pipeline_folder`` (local or Hub id) with ``model`` as its transformer; the
     other components in their stored dtypes (local) or ``torch_dtype``.
 
@@ -210,10 +210,10 @@ def _pipeline_around(pipeline_folder, model, torch_dtype: torch.dtype | None):
     if dtypes and torch_dtype is not None:
         dtypes["transformer"] = torch_dtype
     with _reading(pipeline_folder) if local else contextlib.nullcontext():
-        pipe = pipeline_class.from_pretrained(pipeline_folder, transformer=model, **_dtype_kwargs(dtypes or torch_dtype))
+        pipe = pipeline_class.from_pretrained(pipeline_folder, transformer=model, **dtype_kwargs(dtypes or torch_dtype))
     if pipe.transformer is not model:  # never write the config's transformer in place of the converted one
         raise RuntimeError(f"diffusers did not take the converted transformer into the {type(pipe).__name__} of {pipeline_folder}")
-    _check_pipeline_loaded(pipe, pipeline_folder)
+    check_pipeline_loaded(pipe, pipeline_folder)
     return pipe
 
 
@@ -242,23 +242,23 @@ def _load_source(src: str, torch_dtype: torch.dtype | None, config: str | None =
             import_named_components(path)
             _check_weight_files(path)
             for name in TRANSFORMER_COMPONENTS:
-                _check_base_weights(path / name)
+                check_base_weights(path / name)
             dtype = _pipeline_dtypes(path) if torch_dtype is None else torch_dtype
             with _reading(path):
-                pipe = DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(dtype))
-            _check_pipeline_loaded(pipe, path)
+                pipe = DiffusionPipeline.from_pretrained(path, **dtype_kwargs(dtype))
+            check_pipeline_loaded(pipe, path)
             return pipe, None
         _check_weight_files(folder)
-        _check_base_weights(folder)
+        check_base_weights(folder)
         dtype = stored_dtype(folder) if torch_dtype is None else torch_dtype
         with _reading(folder):
-            model = _transformer_class(folder).from_pretrained(folder, **_dtype_kwargs(dtype))
+            model = transformer_class_of(folder).from_pretrained(folder, **dtype_kwargs(dtype))
         check_loaded(model, folder)
         return None, model
     if not is_hub_id(src):
         raise FileNotFoundError(f"{src} does not exist (and does not look like a Hub id 'owner/name')")
     try:
-        return DiffusionPipeline.from_pretrained(src, **_dtype_kwargs(torch_dtype)), None
+        return DiffusionPipeline.from_pretrained(src, **dtype_kwargs(torch_dtype)), None
     except OSError as err:  # FileNotFoundError (an OSError): the command lines' exit 2 with one line
         cause = " ".join(str(err).split())
         raise FileNotFoundError(

@@ -54,63 +54,47 @@ version, settings and their checks), :mod:`.marker` (the config marker and diffu
 (DiT's ``id2label``, Wan 2.2's experts) come from :mod:`mhla_diffusers.families`.
 """
 
-# ruff: noqa: F401  (re-exports: every name this module defined stays importable)
+# ruff: noqa: F401  (re-exports: every public name this module defined stays importable)
 
 from mhla_diffusers.checkpoint.loading import (
-    _BASE_WEIGHTS,
-    _PEFT_KEY,
-    _check_base_weights,
-    _check_pipeline_loaded,
-    _dtype_kwargs,
-    _dtype_name,
-    _install_from_config,
-    _meta_tensors,
-    _read_json_object,
-    _transformer_class,
-    _usable_backend,
+    check_base_weights,
     check_loaded,
+    check_pipeline_loaded,
+    dtype_kwargs,
     import_named_components,
     load_mhla_pipeline,
     load_mhla_transformer,
     load_mhla_weights,
+    transformer_class_of,
 )
 from mhla_diffusers.checkpoint.lora_guard import (
-    _check_saveable,
-    _load_saved_lora,
-    _lora_fixes,
-    _merged_adapters,
+    check_saveable,
+    load_saved_lora,
+    merged_adapters,
 )
 from mhla_diffusers.checkpoint.marker import (
-    _CONFIG_MARKER,
     CONFIG_MARKER_KEY,
-    _DropMarkerLog,
-    _forget_marker,
-    _loading_converted,
-    _mark_config,
+    forget_marker,
+    loading_converted,
+    mark_config,
 )
 from mhla_diffusers.checkpoint.safetensors_file import MHLACheckpointError, read_safetensors_header
 from mhla_diffusers.checkpoint.saving import (
-    _prepare_for_saving,
-    _without_mixing,
-    _write_mhla_files,
     save_mhla_pipeline,
     save_mhla_transformer,
 )
 from mhla_diffusers.checkpoint.spec import (
-    _ABSENT,
-    _CHECKED_KEYS,
-    _METADATA_KEY,
+    CHECKED_KEYS,
     FORMAT_VERSION,
+    METADATA_KEY,
     MHLA_CONFIG_NAME,
     MHLA_WEIGHTS_NAME,
     TRANSFORMER_COMPONENTS,
-    _check_config_against_weights,
-    _checked_settings,
-    _mhla_keys_in_base,
-    _mhla_parameters,
-    _sha256,
-    _validate_config,
+    check_config_against_weights,
+    checked_settings,
+    mhla_parameters,
     read_mhla_config,
+    sha256,
     transformer_folder,
 )
 from mhla_diffusers.families import expert_timestep_range, pipeline_transformers

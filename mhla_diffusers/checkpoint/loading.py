@@ -18,22 +18,22 @@ import torch
 from diffusers import DiffusionPipeline
 from torch import nn
 
-from mhla_diffusers.checkpoint.lora_guard import _load_saved_lora
-from mhla_diffusers.checkpoint.marker import _forget_marker, _loading_converted
+from mhla_diffusers.checkpoint.lora_guard import load_saved_lora
+from mhla_diffusers.checkpoint.marker import forget_marker, loading_converted
 from mhla_diffusers.checkpoint.safetensors_file import MHLACheckpointError, load_safetensors, read_safetensors_header
 from mhla_diffusers.checkpoint.spec import (
     MHLA_CONFIG_NAME,
     MHLA_WEIGHTS_NAME,
     TRANSFORMER_COMPONENTS,
-    _check_config_against_weights,
-    _mhla_parameters,
-    _sha256,
+    check_config_against_weights,
+    mhla_parameters,
     read_mhla_config,
+    sha256,
     transformer_folder,
 )
 from mhla_diffusers.families import canonical_model_class, family_of, pipeline_quirks, pipeline_transformers, self_attention_modules
 from mhla_diffusers.models.install import apply_mhla, record_selection
-from mhla_diffusers.ops import available_backends
+from mhla_diffusers.ops import available_backends, get_backend
 
 __all__ = [
     "load_mhla_transformer", "load_mhla_pipeline", "load_mhla_weights", "check_loaded", "import_named_components",
@@ -47,7 +47,7 @@ _PEFT_KEY = re.compile(r"\.(base_layer|lora_A|lora_B|lora_magnitude_vector)\.")
 _BASE_WEIGHTS = "diffusion_pytorch_model*"
 
 
-def _check_base_weights(folder: Path) -> None:
+def check_base_weights(folder: Path) -> None:
     """Refuse a transformer folder whose base weights hold peft-wrapped keys (headers only, before loading):
     diffusers would load the layers under them without weights (meta tensors or a fresh init).
 
@@ -98,7 +98,7 @@ def check_loaded(model: nn.Module, source: str | os.PathLike) -> None:
     )
 
 
-def _check_pipeline_loaded(pipe, path: str | os.PathLike) -> None:
+def check_pipeline_loaded(pipe, path: str | os.PathLike) -> None:
     """:func:`check_loaded` on every model of a pipeline loaded from the folder ``path`` (or a Hub id)."""
     for name, component in getattr(pipe, "components", {}).items():
         if isinstance(component, nn.Module):
@@ -123,7 +123,7 @@ def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike, expecte
     if not path.is_file():
         raise MHLACheckpointError(f"{path} is missing: the MHLA mixing matrices of this checkpoint are lost")
     tensors = load_safetensors(path, "MHLA weights")
-    params = _mhla_parameters(transformer)
+    params = mhla_parameters(transformer)
     meta = [key for key, param in params.items() if param.is_meta]
     if meta:  # copy_ into a meta tensor is a no-op: the model would keep no values
         raise MHLACheckpointError(
@@ -144,7 +144,7 @@ def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike, expecte
         if not torch.isfinite(tensors[key]).all():
             raise MHLACheckpointError(f"{path}: {key} holds NaN or infinite values")
     # Last: the specific messages above say more when the file parses; this catches silent damage.
-    if expected_sha256 is not None and _sha256(path) != expected_sha256:
+    if expected_sha256 is not None and sha256(path) != expected_sha256:
         raise MHLACheckpointError(
             f"{path} does not match the sha256 recorded in {MHLA_CONFIG_NAME}: the file is corrupted or was replaced"
         )
@@ -158,7 +158,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _install_from_config(transformer: nn.Module, config: dict, folder: Path) -> None:
-    _check_config_against_weights(config, folder)
+    check_config_against_weights(config, folder)
     if type(transformer).__name__ != config["model_class"]:
         raise MHLACheckpointError(
             f"{folder / MHLA_CONFIG_NAME} was written for {config['model_class']}, but the base model is {type(transformer).__name__}"
@@ -199,12 +199,13 @@ def _install_from_config(transformer: nn.Module, config: dict, folder: Path) -> 
 def _usable_backend(backend: str) -> str:
     """The recorded backend if it can run here, else ``"auto"`` (backends give the same numbers).
 
-    ``"triton"`` runs only on CUDA tensors: a checkpoint saved with it and loaded on a machine
-    without CUDA (triton installed or not) gets ``"auto"``, not a failure at the first forward.
+    A backend that is not installed here, or that says it is not kept on this machine
+    (:meth:`~mhla_diffusers.ops.Backend.kept_on_load`: e.g. GPU kernels without CUDA), gives
+    ``"auto"``, not a failure at the first forward.
     """
     if backend in ("auto", "torch"):
         return backend
-    if backend in available_backends() and (backend != "triton" or torch.cuda.is_available()):
+    if backend in available_backends() and get_backend(backend).kept_on_load():
         return backend
     warnings.warn(
         f"the checkpoint asks for MHLA backend {backend!r}, which is not available here; using 'auto'", stacklevel=2
@@ -212,7 +213,7 @@ def _usable_backend(backend: str) -> str:
     return "auto"
 
 
-def _dtype_kwargs(torch_dtype: torch.dtype | None) -> dict:
+def dtype_kwargs(torch_dtype: torch.dtype | None) -> dict:
     """diffusers 0.42 takes ``dtype=`` (``torch_dtype=`` is deprecated there)."""
     return {} if torch_dtype is None else {"dtype": torch_dtype}
 
@@ -264,7 +265,13 @@ def _read_json_object(path: Path) -> dict:
     return data
 
 
-def _transformer_class(folder: Path):
+def transformer_class_of(folder: Path):
+    """The diffusers model class named by ``folder/config.json`` (``_class_name``; the original DiT
+    checkpoints' ``Transformer2DModel`` is ``DiTTransformer2DModel``).
+
+    Raises:
+        MHLACheckpointError: a class diffusers does not have (or an unreadable ``config.json``).
+    """
     name = _read_json_object(folder / "config.json").get("_class_name")
     name = canonical_model_class(name)  # the original DiT checkpoints: Transformer2DModel
     cls = getattr(diffusers, str(name), None)
@@ -292,14 +299,14 @@ def load_mhla_transformer(
     """
     folder = transformer_folder(path)
     config = read_mhla_config(folder)
-    _check_base_weights(folder)
-    with _loading_converted():
-        model = _transformer_class(folder).from_pretrained(folder, **_dtype_kwargs(torch_dtype), **kwargs)
+    check_base_weights(folder)
+    with loading_converted():
+        model = transformer_class_of(folder).from_pretrained(folder, **dtype_kwargs(torch_dtype), **kwargs)
         check_loaded(model, folder)
-        _forget_marker(model)
+        forget_marker(model)
         if config is not None:
             _install_from_config(model, config, folder)
-    _load_saved_lora(model, folder.parent / "transformer_lora", lora)
+    load_saved_lora(model, folder.parent / "transformer_lora", lora)
     return model.eval()
 
 
@@ -326,18 +333,18 @@ def load_mhla_pipeline(
         transformer_folder(path)  # raises FileNotFoundError: a pipeline folder without a transformer
     import_named_components(path)
     for name in configs:
-        _check_base_weights(path / name)
-    with _loading_converted():
-        pipe = DiffusionPipeline.from_pretrained(path, **_dtype_kwargs(torch_dtype), **kwargs)
-        _check_pipeline_loaded(pipe, path)
+        check_base_weights(path / name)
+    with loading_converted():
+        pipe = DiffusionPipeline.from_pretrained(path, **dtype_kwargs(torch_dtype), **kwargs)
+        check_pipeline_loaded(pipe, path)
         for quirks in pipeline_quirks():  # DiT: id2label kept in pipe.config
             quirks.after_load(pipe, path)
         for name, model in pipeline_transformers(pipe).items():
-            _forget_marker(model)
+            forget_marker(model)
             if configs.get(name) is not None:
                 _install_from_config(model, configs[name], path / name)
     if pipe.transformer is not None:
-        _load_saved_lora(pipe.transformer, path / "transformer_lora", lora)
+        load_saved_lora(pipe.transformer, path / "transformer_lora", lora)
     for model in pipeline_transformers(pipe).values():
         model.eval()
     return pipe

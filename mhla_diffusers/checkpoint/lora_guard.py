@@ -35,7 +35,7 @@ def _lora_fixes(model: nn.Module, ref: str, pipe=None, component: str | None = N
     return f"{fuse} then {unload}", unload
 
 
-def _check_saveable(models: dict[str, nn.Module], pipe=None, merge_lora: bool = False) -> None:
+def check_saveable(models: dict[str, nn.Module], pipe=None, merge_lora: bool = False) -> None:
     """Refuse, before anything is written, a model that carries peft adapters (unless ``merge_lora``);
     warn about MHLA matrices a checkpoint leaves out (:func:`~mhla_diffusers.models.install.idle_mhla_layers`).
 
@@ -46,7 +46,7 @@ def _check_saveable(models: dict[str, nn.Module], pipe=None, merge_lora: bool = 
         MHLACheckpointError: a model has LoRA adapters and ``merge_lora`` is False.
     """
     for name, model in models.items():
-        if merge_lora or not has_lora(model):  # merge_lora: merged by _merged_adapters
+        if merge_lora or not has_lora(model):  # merge_lora: merged by merged_adapters
             continue
         ref = name if pipe is None else f"pipe.{name}"
         keep, drop = _lora_fixes(model, ref, pipe, name)
@@ -70,7 +70,7 @@ def _check_saveable(models: dict[str, nn.Module], pipe=None, merge_lora: bool = 
 
 
 @contextlib.contextmanager
-def _merged_adapters(models: dict[str, nn.Module], merge_lora: bool) -> Iterator[None]:
+def merged_adapters(models: dict[str, nn.Module], merge_lora: bool) -> Iterator[None]:
     """With ``merge_lora``, every model with peft adapters is seen merged inside the block
     (:func:`~mhla_diffusers.checkpoint.adapter.lora_merged`); unchanged afterwards.
 
@@ -88,7 +88,7 @@ def _merged_adapters(models: dict[str, nn.Module], merge_lora: bool) -> Iterator
         yield
 
 
-def _load_saved_lora(model: nn.Module, default_dir: Path, lora) -> None:
+def load_saved_lora(model: nn.Module, default_dir: Path, lora) -> None:
     """Apply a LoRA adapter saved beside a checkpoint (``transformer_lora/``, see ``mhla_diffusers.checkpoint.lora``).
 
     ``lora=True``: the adapter in ``default_dir`` if there is one; ``False``: none; a path: that

@@ -30,7 +30,7 @@ _CONFIG_MARKER = (
 )
 
 
-def _mark_config(folder: Path, converted: bool) -> None:
+def mark_config(folder: Path, converted: bool) -> None:
     """Add :data:`CONFIG_MARKER_KEY` to ``folder/config.json`` (a converted transformer folder), or take
     it out (a model without MHLA that was loaded from a converted folder carries it in its config)."""
     path = folder / "config.json"
@@ -62,7 +62,7 @@ class _DropMarkerLog(logging.Filter):
 
 
 @contextlib.contextmanager
-def _loading_converted() -> Iterator[None]:
+def loading_converted() -> Iterator[None]:
     """Inside our loaders: diffusers does not log the marker, and :func:`warn_if_stock_loaded` stays quiet."""
     logger = logging.getLogger("diffusers.configuration_utils")
     drop = _DropMarkerLog()
@@ -75,7 +75,7 @@ def _loading_converted() -> Iterator[None]:
         logger.removeFilter(drop)
 
 
-def _forget_marker(model: nn.Module) -> None:
+def forget_marker(model: nn.Module) -> None:
     """Drop the marker from a loaded model's config (diffusers keeps unknown keys there), so that its
     config is the base config and a later save writes the marker only where it belongs."""
     config = getattr(model, "_internal_dict", None)

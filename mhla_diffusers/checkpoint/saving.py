@@ -17,17 +17,17 @@ from torch import nn
 
 import mhla_diffusers
 from mhla_diffusers.checkpoint.io import atomic_directory
-from mhla_diffusers.checkpoint.lora_guard import _check_saveable, _merged_adapters
-from mhla_diffusers.checkpoint.marker import _mark_config
+from mhla_diffusers.checkpoint.lora_guard import check_saveable, merged_adapters
+from mhla_diffusers.checkpoint.marker import mark_config
 from mhla_diffusers.checkpoint.safetensors_file import MHLACheckpointError
 from mhla_diffusers.checkpoint.spec import (
-    _METADATA_KEY,
     FORMAT_VERSION,
+    METADATA_KEY,
     MHLA_CONFIG_NAME,
     MHLA_WEIGHTS_NAME,
-    _checked_settings,
-    _mhla_parameters,
-    _sha256,
+    checked_settings,
+    mhla_parameters,
+    sha256,
 )
 from mhla_diffusers.families import pipeline_quirks, pipeline_transformers, self_attention_modules
 from mhla_diffusers.models.install import materialize_mhla, mhla_spec, pending_mhla_layers
@@ -69,10 +69,10 @@ def _prepare_for_saving(transformer: nn.Module) -> None:
 def _write_mhla_files(transformer: nn.Module, folder: Path) -> None:
     _prepare_for_saving(transformer)
     spec = mhla_spec(transformer)
-    _mark_config(folder, converted=spec is not None)
+    mark_config(folder, converted=spec is not None)
     if spec is None:
         return
-    tensors = {key: t.detach().to("cpu", torch.float32).contiguous() for key, t in _mhla_parameters(transformer).items()}
+    tensors = {key: t.detach().to("cpu", torch.float32).contiguous() for key, t in mhla_parameters(transformer).items()}
     names = [name for name, _ in self_attention_modules(transformer)]
     without = [names[i] for i in spec["layers"] if not any(k.startswith(f"{names[i]}.mhla_mixing.") for k in tensors)]
     if without or pending_mhla_layers(transformer):  # never write a checkpoint that loads as another model
@@ -84,10 +84,10 @@ def _write_mhla_files(transformer: nn.Module, folder: Path) -> None:
     metadata = {
         "format": "pt",
         "mhla_format_version": str(FORMAT_VERSION),
-        _METADATA_KEY: json.dumps(_checked_settings(config), sort_keys=True),
+        METADATA_KEY: json.dumps(checked_settings(config), sort_keys=True),
     }
     save_file(tensors, str(folder / MHLA_WEIGHTS_NAME), metadata=metadata)
-    config["weights_sha256"] = _sha256(folder / MHLA_WEIGHTS_NAME)
+    config["weights_sha256"] = sha256(folder / MHLA_WEIGHTS_NAME)
     (folder / MHLA_CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -110,9 +110,9 @@ def save_mhla_transformer(
             ``merge_lora`` (nothing is written; the message names the calls that fix it).
         ValueError: the MHLA layers disagree on settings (one config holds one setting).
     """
-    _check_saveable({"transformer": transformer}, merge_lora=merge_lora)
+    check_saveable({"transformer": transformer}, merge_lora=merge_lora)
     _prepare_for_saving(transformer)
-    with _merged_adapters({"transformer": transformer}, merge_lora), atomic_directory(out_dir, overwrite) as tmp:
+    with merged_adapters({"transformer": transformer}, merge_lora), atomic_directory(out_dir, overwrite) as tmp:
         with _without_mixing(transformer):
             transformer.save_pretrained(tmp, **save_kwargs)
         _write_mhla_files(transformer, tmp)
@@ -131,10 +131,10 @@ def save_mhla_pipeline(
     :func:`save_mhla_transformer`, whose errors this raises."""
     transformers = pipeline_transformers(pipe)
     modules = {name: c for name, c in getattr(pipe, "components", {}).items() if isinstance(c, nn.Module)}
-    _check_saveable({**modules, **transformers}, pipe=pipe, merge_lora=merge_lora)
+    check_saveable({**modules, **transformers}, pipe=pipe, merge_lora=merge_lora)
     for model in transformers.values():
         _prepare_for_saving(model)
-    with _merged_adapters({**modules, **transformers}, merge_lora), atomic_directory(out_dir, overwrite) as tmp:
+    with merged_adapters({**modules, **transformers}, merge_lora), atomic_directory(out_dir, overwrite) as tmp:
         with contextlib.ExitStack() as stack:
             for model in transformers.values():
                 stack.enter_context(_without_mixing(model))

@@ -39,29 +39,31 @@ TRANSFORMER_COMPONENTS = transformer_components()
 
 # The settings of mhla_config.json that give the weights their meaning, repeated in the header
 # metadata of mhla.safetensors (key "mhla_config") and so covered by weights_sha256. Not "backend":
-# a run-time choice, every backend gives the same numbers. Absent keys take the values of _ABSENT.
-_CHECKED_KEYS = (
+# a run-time choice, every backend gives the same numbers. Absent keys take the values of ABSENT.
+CHECKED_KEYS = (
     "family", "model_class", "num_layers", "layers", "block_grid", "num_blocks", "normalize", "eps", "output_norm",
     "feature_eps", "mixing_clamp",
 )
 
 
-_METADATA_KEY = "mhla_config"
+METADATA_KEY = "mhla_config"
 
 
 # The value a checked key has when a config leaves it out (settings added after format version 1 began).
-_ABSENT = {"output_norm": False, "feature_eps": 0.0, "mixing_clamp": True}
+ABSENT = {"output_norm": False, "feature_eps": 0.0, "mixing_clamp": True}
 
 
-def _checked_settings(config: dict) -> dict:
-    settings = {key: config.get(key, _ABSENT.get(key)) for key in _CHECKED_KEYS}
+def checked_settings(config: dict) -> dict:
+    """The :data:`CHECKED_KEYS` of ``config`` (absent ones at their :data:`ABSENT` value; a 2-D block grid as
+    ``[1, H, W]``): what the weights' header records."""
+    settings = {key: config.get(key, ABSENT.get(key)) for key in CHECKED_KEYS}
     grid = settings["block_grid"]
     if isinstance(grid, list) and len(grid) < 3:  # (H, W) = (1, H, W), as apply_mhla reads it
         settings["block_grid"] = [1] * (3 - len(grid)) + grid
     return settings
 
 
-def _mhla_parameters(transformer: nn.Module) -> dict[str, torch.Tensor]:
+def mhla_parameters(transformer: nn.Module) -> dict[str, torch.Tensor]:
     """``{state-dict key: tensor}`` of every MHLA parameter / buffer of the self-attention layers that run
     MHLA: ``<attention path>.<mhla_* submodule>.<name>`` (e.g. ``blocks.1.attn1.mhla_mixing.weight``)."""
     out = {}
@@ -75,7 +77,8 @@ def _mhla_parameters(transformer: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
+    """The hex sha256 digest of the file ``path`` (read in 1 MiB chunks)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -185,7 +188,7 @@ def _validate_config(config: dict, config_file: Path) -> None:
         raise bad("weights_sha256", "a hex digest")
 
 
-def _check_config_against_weights(config: dict, folder: Path) -> None:
+def check_config_against_weights(config: dict, folder: Path) -> None:
     """Compare the settings of ``mhla_config.json`` with those recorded in the header of ``mhla.safetensors``.
 
     Files written before the header carried them (no ``mhla_config`` metadata) are accepted unchecked.
@@ -197,22 +200,22 @@ def _check_config_against_weights(config: dict, folder: Path) -> None:
     if not path.is_file():
         raise MHLACheckpointError(f"{path} is missing: the MHLA mixing matrices of this checkpoint are lost")
     metadata = read_safetensors_header(path).get("__metadata__", {})
-    if _METADATA_KEY not in metadata:
+    if METADATA_KEY not in metadata:
         return  # written before the settings were recorded beside the weights
     try:
-        recorded = json.loads(metadata[_METADATA_KEY])
+        recorded = json.loads(metadata[METADATA_KEY])
         if not isinstance(recorded, dict):
             raise ValueError("not a JSON object")
     except ValueError as err:
-        raise MHLACheckpointError(f"{path} is corrupted: its {_METADATA_KEY!r} metadata is unreadable ({err})") from err
+        raise MHLACheckpointError(f"{path} is corrupted: its {METADATA_KEY!r} metadata is unreadable ({err})") from err
     if not isinstance(config.get("weights_sha256"), str):
         # every writer of the current format records the digest: without it the weights could be swapped
         raise MHLACheckpointError(
             f"{folder / MHLA_CONFIG_NAME} has no weights_sha256, but {MHLA_WEIGHTS_NAME} was written in the current "
             "format, which always records it: the config was edited. Restore the original config"
         )
-    given = _checked_settings(config)
-    differ = [key for key in _CHECKED_KEYS if key in recorded and given[key] != recorded[key]]
+    given = checked_settings(config)
+    differ = [key for key in CHECKED_KEYS if key in recorded and given[key] != recorded[key]]
     if differ:
         details = "; ".join(f"{key}: {given[key]!r} in {MHLA_CONFIG_NAME}, {recorded[key]!r} in the weights" for key in differ)
         raise MHLACheckpointError(

@@ -16,11 +16,13 @@ KINDS: tuple[str, ...] = ("softmax", "linear", "mhla")
 MAX_TOKENS = 4096
 """Largest ``N`` the dense diagnostics accept (one float64 ``N x N`` matrix is 128 MiB at 4096)."""
 
-_CHUNK_ELEMENTS = 1 << 25  # float64 elements of the [.., N, N] matrices built at once (256 MiB)
+CHUNK_ELEMENTS = 1 << 25
+"""float64 elements of the ``[.., N, N]`` matrices built at once (256 MiB); capture.py chunks by it too."""
 
 
 # -- the matrices ---------------------------------------------------------------------------------
-def _check_tokens(num_tokens: int, max_tokens: int) -> None:
+def check_tokens(num_tokens: int, max_tokens: int) -> None:
+    """Raise ``ValueError`` (naming the memory an ``N x N`` float64 matrix needs) when ``num_tokens > max_tokens``."""
     if num_tokens > max_tokens:
         gib = num_tokens * num_tokens * 8 / 2**30
         raise ValueError(
@@ -85,7 +87,7 @@ def attention_matrix(
     if q.ndim != 4 or q.shape != k.shape:
         raise ValueError(f"q and k must both be [B, heads, N, d] with equal shapes; got {tuple(q.shape)} and {tuple(k.shape)}")
     n, d = q.shape[-2], q.shape[-1]
-    _check_tokens(n, max_tokens)
+    check_tokens(n, max_tokens)
     q64, k64 = q.detach().to(torch.float64), k.detach().to(torch.float64)
     if kind == "softmax":
         s = 1.0 / math.sqrt(d) if scale is None else float(scale)

@@ -10,11 +10,11 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from mhla_diffusers.diagnostics.attention import (
-    _CHUNK_ELEMENTS,
+    CHUNK_ELEMENTS,
     KINDS,
     MAX_TOKENS,
-    _check_tokens,
     attention_matrix,
+    check_tokens,
     default_rtol,
     matrix_rank,
     rank_bound,
@@ -209,7 +209,7 @@ def qk_statistics(
     """
     q, k = qk.query, qk.key
     batch, heads, n, d = q.shape
-    _check_tokens(n, max_tokens)
+    check_tokens(n, max_tokens)
     if mixing is not None:
         if block_grid is None:
             raise ValueError("pass the block_grid the mixing matrix belongs to (MixingMatrix.block_grid)")
@@ -223,7 +223,7 @@ def qk_statistics(
     ranks = {kind: torch.zeros(batch, heads, dtype=torch.float64) for kind in KINDS}
     entropy = {kind: torch.zeros(batch, heads, dtype=torch.float64) for kind in KINDS}
     empty = {kind: 0 for kind in KINDS}
-    step = max(1, _CHUNK_ELEMENTS // (n * n))
+    step = max(1, CHUNK_ELEMENTS // (n * n))
     for b in range(batch):
         for h0 in range(0, heads, step):
             sl = (slice(b, b + 1), slice(h0, h0 + step))
@@ -263,7 +263,8 @@ def qk_statistics(
     }
 
 
-def _layer_mixing(attn) -> tuple[torch.Tensor | None, tuple[int, int, int] | None]:
+def layer_mixing(attn) -> tuple[torch.Tensor | None, tuple[int, int, int] | None]:
+    """``(clamped mixing matrix [M, M] float64, block grid)`` of an MHLA attention layer; ``(None, None)`` without one."""
     mixing = getattr(attn, "mhla_mixing", None)
     if mixing is None:
         return None, None
@@ -302,7 +303,7 @@ def layer_statistics(
         RuntimeError: the layer was not called.
     """
     qk = capture_query_key(transformer, attn_name, model_inputs)[attn_name]
-    mixing, grid = _layer_mixing(transformer.get_submodule(attn_name))
+    mixing, grid = layer_mixing(transformer.get_submodule(attn_name))
     stats = qk_statistics(
         qk,
         mixing=mixing,

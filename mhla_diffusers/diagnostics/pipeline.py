@@ -10,9 +10,11 @@ from typing import Any, Mapping, Sequence
 import torch
 from diffusers import DDPMScheduler
 
+from mhla_diffusers.autoencoder import vae_scale_factor
 from mhla_diffusers.checkpoint.io import atomic_write_json, atomic_write_text
+from mhla_diffusers.data import PHOTO_NAMES, PhotoCrops
 from mhla_diffusers.diagnostics.attention import KINDS
-from mhla_diffusers.diagnostics.capture import _layer_mixing, capture_query_key, qk_statistics
+from mhla_diffusers.diagnostics.capture import capture_query_key, layer_mixing, qk_statistics
 from mhla_diffusers.diagnostics.plots import plot_mixing_matrix, plot_rank_entropy
 from mhla_diffusers.families import family_of, self_attention_modules
 from mhla_diffusers.ops.mixing import mixing_init
@@ -31,7 +33,7 @@ def diagnostic_inputs(
     """Real model inputs for a class-conditional DiT pipeline: photo crops, encoded and noised.
 
     ``num_samples`` crops of the photographs shipped in the scikit-image / scikit-learn wheels
-    (:class:`~mhla_diffusers.training.data.PhotoCrops`, seed ``seed``) at the checkpoint's resolution
+    (:class:`~mhla_diffusers.data.PhotoCrops`, seed ``seed``) at the checkpoint's resolution
     (``transformer.config.sample_size * vae factor`` pixels), encoded by ``pipe.vae``
     (``latent_dist.mode() * scaling_factor``) and noised with a ``DDPMScheduler`` built from
     ``pipe.scheduler.config`` at every timestep of ``timesteps``; sample ``(i, j)`` (crop ``i``,
@@ -48,11 +50,6 @@ def diagnostic_inputs(
         ValueError: non-positive ``num_samples``, empty ``timesteps`` or one outside
             ``[0, num_train_timesteps)``, a transformer without ``sample_size``.
     """
-    # function-level import: the photo dataset and the VAE's factor live with training, which imports
-    # accelerate and the training recipes; only real-image inputs need them, not `import diagnostics`
-    from mhla_diffusers.training.data import PHOTO_NAMES, PhotoCrops
-    from mhla_diffusers.training.recipes import vae_scale_factor
-
     if int(num_samples) != num_samples or num_samples < 1:
         raise ValueError(f"num_samples must be a positive integer; got {num_samples!r}")
     timesteps = [int(t) for t in timesteps]
@@ -140,7 +137,7 @@ def diagnose_pipeline(
     results = []
     for i in chosen:
         name, attn = modules[i]
-        mixing, grid = _layer_mixing(attn)
+        mixing, grid = layer_mixing(attn)
         stats = qk_statistics(captured[name], mixing=mixing, block_grid=grid, num_blocks=num_blocks, rtol=rtol)
         results.append({"layer": name, "index": i, "layer_kind": "mhla" if mixing is not None else "stock", **stats})
     return {
@@ -219,7 +216,7 @@ def write_report(result: Mapping[str, Any], out_dir: str | os.PathLike, pipe=Non
     init_done = False
     for s in result["layers"]:
         if s["mixing_source"] == "layer" and pipe is not None:
-            mixing, grid = _layer_mixing(pipe.transformer.get_submodule(s["layer"]))
+            mixing, grid = layer_mixing(pipe.transformer.get_submodule(s["layer"]))
             files[f"mixing_layer{s['index']}"] = plot_mixing_matrix(
                 mixing, grid, out / f"mixing_layer{s['index']}.png", title=f"{s['layer']}: mixing matrix (clamped)"
             )

@@ -19,9 +19,12 @@ import torch
 from diffusers.models.attention_processor import AttnProcessor2_0
 from torch import nn
 
+from mhla_diffusers.models.family_calls import FamilyAttention, StockSignature
+
 __all__ = [
     "Family",
     "FAMILIES",
+    "GENERIC",
     "Experts",
     "PipelineQuirks",
     "TrainingSpec",
@@ -30,6 +33,7 @@ __all__ = [
     "register_family",
     "get_family",
     "find_family",
+    "family_name_of_type",
     "family_of",
     "family_of_class_name",
     "canonical_model_class",
@@ -45,7 +49,6 @@ __all__ = [
     "expert_timestep_range",
     "posterior_sample",
     "encode_latents",
-    "vae_scale_factor",
 ]
 
 # The transformer's diffusers config key recording the size (pixels, frames) a model was trained at, when it
@@ -118,8 +121,9 @@ class TrainingSpec:
 
 # -- the family entry ------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class Family:
-    """Model-family facts used by the processor, the grid hooks, conversion, checkpoints, generation and training.
+class Family(FamilyAttention):
+    """Model-family facts used by the processor, the grid hooks, conversion, checkpoints, generation and training
+    (the per-call steps of a self-attention layer that read them: :class:`~mhla_diffusers.models.family_calls.FamilyAttention`).
 
     One entry per family, built in its module (``families/dit.py``, ...) and registered with
     :func:`register_family`. Each field is documented where it is declared. Copies and pickles of an entry
@@ -259,16 +263,21 @@ class Family:
     def native_latent_shape(self, config) -> tuple[int, ...]:
         """The latent of one sample at the model's native resolution: ``(C, H, W)`` for image families,
         ``(C, F, H, W)`` for video ones (:attr:`reference_grid` times the patch size)."""
-        patch = _patch(config)
+        patch = patch_of(config)
         grid = self.reference_grid(config)[-len(patch):] if len(patch) > 1 else self.reference_grid(config)[1:]
         patch = patch if len(patch) > 1 else patch * 2
         return (int(config["in_channels"]), *(n * p for n, p in zip(grid, patch)))
+
+    @property
+    def stock_signature(self) -> StockSignature:
+        """What the stock self-attention processor's ``__call__`` accepts (read once, at registration)."""
+        return _STOCK_SIGNATURES[self.name]
 
     def make_stock_cross_processor(self):
         """A fresh instance of the stock cross-attention processor of this family."""
         if self.stock_cross_processor is not None:
             return self.stock_cross_processor()
-        return _attn_processor_2_0()
+        return attn_processor_2_0()
 
     def native_video_size(self, config) -> dict:
         """``{"height", "width", "frames"}`` a video transformer of ``config`` was trained at: the size recorded in
@@ -292,39 +301,44 @@ class Family:
 
 
 # -- shared by the family modules ------------------------------------------------------------------
-def _patch(config) -> tuple[int, ...]:
+def patch_of(config) -> tuple[int, ...]:
+    """The config's ``patch_size`` as a tuple (``(p,)`` for image models, ``(p_t, p_h, p_w)`` for video ones)."""
     p = config["patch_size"]
     return tuple(p) if isinstance(p, (tuple, list)) else (p,)
 
 
-def _grid_2d(latent: torch.Tensor, config) -> tuple[int, int, int]:
+def grid_2d(latent: torch.Tensor, config) -> tuple[int, int, int]:
+    """``(1, H / p, W / p)`` of a latent ``[B, C, H, W]``. Raises ``ValueError`` for another rank."""
     if latent.ndim != 4:
         raise ValueError(f"expected a latent [batch, channels, height, width]; got shape {tuple(latent.shape)}")
-    (p,) = _patch(config)[-1:]
+    (p,) = patch_of(config)[-1:]
     return (1, latent.shape[-2] // p, latent.shape[-1] // p)
 
 
-def _reference_grid_2d(config) -> tuple[int, int, int]:
+def reference_grid_2d(config) -> tuple[int, int, int]:
+    """``(1, H / p, W / p)`` at the config's ``sample_size`` (an int or ``(H, W)``)."""
     size = config["sample_size"]
     h, w = (size, size) if isinstance(size, int) else tuple(size)
-    (p,) = _patch(config)[-1:]
+    (p,) = patch_of(config)[-1:]
     return (1, h // p, w // p)
 
 
-def _grid_3d(latent: torch.Tensor, config) -> tuple[int, int, int]:
+def grid_3d(latent: torch.Tensor, config) -> tuple[int, int, int]:
+    """``(F / p_t, H / p_h, W / p_w)`` of a video latent ``[B, C, F, H, W]``. Raises ``ValueError`` for another rank."""
     if latent.ndim != 5:
         raise ValueError(f"expected a video latent [batch, channels, frames, height, width]; got shape {tuple(latent.shape)}")
-    pt, ph, pw = _patch(config)
+    pt, ph, pw = patch_of(config)
     return (latent.shape[-3] // pt, latent.shape[-2] // ph, latent.shape[-1] // pw)
 
 
-def _call_default(pipe, name: str):
+def call_default(pipe, name: str):
     """The default of the argument ``name`` of the pipeline's ``__call__`` (``None`` if it has none)."""
     parameter = inspect.signature(type(pipe).__call__).parameters.get(name)
     return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
 
 
-def _attn_processor_2_0():
+def attn_processor_2_0():
+    """A fresh diffusers ``AttnProcessor2_0``."""
     return AttnProcessor2_0()
 
 
@@ -366,18 +380,12 @@ def encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None 
     return z.float() * vae.config.scaling_factor
 
 
-def vae_scale_factor(vae) -> int:
-    """Pixels per latent pixel: ``config.factor`` (SpaceToDepthAutoencoder) or ``2 ** (levels - 1)`` (AutoencoderKL)."""
-    if "factor" in vae.config:
-        return int(vae.config.factor)
-    return 2 ** (len(vae.config.block_out_channels) - 1)
-
-
 # -- the registry ------------------------------------------------------------------------------------
 FAMILIES: dict[str, Family] = {}  # name -> entry, in registration order (families/__init__.py)
 _BY_CLASS: dict[str, Family] = {}
 _BY_ATTENTION_CLASS: dict[str, Family] = {}
-_BY_TYPE: dict[type, Family | None] = {}
+_BY_TYPE: dict[type, str | None] = {}
+_STOCK_SIGNATURES: dict[str, StockSignature] = {}
 
 
 def register_family(family: Family) -> Family:
@@ -389,6 +397,7 @@ def register_family(family: Family) -> Family:
     taken = [c for c in family.model_classes if c in _BY_CLASS] + [c for c in family.attention_classes if c in _BY_ATTENTION_CLASS]
     if family.name in FAMILIES or taken:
         raise ValueError(f"cannot register the family {family.name!r}: its name or classes {taken} are registered already")
+    _STOCK_SIGNATURES[family.name] = StockSignature(family.stock_self_processor())
     FAMILIES[family.name] = family
     _BY_CLASS.update({cls: family for cls in family.model_classes})
     _BY_ATTENTION_CLASS.update({cls: family for cls in family.attention_classes})
@@ -398,29 +407,32 @@ def register_family(family: Family) -> Family:
 
 def find_family(model: nn.Module) -> Family | None:
     """The :class:`Family` of ``model`` (by class name, walking the MRO; cached per type), or ``None``."""
-    return _family_of_type(type(model))
+    name = family_name_of_type(type(model))
+    return None if name is None else FAMILIES[name]  # a registry lookup: torch.compile can trace its methods
 
 
-@torch.compiler.assume_constant_result  # traced by torch.compile (the process-wide pre-hook): run, not traced
-def _family_of_type(model_type: type) -> Family | None:
+@torch.compiler.assume_constant_result  # traced by torch.compile: run once, a constant str of the graph
+def family_name_of_type(model_type: type) -> str | None:
+    """The name of the family whose transformer class ``model_type`` is (walking the MRO; cached), or ``None``."""
     try:
         return _BY_TYPE[model_type]
     except KeyError:
         pass
     family = next((_BY_CLASS[c.__name__] for c in model_type.__mro__ if c.__name__ in _BY_CLASS), None)
-    _BY_TYPE[model_type] = family
-    return family
+    _BY_TYPE[model_type] = None if family is None else family.name
+    return _BY_TYPE[model_type]
 
 
 def attention_family(attn: nn.Module) -> Family | None:
     """The family whose models alone use the attention module class of ``attn`` (Wan's ``WanAttention``),
     or ``None`` (the legacy diffusers ``Attention`` serves several families)."""
-    return _attention_family_of_type(type(attn))
+    name = _attention_family_name(type(attn))
+    return None if name is None else FAMILIES[name]
 
 
 @torch.compiler.assume_constant_result
-def _attention_family_of_type(attn_type: type) -> Family | None:
-    return next((_BY_ATTENTION_CLASS[c.__name__] for c in attn_type.__mro__ if c.__name__ in _BY_ATTENTION_CLASS), None)
+def _attention_family_name(attn_type: type) -> str | None:
+    return next((_BY_ATTENTION_CLASS[c.__name__].name for c in attn_type.__mro__ if c.__name__ in _BY_ATTENTION_CLASS), None)
 
 
 def block_grid_preset_names() -> set[str]:
@@ -502,6 +514,20 @@ def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
         for name, module in model.named_modules()
         if hasattr(module, "set_processor") and hasattr(module, "processor")
     }
+
+
+# Attention modules called alone, outside any supported transformer (with token_grid): diffusers'
+# generic AttnProcessor2_0 behaviour. Not a registered family.
+GENERIC = Family(
+    name="",
+    model_classes=(),
+    self_attention=r"(?!)",
+    patch_embed="",
+    grid_from_latent=grid_2d,
+    reference_grid=reference_grid_2d,
+    stock_self_processor=attn_processor_2_0,
+)
+_STOCK_SIGNATURES[GENERIC.name] = StockSignature(GENERIC.stock_self_processor())
 
 
 # -- pipelines ---------------------------------------------------------------------------------------

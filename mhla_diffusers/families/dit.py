@@ -20,16 +20,15 @@ from diffusers import DDPMScheduler, DiTTransformer2DModel
 from diffusers.models.embeddings import LabelEmbedding
 from huggingface_hub import try_to_load_from_cache
 
-from mhla_diffusers.autoencoder import SpaceToDepthAutoencoder
+from mhla_diffusers.autoencoder import SpaceToDepthAutoencoder, vae_scale_factor
 from mhla_diffusers.families.base import (
     Family,
     PipelineQuirks,
     TrainingSpec,
-    _attn_processor_2_0,
-    _grid_2d,
-    _reference_grid_2d,
+    attn_processor_2_0,
+    grid_2d,
+    reference_grid_2d,
     register_family,
-    vae_scale_factor,
 )
 
 __all__ = ["DIT", "DiTLabels", "DiTTraining", "build_dit_pipeline", "check_resolution", "disable_internal_label_dropout"]
@@ -261,9 +260,9 @@ DIT = register_family(Family(
     pipeline_classes=("DiTPipeline",),
     self_attention=r"^transformer_blocks\.(\d+)\.attn1$",
     patch_embed="pos_embed",
-    grid_from_latent=_grid_2d,
-    reference_grid=_reference_grid_2d,
-    stock_self_processor=_attn_processor_2_0,
+    grid_from_latent=grid_2d,
+    reference_grid=reference_grid_2d,
+    stock_self_processor=attn_processor_2_0,
     empty_blocks=True,  # a latent smaller than the block grid (e.g. 64 px with 4 x 4 blocks on 32 x 32 tokens)
     context_parallel="trunk",  # blocks: per-token MLP and adaLN; proj_out_2 before the unpatchify reshape
     cp_trunk=("transformer_blocks.0", "proj_out_2"),

@@ -16,7 +16,7 @@ import torch
 from diffusers.models.attention_processor import SanaLinearAttnProcessor2_0
 from diffusers.models.transformers.sana_transformer import SanaAttnProcessor2_0
 
-from mhla_diffusers.families.base import Family, TrainingSpec, _call_default, _grid_2d, _reference_grid_2d, register_family
+from mhla_diffusers.families.base import Family, TrainingSpec, call_default, grid_2d, reference_grid_2d, register_family
 
 __all__ = ["SANA", "SanaTraining"]
 
@@ -34,7 +34,7 @@ def _encode_sana(pipe, prompts: list, device) -> dict:
     """SANA: ``{"encoder_hidden_states" [B, L, D], "encoder_attention_mask" [B, L]}`` (Gemma-2, with the
     pipeline's default complex human instruction and sequence length, as ``SanaPipeline.__call__``)."""
     embeds, mask = _encode(
-        pipe, prompts, device, _call_default(pipe, "max_sequence_length") or 300, _call_default(pipe, "complex_human_instruction")
+        pipe, prompts, device, call_default(pipe, "max_sequence_length") or 300, call_default(pipe, "complex_human_instruction")
     )
     return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask}
 
@@ -59,7 +59,7 @@ class SanaTraining(TrainingSpec):
     def finish_load(self, parts, config: dict) -> None:
         """``complex_human_instruction: default`` becomes the pipeline's own."""
         if parts.text["complex_human_instruction"] == "default":
-            parts.text["complex_human_instruction"] = _call_default(parts.pipeline, "complex_human_instruction")
+            parts.text["complex_human_instruction"] = call_default(parts.pipeline, "complex_human_instruction")
 
     def encode_text(self, parts, captions: Sequence[str], device) -> dict:
         """``{"prompt_embeds" [B, L, D], "prompt_attention_mask" [B, L]}`` of ``captions`` (no grad)."""
@@ -84,8 +84,8 @@ SANA = register_family(Family(
     pipeline_classes=("SanaPipeline",),
     self_attention=r"^transformer_blocks\.(\d+)\.attn1$",
     patch_embed="patch_embed",  # PatchEmbed(latent [B, C, H, W]); tokens (H / p) x (W / p), row-major
-    grid_from_latent=_grid_2d,
-    reference_grid=_reference_grid_2d,  # sample_size 32, patch 1 -> 32 x 32 (1024 px); 16 -> 512 px
+    grid_from_latent=grid_2d,
+    reference_grid=reference_grid_2d,  # sample_size 32, patch 1 -> 32 x 32 (1024 px); 16 -> 512 px
     stock_self_processor=_sana_linear_attn_processor,
     default_eps=1e-15,
     cross_attention=r"^transformer_blocks\.(\d+)\.attn2$",

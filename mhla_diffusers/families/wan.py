@@ -22,9 +22,9 @@ from mhla_diffusers.families.base import (
     Family,
     GenerationError,
     TrainingSpec,
-    _call_default,
-    _grid_3d,
-    _patch,
+    call_default,
+    grid_3d,
+    patch_of,
     pipeline_transformers,
     posterior_sample,
     register_family,
@@ -65,7 +65,7 @@ def wan_native_video(config) -> dict:
 
 
 def _reference_grid_wan(config) -> tuple[int, int, int]:
-    pt, ph, pw = _patch(config)
+    pt, ph, pw = patch_of(config)
     is_ti2v = config.get("out_channels") == WAN22_TI2V_LATENT_CHANNELS
     t, h, w = WAN22_TI2V_NATIVE_LATENT if is_ti2v else WAN_NATIVE_LATENT
     return (max(1, t // pt), max(1, h // ph), max(1, w // pw))
@@ -124,7 +124,7 @@ def _encode(pipe, prompts, device, max_sequence_length):
 def _encode_wan(pipe, prompts: list, device) -> dict:
     """Wan: ``{"encoder_hidden_states" [B, L, D]}`` (UMT5, zero rows after each prompt's tokens, the
     pipeline's default sequence length, as ``WanPipeline.__call__``)."""
-    return {"encoder_hidden_states": _encode(pipe, prompts, device, _call_default(pipe, "max_sequence_length") or 512)}
+    return {"encoder_hidden_states": _encode(pipe, prompts, device, call_default(pipe, "max_sequence_length") or 512)}
 
 
 def _wan_attn_processor():
@@ -233,7 +233,7 @@ WAN = register_family(Family(
     pipeline_classes=("WanPipeline", "WanImageToVideoPipeline"),
     self_attention=r"^blocks\.(\d+)\.attn1$",
     patch_embed="patch_embedding",  # Conv3d(latent [B, C, F, H, W]); tokens f*H*W + h*W + w
-    grid_from_latent=_grid_3d,
+    grid_from_latent=grid_3d,
     # 21 x 30 x 52 (81 frames, 480 x 832 px) for patch (1, 2, 2); Wan 2.2 TI2V-5B 31 x 22 x 40 (121 frames, 704 x 1280)
     reference_grid=_reference_grid_wan,
     stock_self_processor=_wan_attn_processor,

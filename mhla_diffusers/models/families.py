@@ -2,26 +2,17 @@
 family, ``families/base.py`` the :class:`Family` entry and the registry). This module re-exports the same
 objects under their old names."""
 
-# ruff: noqa: F401  (re-exports: every name the old module defined stays importable)
+# ruff: noqa: F401  (re-exports: every public name the old module defined stays importable)
 
 from mhla_diffusers.families import DIT, SANA, WAN, WanRotary, wan_native_video
 from mhla_diffusers.families.base import (
-    _BY_ATTENTION_CLASS,
-    _BY_CLASS,
-    _BY_TYPE,
     FAMILIES,
+    GENERIC,
     Family,
-    _attention_family_of_type,
-    _attn_processor_2_0,
-    _call_default,
-    _family_of_type,
-    _grid_2d,
-    _grid_3d,
-    _patch,
-    _reference_grid_2d,
     attention_family,
     attention_modules,
     block_grid_preset_names,
+    family_name_of_type,
     family_of,
     find_family,
     get_family,
@@ -29,17 +20,12 @@ from mhla_diffusers.families.base import (
     stock_processor,
     supported_model_classes,
 )
-from mhla_diffusers.families.sana import _encode_sana, _sana_attn_processor, _sana_linear_attn_processor
 from mhla_diffusers.families.wan import (
     WAN22_TI2V_LATENT_CHANNELS,
     WAN22_TI2V_NATIVE_LATENT,
     WAN22_TI2V_NATIVE_VIDEO,
     WAN_NATIVE_LATENT,
     WAN_NATIVE_VIDEO,
-    _encode_wan,
-    _max_grid_wan,
-    _reference_grid_wan,
-    _wan_attn_processor,
 )
 
 __all__ = [
@@ -55,4 +41,3 @@ __all__ = [
     "self_attention_modules",
     "stock_processor",
 ]
-

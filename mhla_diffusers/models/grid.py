@@ -1,37 +1,24 @@
-"""How an attention processor learns the token grid ``(T, H, W)`` of the current forward.
+"""The token grid ``(T, H, W)`` of the running forward, published by hooks that belong to the model.
 
-No diffusers processor is told the grid, and ``N`` alone never determines it (a 2048 x 512 image
-and a 1024 x 1024 one can give the same ``N``). The grid is known exactly where the latent enters
-the transformer: the family's patch-embedding submodule (DiT ``pos_embed``) receives the latent
-``[B, C, (F,) H, W]`` as its first positional argument. Hooks publish it:
-
-* on the transformer: a forward pre-hook opens a frame, a forward hook (``always_call``) closes it;
-* on its patch embedding: a forward pre-hook writes the grid into the open frame.
-
-:func:`install_grid_hooks` puts these on one model (``apply_mhla``, ``set_attn_processor`` and
-``materialize_mhla`` do) and marks it (:func:`has_grid_hooks`: the one record of which models are
-hooked); :func:`remove_grid_hooks` (``remove_mhla``) takes all of it off again. The first
-:class:`~mhla_diffusers.MHLAProcessor` created also registers one process-wide module pre-hook
-that hooks a supported transformer the first time it runs with an ``MHLAProcessor`` on one of its
-attention layers, so the bare one-liner ``pipe.transformer.set_attn_processor(MHLAProcessor())``
-needs no extra code. A model without an ``MHLAProcessor`` is never touched (no hooks, no wrapper):
-it runs, and compiles, exactly as stock.
-Frames are thread-local and nest, so concurrent or nested models do not see each other's grid.
-Every thread starts with an empty frame list (never created on first use: under torch.compile that
-would recompile the second call). :func:`token_grid` publishes a grid by hand (for attention
-modules called outside a transformer).
+``N`` never determines the grid (2048 x 512 and 1024 x 1024 images can share it); the latent entering
+the family's patch embedding does. :func:`install_grid_hooks` gives one model a pre-hook and an
+always-called hook that open and close a thread-local frame, and a patch-embedding pre-hook that
+writes the grid into it; :func:`remove_grid_hooks` takes them off. For the bare one-liner, a layer
+given an ``MHLAProcessor`` waits (:func:`await_model`) and, only while one waits, a process-wide
+module pre-hook finds and hooks its transformer. :func:`token_grid` publishes a grid by hand.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Iterator, Sequence
 
 import torch
 from torch import nn
 
-from mhla_diffusers.models.families import _family_of_type, family_of
+from mhla_diffusers.models.families import family_name_of_type, family_of, supported_model_classes
 from mhla_diffusers.ops.layout import normalize_grid
 
 __all__ = [
@@ -41,10 +28,11 @@ __all__ = [
     "has_grid_hooks",
     "current_grid",
     "token_grid",
-    "ensure_global_hook",
+    "await_model",
+    "grid_of_call",
+    "close_frame",
+    "waiting_layers",
 ]
-
-_global_handle = None
 
 
 class GridReader:
@@ -87,6 +75,42 @@ def current_model() -> nn.Module | None:
     """The innermost supported transformer running in this thread, or ``None``."""
     frames = _frames()
     return frames[-1].model if frames else None
+
+
+def grid_of_call(mixing, num_tokens: int) -> tuple[int, int, int]:
+    """The token grid of this self-attention call: the one published for the running forward, else (a
+    layer recomputed in the backward pass outside diffusers' checkpointing) the one grid ``mixing``
+    ran on with ``num_tokens`` tokens, if it saw only one. Records it in ``mixing.seen_grids``.
+
+    Raises:
+        RuntimeError: no grid published, and none (or several) recorded for ``num_tokens``; never a guess.
+    """
+    grid = current_grid()
+    if grid is None:
+        in_backward = torch._C._current_graph_task_id() != -1
+        grids = getattr(mixing, "seen_grids", {}).get(num_tokens, ()) if in_backward else ()
+        if len(grids) == 1:
+            return next(iter(grids))
+        if len(grids) > 1:
+            raise RuntimeError(
+                f"MHLA is recomputed in the backward pass without a token grid, and this layer has seen "
+                f"{len(grids)} grids with {num_tokens} tokens ({sorted(grids)}): it does not guess which. Use "
+                "diffusers' enable_gradient_checkpointing() (MHLA replays the grid there), or checkpoint the "
+                "whole transformer forward."
+            )
+        raise RuntimeError(
+            f"MHLA does not know the token grid of this call ({num_tokens} tokens) and never guesses it. "
+            f"Run the layer inside the forward of a supported transformer ({supported_model_classes()}; "
+            "apply_mhla / set_attn_processor install the hooks; another class is refused), or wrap the call in "
+            "`with mhla_diffusers.token_grid((T, H, W)):`."
+        )
+    # Not while torch.compile traces: a traced dict update would make every call re-check it, and
+    # there the grid is a constant of the graph.
+    if not torch.compiler.is_compiling():
+        if getattr(mixing, "seen_grids", None) is None:
+            mixing.seen_grids = {}
+        mixing.seen_grids.setdefault(num_tokens, set()).add(grid)
+    return grid
 
 
 @contextlib.contextmanager
@@ -160,6 +184,11 @@ class _InFrame:
 
 
 def _exit(model: nn.Module, args, output) -> None:
+    close_frame(model)
+
+
+def close_frame(model: nn.Module) -> None:
+    """Close ``model``'s innermost open frame (what its always-called forward hook does; no-op without one)."""
     frames = _frames()
     for i in range(len(frames) - 1, -1, -1):
         if frames[i].model is model:
@@ -182,7 +211,7 @@ class _PublishGrid:
         if not frames or not args or not isinstance(args[0], torch.Tensor):
             return
         frame = frames[-1]
-        if frame.model is None or frame.grid is not None or _family_name(type(frame.model)) != self.family.name:
+        if frame.model is None or frame.grid is not None or family_name_of_type(type(frame.model)) != self.family.name:
             return
         frame.grid = self.family.grid_from_latent(args[0], frame.model.config)
 
@@ -206,6 +235,7 @@ def install_grid_hooks(model: nn.Module) -> bool:
     """
     family = family_of(model)
     if has_grid_hooks(model):
+        _model_found(model)
         return False
     patch = model.get_submodule(family.patch_embed)
     model.register_forward_pre_hook(_enter)
@@ -213,6 +243,7 @@ def install_grid_hooks(model: nn.Module) -> bool:
     patch.register_forward_pre_hook(_PublishGrid(family))
     _wrap_checkpointing(model)
     model.__dict__[_MARK] = True
+    _model_found(model)
     return True
 
 
@@ -231,23 +262,47 @@ def remove_grid_hooks(model: nn.Module) -> None:
     func = model.__dict__.get("_gradient_checkpointing_func")
     if isinstance(func, _ReplayGrid):
         model._gradient_checkpointing_func = func.inner
-
-
-@torch.compiler.assume_constant_result  # traced: a constant. A str, never the Family object: a constant
-def _family_name(module_type: type) -> str | None:  # standing for it would break the tracing of its hooks
-    """The name of the family whose transformer class ``module_type`` is, or ``None`` (one dict lookup
-    after the first call)."""
-    family = _family_of_type(module_type)
-    return None if family is None else family.name
+    _model_found(model)
 
 
 @torch.compiler.assume_constant_result  # traced: run once at trace time (guard: this model object)
 def _runs_mhla(model: nn.Module) -> bool:
-    """Whether an attention layer of ``model`` holds an :class:`~mhla_diffusers.MHLAProcessor`.
-
-    Under torch.compile the answer is a constant of the graph: a later processor change is caught by
-    the guards of the forward itself, which calls every processor."""
+    """Whether an attention layer of ``model`` holds an :class:`~mhla_diffusers.MHLAProcessor` (under
+    torch.compile a constant of the graph: a later processor change is caught by the forward's own guards)."""
     return any(isinstance(getattr(module, "processor", None), GridReader) for module in model.modules())
+
+
+# -- the bare one-liner: layers waiting for their transformer ---------------------------------------
+_waiting: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # layers given an MHLAProcessor, model not hooked yet
+_finder = None  # the handle of the process-wide module pre-hook, registered only while a layer waits
+
+
+def await_model(attn: nn.Module) -> None:
+    """``attn`` was given an :class:`~mhla_diffusers.MHLAProcessor` (diffusers' ``set_processor``): until
+    its transformer is hooked, one process-wide module pre-hook looks for it."""
+    global _finder
+    _waiting.add(attn)
+    if _finder is None:
+        _finder = nn.modules.module.register_module_forward_pre_hook(_find_model)
+
+
+def waiting_layers() -> int:
+    """How many attention layers wait for their transformer to be found (the finder hook exists iff > 0)."""
+    return len(_waiting)
+
+
+def _model_found(model: nn.Module) -> None:
+    """``model`` is hooked (or had MHLA removed): its layers wait no more, nor do layers that no longer
+    hold an MHLAProcessor; the finder hook goes when none waits."""
+    global _finder
+    if not _waiting:
+        return
+    _waiting.difference_update(list(model.modules()))
+    for attn in [a for a in _waiting if not isinstance(getattr(a, "processor", None), GridReader)]:
+        _waiting.discard(attn)
+    if not _waiting and _finder is not None:
+        _finder.remove()
+        _finder = None
 
 
 # Under torch.compile: one graph break, on the one-liner's first call only; under fullgraph=True an error
@@ -262,19 +317,17 @@ def _hook_first_forward(model: nn.Module, args) -> None:
         _enter(model, args)  # the model's own pre-hook was registered too late for this call
 
 
-def _global_pre_hook(module: nn.Module, args) -> None:
-    # Runs before every module call in the process, so the common case is one dict lookup: the type
-    # check (a name or None, a trace-time constant under torch.compile: other modules stop here), then the
-    # model's mark (a plain attribute: a hooked model stops here), then the scan for an MHLAProcessor (a
-    # trace-time constant). A model without one is left untouched: a stock model compiles as stock.
-    if _family_name(type(module)) is None or has_grid_hooks(module):
+@torch.compiler.disable
+def _settle(model: nn.Module) -> None:
+    _model_found(model)
+
+
+def _find_model(module: nn.Module, args) -> None:
+    # Runs before every module call while a layer waits: the type check (a trace-time constant under
+    # torch.compile: other modules stop here), then the model's mark, then the scan for an MHLAProcessor.
+    if family_name_of_type(type(module)) is None:
         return
-    if _runs_mhla(module):
+    if not has_grid_hooks(module) and _runs_mhla(module):
         _hook_first_forward(module, args)
-
-
-def ensure_global_hook() -> None:
-    """Register (once per process) the module pre-hook that hooks supported transformers on first use."""
-    global _global_handle
-    if _global_handle is None:
-        _global_handle = nn.modules.module.register_module_forward_pre_hook(_global_pre_hook)
+    else:  # hooked already, or stock: its layers wait no more
+        _settle(module)

@@ -1,20 +1,28 @@
 """The MHLA operator (framework-free: nothing here imports diffusers).
 
-``mhla_attention`` validates its inputs and dispatches to a backend; ``naive`` holds the oracles (dense
-O(N^2) and block-wise). A new backend is one file in this package plus one entry in ``backends.BACKENDS``.
+``mhla_attention`` validates its inputs and dispatches to a backend of the registry
+(``backends``: a new backend is a :class:`Backend` given to :func:`register_backend`; the built-in
+ones are registered on import of this package); ``naive`` holds the oracles (dense O(N^2) and block-wise).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
-import os
 from collections.abc import Callable
 
 import torch
 
 from mhla_diffusers.ops import compiled
-from mhla_diffusers.ops.backends import BACKENDS as _BACKENDS
+from mhla_diffusers.ops import triton_backend as _kernels_backend  # noqa: F401  (registers the GPU kernels)
+from mhla_diffusers.ops.backends import (
+    Backend,
+    available_backends,
+    get_backend,
+    register_backend,
+    registered_backends,
+    resolve_backend,
+    unregister_backend,
+)
 from mhla_diffusers.ops.layout import BlockLayout
 from mhla_diffusers.ops.naive import implied_attention, mhla_attention_reference
 from mhla_diffusers.ops.rotary import InterleavedRotary
@@ -22,85 +30,10 @@ from mhla_diffusers.ops.torch_ops import compute_dtype
 
 __all__ = [
     "mhla_attention", "mhla_attention_reference", "implied_attention", "available_backends", "resolve_backend",
-    "InterleavedRotary",
+    "InterleavedRotary", "Backend", "register_backend", "unregister_backend", "get_backend", "registered_backends",
 ]
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-@torch.compiler.assume_constant_result
-def _triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-@functools.lru_cache(maxsize=None)
-@torch.compiler.assume_constant_result  # under torch.compile: called while tracing, never traced
-def _triton_gpu_problem() -> str | None:
-    """Why Triton cannot launch GPU kernels here (``None`` when it can); checked once per process."""
-    if not _triton_installed():
-        return "triton is not installed (pip install 'mhla_diffusers[triton]')"
-    try:
-        import triton  # function-level import: triton is optional, and importing it costs seconds
-
-        triton.runtime.driver.active.get_current_target()
-    except Exception as err:  # e.g. "0 active drivers" on a machine without a GPU driver
-        return f"Triton found no working GPU driver ({type(err).__name__}: {err})"
-    return None
-
-
-@torch.compiler.assume_constant_result
-def _interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
-
-
-@torch.compiler.assume_constant_result
-def _auto_picks_triton() -> bool:
-    """Whether ``"auto"`` may pick the Triton kernels for CUDA tensors (``MHLA_AUTO_TRITON=1``)."""
-    return os.environ.get("MHLA_AUTO_TRITON", "0").lower() in ("1", "true", "yes", "on")
-
-
-def available_backends() -> list[str]:
-    """Names accepted by ``backend=`` besides ``"auto"``: ``"torch"``, and ``"triton"`` when the
-    ``triton`` package is installed (it then runs on CUDA tensors; see :func:`resolve_backend`)."""
-    return sorted(name for name in _BACKENDS if name != "triton" or _triton_installed())
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """Map ``"auto"`` to a concrete backend for tensors on ``device``; validate explicit names.
-
-    ``"auto"``: ``"torch"``, or ``"triton"`` for CUDA tensors when ``MHLA_AUTO_TRITON=1`` is set
-    and triton is installed with a working GPU driver (never the Triton interpreter). The kernels
-    pass the interpreter and sm_90 compilation tests but have not yet been run on a GPU in this
-    project (benchmarks/TRITON.md), so "auto" opts in only on request until they have. ``"triton"`` explicitly: CUDA
-    tensors, or CPU tensors when ``TRITON_INTERPRET=1`` is set (the interpreter: slow, for tests).
-
-    Raises:
-        ValueError: for an unknown backend name, or ``"triton"`` where it cannot run (not
-            installed, no GPU driver, CPU tensors without the interpreter, other devices).
-    """
-    device = torch.device(device)
-    if backend == "auto":
-        use_triton = device.type == "cuda" and _auto_picks_triton() and _triton_gpu_problem() is None
-        return "triton" if use_triton else "torch"
-    if backend not in _BACKENDS:
-        raise ValueError(f"unknown MHLA backend {backend!r}; choose one of {['auto', *available_backends()]}")
-    if backend == "triton":
-        if device.type == "cuda":
-            problem = _triton_gpu_problem()
-        elif device.type != "cpu":
-            problem = f"the Triton backend runs on CUDA tensors, not {device.type}"
-        elif not _triton_installed():
-            problem = "triton is not installed (pip install 'mhla_diffusers[triton]')"
-        elif not _interpreter_on():
-            problem = (
-                "the Triton backend runs on CUDA tensors and these are on the CPU (TRITON_INTERPRET=1 runs "
-                "the kernels in Triton's CPU interpreter, for tests only)"
-            )
-        else:
-            problem = None
-        if problem is not None:
-            raise ValueError(f"MHLA backend 'triton' is not usable here: {problem}. Use backend='torch' or 'auto'")
-    return backend
 
 
 def mhla_attention(
@@ -125,17 +58,18 @@ def mhla_attention(
         out = phi(q) S~_i / (phi(q) . z~_i + eps)     if normalize
         out = phi(q) S~_i                             otherwise
 
-    With ``rotary = R`` (Wan 2.1's RoPE after the feature map, as the authors' video model and
-    DESIGN.md do) the numerator uses rotated features and the denominator un-rotated ones::
+    With ``rotary = R`` (Wan 2.1's RoPE after the feature map, as the authors' video model
+    does) the numerator uses rotated features and the denominator un-rotated ones::
 
         S_b = (R phi(K_b))^T V_b,   out = (R phi(q)) S~_i / (phi(q) . z~_i + eps)
 
-    The Triton backend applies an :class:`InterleavedRotary` (e.g. Wan's
-    :class:`~mhla_diffusers.models.families.WanRotary`) inside its kernels: one pass, numerator and
-    denominator fused, the tables treated as constants. Any other ``rotary`` callable (and any
-    rotary on the torch backend) is composed: one numerator call of the backend on the rotated
-    features (``feature_map`` off) plus a second call for the denominator (a value of ones), both
-    in the accumulation dtype; gradients then also flow into the callable's own tensors.
+    A backend that fuses rotaries (:meth:`Backend.fuses_rotary`: the GPU kernels) applies an
+    :class:`InterleavedRotary` (e.g. Wan's :class:`~mhla_diffusers.models.families.WanRotary`) inside
+    its kernels: one pass, numerator and denominator fused, the tables treated as constants. Any
+    other ``rotary`` callable (and any rotary on the other backends) is composed: one numerator
+    call of the backend on the rotated features (``feature_map`` off) plus a second call for the
+    denominator (a value of ones), both in the accumulation dtype; gradients then also flow into
+    the callable's own tensors.
 
     Summaries, normaliser and mixing are accumulated in fp32 (fp64 for fp64 inputs) whatever the
     input dtype; the output has the dtype of ``q``. Cost O(N d^2 + M^2 d^2); gradients for q, k,
@@ -205,12 +139,13 @@ def mhla_attention(
             normalize=normalize, eps=eps, backend=backend, feature_map=feature_map, rotary=rotary,
         )
     name = resolve_backend(backend, q.device)
-    fn = _BACKENDS[name]
+    impl = get_backend(name)
+    fn = impl.forward
     if torch.compiler.is_compiling():  # one opaque graph node per call, not a graph break (ops/compiled.py)
         fn = functools.partial(compiled.attention, backend=name)
     if rotary is None:
         return fn(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map == "relu")
-    if name == "triton" and _fused_rotary(rotary, q, v):
+    if impl.fuses_rotary_tables and impl.fuses_rotary(rotary, q, v):
         rotary.check(q.shape)
         return fn(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map == "relu", rotary=rotary)
     return _rotary_attention(fn, q, k, v, mixing, layout, rotary, normalize=normalize, eps=eps, feature_map=feature_map)
@@ -227,17 +162,6 @@ def _with_feature_eps(q, k, v, mixing, layout, feature_eps, *, feature_map, **kw
         phi_q, phi_k = torch.relu(phi_q), torch.relu(phi_k)
     out = mhla_attention(phi_q + feature_eps, phi_k + feature_eps, v, mixing, layout, feature_map=None, **kwargs)
     return out.to(q.dtype)
-
-
-def _fused_rotary(rotary, q: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the Triton kernels apply ``rotary`` themselves: an :class:`InterleavedRotary` whose
-    tables need no gradient, on inputs the kernels take (not sent to the torch fallback)."""
-    if not isinstance(rotary, InterleavedRotary) or rotary.requires_grad:
-        return False
-    # function-level import: the kernels module imports triton (optional, seconds to import)
-    from mhla_diffusers.ops.triton_ops import torch_fallback_reason
-
-    return torch_fallback_reason(q, v) is None
 
 
 def _rotary_attention(fn, q, k, v, mixing, layout, rotary, *, normalize, eps, feature_map):

@@ -14,33 +14,35 @@ intermediate state kept between the compiled forward and backward). Eager traini
 this: it never goes through these operators.
 
 The layout travels as its ``grid`` and ``block_grid`` (every :class:`BlockLayout` is determined by
-them); a fused rotation (:class:`InterleavedRotary`, Triton backend only) as its ``cos`` / ``sin``
-tables. A composed rotation stays outside the operator, in the traced code, around plain calls.
-Outputs and gradients are returned in the memory layout the fake implementations promise (the
-backends' own rule, ``torch_ops._empty_like_layout``), so compiled code can rely on the strides.
+them); a fused rotation (:class:`InterleavedRotary`, backends with ``fuses_rotary_tables``) as its
+``cos`` / ``sin`` tables. A composed rotation stays outside the operator, in the traced code,
+around plain calls. Outputs and gradients are returned in the memory layout the fake implementations promise (the
+backends' own rule, ``torch_ops.empty_like_layout``), so compiled code can rely on the strides.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mhla_diffusers.ops.backends import BACKENDS
+from mhla_diffusers.ops.backends import get_backend, registered_backends
 from mhla_diffusers.ops.layout import BlockLayout, get_layout
 from mhla_diffusers.ops.rotary import InterleavedRotary
-from mhla_diffusers.ops.torch_ops import _empty_like_layout
+from mhla_diffusers.ops.torch_ops import empty_like_layout
 
 __all__ = ["attention"]
 
 
 def _call_backend(q, k, v, mixing, grid, block_grid, normalize, eps, feature_map, backend, cos, sin):
-    fn, layout = BACKENDS[backend], get_layout(tuple(grid), tuple(block_grid))
+    impl, layout = get_backend(backend), get_layout(tuple(grid), tuple(block_grid))
     if cos is None:
-        return fn(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map)
-    if backend != "triton":
-        # Only the kernels fuse a rotation; mhla_attention composes it around the operator otherwise
+        return impl.forward(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map)
+    if not impl.fuses_rotary_tables:
+        # Only some backends fuse a rotation; mhla_attention composes it around the operator otherwise
         # (inside this operator's impl autograd would not record a composition: it runs below autograd).
-        raise ValueError(f"rotary tables are fused by the 'triton' backend only; got backend {backend!r}")
-    return fn(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map, rotary=InterleavedRotary(cos, sin))
+        fusing = " or ".join(repr(name) for name in registered_backends() if get_backend(name).fuses_rotary_tables)
+        raise ValueError(f"rotary tables are fused by the {fusing or 'no'} backend only; got backend {backend!r}")
+    return impl.forward(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map,
+                        rotary=InterleavedRotary(cos, sin))
 
 
 def _in_layout(result: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -58,12 +60,12 @@ def _attention_op(
 ) -> torch.Tensor:
     with torch.no_grad():
         out = _call_backend(q, k, v, mixing, grid, block_grid, normalize, eps, feature_map, backend, cos, sin)
-    return _in_layout(out, _empty_like_layout(q, v.shape[-1], q.dtype))
+    return _in_layout(out, empty_like_layout(q, v.shape[-1], q.dtype))
 
 
 @_attention_op.register_fake
 def _(q, k, v, mixing, grid, block_grid, normalize, eps, feature_map, backend, cos, sin):
-    return _empty_like_layout(q, v.shape[-1], q.dtype)
+    return empty_like_layout(q, v.shape[-1], q.dtype)
 
 
 @torch.library.custom_op("mhla_diffusers::attention_backward", mutates_args=())
@@ -90,9 +92,9 @@ def _attention_backward_op(
 def _grad_likes(q, k, v, mixing, needs):
     """Empty tensors in the layouts of dq, dk, dv, dmixing (size 0 where no gradient is needed)."""
     likes = (
-        _empty_like_layout(q, q.shape[-1], q.dtype),
-        _empty_like_layout(k, k.shape[-1], k.dtype),
-        _empty_like_layout(v, v.shape[-1], v.dtype),
+        empty_like_layout(q, q.shape[-1], q.dtype),
+        empty_like_layout(k, k.shape[-1], k.dtype),
+        empty_like_layout(v, v.shape[-1], v.dtype),
         mixing.new_empty(mixing.shape),
     )
     return [like if need else like.new_empty(0) for like, need in zip(likes, needs)]

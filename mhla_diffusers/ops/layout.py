@@ -6,7 +6,7 @@ A token grid ``(T, H, W)`` (``T = 1`` for images) is split into a block grid ``(
 token columns). Block ids are row-major over the block grid, tokens row-major over the token
 grid (``t * H * W + h * W + w``), which is how diffusers lays tokens out.
 
-Source: MHLA paper (arXiv 2601.07832), Sec. 3 "token-level multi-head"; DESIGN.md.
+Source: MHLA paper (arXiv 2601.07832), Sec. 3 "token-level multi-head".
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["BlockLayout", "choose_block_grid", "default_num_blocks", "get_layout", "normalize_grid"]
+__all__ = ["BlockLayout", "choose_block_grid", "default_num_blocks", "get_layout", "normalize_grid", "occupied_layout"]
 
 
 def normalize_grid(grid: int | Sequence[int], name: str = "grid") -> tuple[int, int, int]:
@@ -190,6 +190,28 @@ def get_layout(grid: tuple[int, ...], block_grid: tuple[int, ...]) -> BlockLayou
         ValueError: as :class:`BlockLayout` (a bad grid or block grid).
     """
     return BlockLayout(grid, block_grid)
+
+
+@lru_cache(maxsize=128)
+@torch.inference_mode(False)  # cached across calls: never inference tensors
+def occupied_layout(grid: tuple[int, int, int], block_grid: tuple[int, int, int]) -> tuple[BlockLayout, torch.Tensor]:
+    """The blocks of ``block_grid`` that hold tokens of ``grid``, when some axis has fewer tokens than blocks.
+
+    Token ``(t, h, w)`` belongs to block ``(t * bt // T, h * bh // H, w * bw // W)``; on an
+    axis with ``n < b`` tokens only the ``n`` blocks ``i * b // n`` hold tokens. Returns
+    ``(layout, index)``: a :class:`BlockLayout` on ``grid`` with ``min(b, n)`` blocks per axis, and the
+    ``[M']`` int64 ids (CPU) of those blocks in the full block grid, in the layout's block order.
+    MHLA on ``layout`` with ``Mc[index][:, index]`` is exactly MHLA on the full block grid with the
+    empty blocks contributing nothing (their summaries are zero).
+    """
+    axes = []
+    for n, b in zip(grid, block_grid):
+        axes.append(torch.arange(b) if b <= n else torch.arange(n) * b // n)
+    it, ih, iw = axes
+    _, bh, bw = block_grid
+    index = ((it[:, None, None] * bh + ih[None, :, None]) * bw + iw[None, None, :]).reshape(-1)
+    reduced = tuple(min(n, b) for n, b in zip(grid, block_grid))
+    return BlockLayout(grid, reduced), index
 
 
 def default_num_blocks(num_tokens: int) -> int:

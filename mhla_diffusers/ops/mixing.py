@@ -61,6 +61,10 @@ class MixingMatrix(nn.Module):
             (``False``: the authors' Wan model, trained without the clamp, has negative entries);
             :func:`clamp_mixing_` leaves unclamped matrices alone. A plain attribute, recorded in
             the converted checkpoint's ``mhla_config.json`` as ``mixing_clamp``.
+
+    Two plain attributes (not in ``state_dict``) are the layer's bookkeeping: ``seen_grids``, the token
+    grids it ran on by token count (to recall a grid when the layer is recomputed in the backward
+    pass), and ``verified``, whether the processor now on the layer has checked it against its settings.
     """
 
     def __init__(self, block_grid: Iterable[int], init: str = "locality", clamp: bool = True):
@@ -75,6 +79,8 @@ class MixingMatrix(nn.Module):
         else:
             raise ValueError(f"init must be 'locality' or 'uniform'; got {init!r}")
         self.weight = nn.Parameter(weight)
+        self.seen_grids: dict[int, set[tuple[int, int, int]]] = {}
+        self.verified = False
 
     @property
     def num_blocks(self) -> int:

@@ -10,7 +10,7 @@ intra-block reweighting" form):
 with ``phi = ReLU`` (``feature_map="relu"``) or the identity (``feature_map=None``: q, k are
 features already), plus ``feature_eps`` (``phi(x) = ReLU(x) + feature_eps``: the authors' Wan model
 adds 1e-6 after the ReLU; 0 by default). With ``rotary`` (Wan's RoPE after the feature map,
-DESIGN.md) the numerator uses rotated features and the denominator un-rotated ones:
+as in the authors' video model) the numerator uses rotated features and the denominator un-rotated ones:
 
     out_i = sum_t Mc[b(i), b(t)] (R phi(q_i)) . (R phi(k_t)) v_t / (sum_t Mc[b(i), b(t)] phi(q_i) . phi(k_t) + eps)
 

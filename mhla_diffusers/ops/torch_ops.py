@@ -256,7 +256,7 @@ def _store(res: torch.Tensor, dest: torch.Tensor, b, c: _Chunk, ws: _Workspace) 
         dst.copy_(torch.index_select(src, 1, c.scatter, out=ws.get("store", dst.shape)))
 
 
-def _empty_like_layout(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+def empty_like_layout(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
     """``[B, H, N, width]`` laid out like ``x``: diffusers passes ``[B, N, H, d]`` tensors viewed as
     ``[B, H, N, d]``; an output in that layout makes its ``transpose(1, 2).reshape(B, N, H * d)`` free."""
     b, h, n, _ = x.shape
@@ -321,7 +321,7 @@ class _MHLA(torch.autograd.Function):
         s_all = new(batch, heads, m, d, dv) if need_grad else None
         z_all = new(batch, heads, m, d) if need_grad and normalize else None
         den_all = new(batch, heads, m, length) if need_grad and normalize else None
-        out = _empty_like_layout(q, dv, q.dtype)
+        out = empty_like_layout(q, dv, q.dtype)
         for b in range(batch):
             for group in groups:
                 hs, g = group[0].heads, group[0].h1 - group[0].h0
@@ -363,9 +363,9 @@ class _MHLA(torch.autograd.Function):
         batch, heads, _, d = q.shape
         dv, m = v.shape[-1], plan.num_blocks
         mix_t = mix.t().contiguous()
-        dq = _empty_like_layout(q, d, q.dtype) if need_q else None
-        dk = _empty_like_layout(k, d, k.dtype) if need_k else None
-        dvv = _empty_like_layout(v, dv, v.dtype) if need_v else None
+        dq = empty_like_layout(q, d, q.dtype) if need_q else None
+        dk = empty_like_layout(k, d, k.dtype) if need_k else None
+        dvv = empty_like_layout(v, dv, v.dtype) if need_v else None
         dmix = torch.zeros(m, m, dtype=acc, device=q.device)
         for b in range(batch):
             for group in groups:

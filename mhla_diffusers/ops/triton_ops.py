@@ -76,7 +76,6 @@ the matrix (OpenBLAS Haswell/Zen kernels), so a sample's tiles must sit at the s
 from __future__ import annotations
 
 import contextlib
-import os
 from functools import lru_cache
 
 import torch
@@ -84,14 +83,16 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-import mhla_diffusers
+from mhla_diffusers import env
 from mhla_diffusers.ops.layout import BlockLayout
 from mhla_diffusers.ops.rotary import InterleavedRotary
-from mhla_diffusers.ops.torch_ops import _empty_like_layout, mhla_attention_torch
+from mhla_diffusers.ops.torch_ops import empty_like_layout, mhla_attention_torch
 
 __all__ = ["mhla_attention_triton", "interpreter_enabled", "check_supported", "torch_fallback_reason", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 128
+# Triton's switch for its CPU interpreter (the backend module, which must not import this one, reads it too)
+_INTERPRET_VARIABLE = "TRITON_INTERPRET"
 
 # Programs per sample (heads x blocks x splits) the summary kernels aim for on a GPU before they
 # split blocks (P > 1): ~2 waves on an H100/H200 (132 SMs) for ONE sample, so batch-1 inference
@@ -116,7 +117,7 @@ _RECORD: list | None = None
 
 def interpreter_enabled() -> bool:
     """True when the Triton interpreter is on (``TRITON_INTERPRET=1``): kernels then run on CPU tensors."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
+    return env.flag(_INTERPRET_VARIABLE)
 
 
 # Whether the kernels below are defined for the interpreter: Triton decides when they are defined.
@@ -578,7 +579,7 @@ class _MHLATriton(torch.autograd.Function):
         cfg = _config(d, dv, length, device, prec)
         mix = mixing.to(device=device, dtype=acc)
         eps_t = torch.full((1,), eps, dtype=acc, device=device)
-        out = _empty_like_layout(q, dv, q.dtype)
+        out = empty_like_layout(q, dv, q.dtype)
         cos, sin = rotary.tables(device, acc) if rotary is not None else (order, order)  # placeholders when unused
 
         split = _split_tokens(length, heads * m, cfg["BLOCK_T"], device)
@@ -633,7 +634,7 @@ class _MHLATriton(torch.autograd.Function):
         z_mix = _mix(mix, z[None], prec, batch) if normalize else s_mix
         cos, sin = rotary.tables(device, acc) if rotary is not None else (order, order)
 
-        dq = _empty_like_layout(q, d, q.dtype) if need_q else s_mix  # placeholder pointer when unused
+        dq = empty_like_layout(q, d, q.dtype) if need_q else s_mix  # placeholder pointer when unused
         split = _split_tokens(length, heads * m, cfg["BLOCK_T_BWD"], device)
         parts = -(-length // split)
         ds_parts = torch.empty(parts, m, bh, d, dv, dtype=acc, device=device)
@@ -662,8 +663,8 @@ class _MHLATriton(torch.autograd.Function):
             mix_t = mix.t()
             ds = _mix(mix_t, ds_parts, prec, batch)
             dz = _mix(mix_t, dz_parts, prec, batch) if normalize else ds
-            dk = _empty_like_layout(k, d, k.dtype) if need_k else ds
-            dvv = _empty_like_layout(v, dv, v.dtype) if need_v else ds
+            dk = empty_like_layout(k, d, k.dtype) if need_k else ds
+            dvv = empty_like_layout(v, dv, v.dtype) if need_v else ds
             tiles = -(-length // cfg["BLOCK_T"])
             _launch(
                 _bwd_key, (m * tiles, bh),
@@ -687,7 +688,7 @@ def check_supported(q: torch.Tensor, *others: torch.Tensor) -> None:
     diffusers / triton were imported) and no bfloat16 input (the interpreter's bf16 arithmetic
     is wrong)."""
     if q.device.type == "cpu":
-        late = interpreter_enabled() and not (_INTERPRETED and getattr(mhla_diffusers, "_TRITON_INTERPRET_AT_IMPORT", True))
+        late = interpreter_enabled() and not (_INTERPRETED and env.flag(_INTERPRET_VARIABLE, at_import=True))
         if late:
             raise ValueError(
                 "TRITON_INTERPRET=1 was set after mhla_diffusers (which imports diffusers and triton) was imported: "
@@ -779,6 +780,6 @@ def mhla_attention_triton(
             )
         return mhla_attention_torch(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map)
     if q.numel() == 0 or v.numel() == 0:
-        return _empty_like_layout(q, v.shape[-1], q.dtype) * mixing.sum().to(q.dtype)
+        return empty_like_layout(q, v.shape[-1], q.dtype) * mixing.sum().to(q.dtype)
     need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, mixing))
     return _MHLATriton.apply(q, k, v, mixing, layout, bool(normalize), float(eps), bool(feature_map), rotary, need_grad)

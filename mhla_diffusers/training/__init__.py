@@ -22,8 +22,8 @@ accelerate / peft / yaml are needed only here. The modules, in the order a run u
   converted checkpoint (the recipe the demo and the study run).
 """
 
+from mhla_diffusers.data import build_dataset
 from mhla_diffusers.training.config import DEFAULT_CONFIG, TRAINABLE_SETS, apply_overrides, load_config, validate_config
-from mhla_diffusers.training.data import build_dataset
 from mhla_diffusers.training.evaluation import evaluate_heldout, evaluate_loss
 from mhla_diffusers.training.export import export_model, export_pipeline
 from mhla_diffusers.training.logs import plot_loss_curves, read_grad_norms, read_loss_csv, read_loss_terms, write_loss_csv

@@ -42,7 +42,7 @@ def write_loss_csv(path: str | os.PathLike, rows: Sequence[tuple]) -> None:
     atomic_write_text(path, buf.getvalue())
 
 
-def _read_rows(path: str | os.PathLike) -> list[tuple[int, float, float, dict[str, float], dict[str, float]]]:
+def read_rows(path: str | os.PathLike) -> list[tuple[int, float, float, dict[str, float], dict[str, float]]]:
     """``(step, loss, lr, {term: value}, {group: gradient norm})`` rows of a loss CSV."""
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
@@ -67,7 +67,7 @@ def read_loss_csv(path: str | os.PathLike) -> list[tuple[int, float, float]]:
     Raises:
         FileNotFoundError: no such file. ValueError: not a loss CSV.
     """
-    return [r[:3] for r in _read_rows(path)]
+    return [r[:3] for r in read_rows(path)]
 
 
 def read_grad_norms(path: str | os.PathLike) -> dict[str, tuple[list[int], list[float]]]:
@@ -75,7 +75,7 @@ def read_grad_norms(path: str | os.PathLike) -> dict[str, tuple[list[int], list[
     (``model``, ``lora``, ``mhla_mixing``; see :func:`gradient_groups`). A non-finite norm marks a
     skipped step."""
     out: dict[str, tuple[list[int], list[float]]] = {}
-    for step, _, _, _, norms in _read_rows(path):
+    for step, _, _, _, norms in read_rows(path):
         for k, v in norms.items():
             out.setdefault(k, ([], []))
             out[k][0].append(step)
@@ -86,7 +86,7 @@ def read_grad_norms(path: str | os.PathLike) -> dict[str, tuple[list[int], list[
 def read_loss_terms(path: str | os.PathLike) -> dict[str, tuple[list[int], list[float]]]:
     """The loss terms of a loss CSV: ``{term: (steps, values)}`` (``data``, ``output``, ``attention``)."""
     out: dict[str, tuple[list[int], list[float]]] = {}
-    for step, _, _, terms, _ in _read_rows(path):
+    for step, _, _, terms, _ in read_rows(path):
         for k, v in terms.items():
             out.setdefault(k, ([], []))
             out[k][0].append(step)

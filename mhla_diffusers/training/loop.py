@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from tqdm.auto import tqdm
 
 from mhla_diffusers.checkpoint.io import atomic_write_json, atomic_write_text
+from mhla_diffusers.data import build_dataset
 from mhla_diffusers.models.install import is_mhla_model
 
 # clamp_mixing_ is looked up in the module at each step (tests patch it there)
@@ -35,24 +36,23 @@ from mhla_diffusers.ops import mixing as mixing_ops
 from mhla_diffusers.ops.mixing import mixing_parameters
 from mhla_diffusers.training.cache import CachedDataset, build_cache, cache_key, module_fingerprint
 from mhla_diffusers.training.config import validate_config
-from mhla_diffusers.training.data import build_dataset
 from mhla_diffusers.training.distill import AttentionRecorder, transfer_modules
 from mhla_diffusers.training.evaluation import evaluate_heldout
 from mhla_diffusers.training.export import export_model
 from mhla_diffusers.training.fsdp import check_fsdp_setup, set_fsdp_wrap
-from mhla_diffusers.training.logs import LOSS_CSV, LOSS_PNG, _read_rows, plot_loss_curves, read_loss_terms, write_loss_csv
+from mhla_diffusers.training.logs import LOSS_CSV, LOSS_PNG, plot_loss_curves, read_loss_terms, read_rows, write_loss_csv
 from mhla_diffusers.training.losses import training_loss
 from mhla_diffusers.training.optim import build_optimizer, clip_step_gradients, gradient_groups, prepare_parameter_dtypes
 from mhla_diffusers.training.recipes import TrainingParts, build_models
 from mhla_diffusers.training.resume import (
     SUMMARY,
     TRAIN_STATE,
-    _apply_optimizer_settings,
-    _check_resume,
-    _check_resume_config,
-    _checkpoints,
-    _load_ema,
-    _save_ema,
+    apply_optimizer_settings,
+    check_resume,
+    check_resume_config,
+    find_checkpoints,
+    load_ema,
+    save_ema,
 )
 
 __all__ = ["train"]
@@ -138,8 +138,8 @@ def train(config: dict) -> dict[str, Any]:
     accelerator, out = run.accelerator, run.out
     # Resume (or refuse to start over a run that has checkpoints, or to go back behind a later step):
     # checked before anything is written or loaded.
-    complete, incomplete = _checkpoints(out / "checkpoints")
-    finished = _check_resume(out, run.final_dir, bool(t_cfg["resume"]), complete, run.max_steps)
+    complete, incomplete = find_checkpoints(out / "checkpoints")
+    finished = check_resume(out, run.final_dir, bool(t_cfg["resume"]), complete, run.max_steps)
     if finished is not None:
         accelerator.print(
             f"{out} holds a finished run: step {finished['steps']} = train.max_steps, final model in {run.final_dir}; "
@@ -148,7 +148,7 @@ def train(config: dict) -> dict[str, Any]:
         accelerator.end_training()
         return finished if accelerator.is_main_process else {}
     # A resume with settings that shape the trained parameters changed is refused here, by name.
-    changes = _check_resume_config(out, complete[-1][1], config) if t_cfg["resume"] else {}
+    changes = check_resume_config(out, complete[-1][1], config) if t_cfg["resume"] else {}
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
     set_seed(int(t_cfg["seed"]))  # model init (from scratch) and anything else seeded globally
@@ -371,7 +371,7 @@ def _remove_incomplete(run: _Run, incomplete: list[Path]) -> None:
 
 
 def _resume(run: _Run, latest: tuple[int, Path], changes: Mapping[str, tuple[Any, Any]]) -> None:
-    """Load the latest complete checkpoint (checked by :func:`_check_resume`) with this config's optimizer
+    """Load the latest complete checkpoint (checked by :func:`check_resume`) with this config's optimizer
     settings, the EMA and the loss log up to its step; say what changed.
 
     Raises:
@@ -391,13 +391,13 @@ def _resume(run: _Run, latest: tuple[int, Path], changes: Mapping[str, tuple[Any
             + (f"changed since the checkpoint: {changed}" if changed else "the checkpoint records no config to compare with")
             + ". Set them back to resume, or train into a new output_dir."
         ) from err
-    applied = _apply_optimizer_settings(run.optimizer, run.lr_scheduler, fresh)
+    applied = apply_optimizer_settings(run.optimizer, run.lr_scheduler, fresh)
     if run.ema is not None:
-        _load_ema(run.ema, folder)
+        load_ema(run.ema, folder)
     accelerator.project_configuration.iteration = int(folder.name.split("_")[-1]) + 1
     run.step = step
     if (run.out / LOSS_CSV).is_file():
-        run.rows = [r for r in _read_rows(run.out / LOSS_CSV) if r[0] <= step]
+        run.rows = [r for r in read_rows(run.out / LOSS_CSV) if r[0] <= step]
     if step == run.max_steps:  # e.g. a run killed while exporting: only the evaluation and export are left
         accelerator.print(f"resumed from {folder} at step {step} = train.max_steps: nothing left to train, exporting")
     else:
@@ -557,7 +557,7 @@ def _save_checkpoint(run: _Run, epoch: int) -> None:
     folder = Path(accelerator.save_state())
     if accelerator.is_main_process:
         if run.ema is not None:
-            _save_ema(run.ema, folder)
+            save_ema(run.ema, folder)
         # Written last: marks the checkpoint complete (resume ignores folders without it),
         # with the config it was trained with: a resume compares its own against it.
         atomic_write_json(folder / TRAIN_STATE, {"step": run.step, "epoch": epoch, "config": run.config}, sort_keys=True)

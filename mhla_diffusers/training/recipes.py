@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from mhla_diffusers.autoencoder import vae_scale_factor
 from mhla_diffusers.checkpoint.format import (
     expert_timestep_range,
     load_mhla_pipeline,
@@ -31,9 +32,8 @@ from mhla_diffusers.families import (
     canonical_model_class,
     family_of_class_name,
     posterior_sample,
-    vae_scale_factor,
 )
-from mhla_diffusers.families.base import _call_default
+from mhla_diffusers.families.base import call_default
 from mhla_diffusers.families.dit import check_resolution, disable_internal_label_dropout  # re-exported (public names)
 from mhla_diffusers.models.install import apply_mhla, is_mhla_model
 from mhla_diffusers.training.config import TRAINED_FAMILIES, default_family
@@ -289,7 +289,7 @@ class TextRecipe(_Recipe):
         )
         text = dict(m["text"])
         if text["max_sequence_length"] is None:
-            text["max_sequence_length"] = _call_default(pipe, "max_sequence_length") or 300
+            text["max_sequence_length"] = call_default(pipe, "max_sequence_length") or 300
         parts = TrainingParts(
             family=self.family, transformer=transformer, vae=pipe.vae, noise_scheduler=table,
             objective=objective, pipeline=pipe, text=text, expert=expert,

@@ -20,7 +20,7 @@ EMA_WEIGHTS = "ema.safetensors"
 SUMMARY = "train_summary.json"
 
 
-def _checkpoints(ckpt_root: Path) -> tuple[list[tuple[int, Path]], list[Path]]:
+def find_checkpoints(ckpt_root: Path) -> tuple[list[tuple[int, Path]], list[Path]]:
     """``([(step, folder)] of complete checkpoints by step, [incomplete folders])``. A checkpoint is
     complete once its ``train_state.json`` is written (last, after the accelerate state and EMA)."""
     complete, incomplete = [], []
@@ -37,10 +37,10 @@ def _checkpoints(ckpt_root: Path) -> tuple[list[tuple[int, Path]], list[Path]]:
 
 def _complete_checkpoints(ckpt_root: Path) -> list[tuple[int, Path]]:
     """``[(step, folder)]`` of checkpoints whose ``train_state.json`` was written (i.e. complete), by step."""
-    return _checkpoints(ckpt_root)[0]
+    return find_checkpoints(ckpt_root)[0]
 
 
-def _check_resume(out: Path, final_dir: Path, resume: bool, complete: list[tuple[int, Path]], max_steps: int) -> dict | None:
+def check_resume(out: Path, final_dir: Path, resume: bool, complete: list[tuple[int, Path]], max_steps: int) -> dict | None:
     """Check ``train.resume`` against what ``out`` holds, before anything is written.
 
     Returns the stored summary (``train_summary.json``) when the run already finished at
@@ -88,12 +88,18 @@ def _check_resume(out: Path, final_dir: Path, resume: bool, complete: list[tuple
     return None
 
 
-def _save_ema(ema, folder: Path) -> None:
+def save_ema(ema, folder: Path) -> None:
+    """Write the shadow parameters of diffusers' ``EMAModel`` ``ema`` (and its step) to ``folder/ema.safetensors``."""
     tensors = {f"shadow.{i:05d}": p.detach().to("cpu").contiguous() for i, p in enumerate(ema.shadow_params)}
     save_file(tensors, str(folder / EMA_WEIGHTS), metadata={"optimization_step": str(ema.optimization_step)})
 
 
-def _load_ema(ema, folder: Path) -> None:
+def load_ema(ema, folder: Path) -> None:
+    """Read what :func:`save_ema` wrote in ``folder`` back into ``ema`` (values copied in place, step restored).
+
+    Raises:
+        ValueError: the file is missing or damaged, or holds another number of tensors than ``ema``.
+    """
     path = folder / EMA_WEIGHTS
     if not path.is_file():
         raise ValueError(f"{path} is missing: the checkpoint was written without EMA; set ema.enabled=false or start a new run")
@@ -173,7 +179,7 @@ def _shape_changes(changes: Mapping[str, tuple[Any, Any]], config: Mapping, reco
             or (key == "model.expert" and other_expert)]
 
 
-def _check_resume_config(out: Path, folder: Path, config: Mapping) -> dict[str, tuple[Any, Any]]:
+def check_resume_config(out: Path, folder: Path, config: Mapping) -> dict[str, tuple[Any, Any]]:
     """Compare ``config`` with the config recorded for the checkpoint ``folder`` (before anything is
     built or written). Returns the changed settings (``{}`` when nothing is recorded).
 
@@ -203,7 +209,7 @@ def _check_resume_config(out: Path, folder: Path, config: Mapping) -> dict[str, 
     return changes
 
 
-def _apply_optimizer_settings(optimizer, lr_scheduler, fresh: Sequence[Mapping[str, Any]]) -> list[str]:
+def apply_optimizer_settings(optimizer, lr_scheduler, fresh: Sequence[Mapping[str, Any]]) -> list[str]:
     """After ``load_state``: put this config's optimizer settings into the loaded optimizer and lr schedule.
 
     ``load_state`` brings back the checkpoint's param-group settings (learning rate, weight decay,

@@ -214,7 +214,8 @@ def _imports(name: str) -> set[str]:
 
 def test_family_modules_import_nothing_that_imports_the_families():
     """families/* -> (their imports, transitively) never reaches a module importing mhla_diffusers.families
-    (or the models.families shim): no import cycle through the family modules. ops imports only ops."""
+    (or the models.families shim): no import cycle through the family modules (the package-wide rules:
+    tests/test_layering.py)."""
     start = ["mhla_diffusers.families.base"] + [f"mhla_diffusers.families.{n}" for n in FAMILIES]
     seen, todo = set(), list(start)
     while todo:
@@ -226,6 +227,3 @@ def test_family_modules_import_nothing_that_imports_the_families():
     outside = sorted(m for m in seen if not m.startswith("mhla_diffusers.families") and m != "mhla_diffusers")
     cyclic = [m for m in outside if any(i.startswith(("mhla_diffusers.families", "mhla_diffusers.models.families")) for i in _imports(m))]
     assert not cyclic, (outside, cyclic)
-    for path in sorted((ROOT / "mhla_diffusers" / "ops").glob("*.py")):
-        module = "mhla_diffusers.ops" + ("" if path.stem == "__init__" else f".{path.stem}")
-        assert all(m.startswith("mhla_diffusers.ops") or m == "mhla_diffusers" for m in _imports(module)), module

@@ -29,7 +29,7 @@ from mhla_diffusers import (
 )
 from mhla_diffusers.models.grid import current_grid
 
-processor_module = importlib.import_module("mhla_diffusers.models.processor")
+processor_module = importlib.import_module("mhla_diffusers.models.family_calls")  # where get_layout is called
 
 
 def by_hand(attn, hidden: torch.Tensor, grid, eps: float = 1e-6) -> torch.Tensor:
@@ -216,7 +216,7 @@ def test_grid_comes_from_the_latent(monkeypatch):
     assert out.shape == (2, 4, 16, 16)
     assert seen == [((1, 8, 8), (1, 2, 2))] * 2
     for attn in self_attn(model):
-        assert attn._mhla_grids == {64: {(1, 8, 8)}}
+        assert attn.mhla_mixing.seen_grids == {64: {(1, 8, 8)}}
     # and the layer output is MHLA on the 8 x 8 grid
     with torch.no_grad():
         attn = self_attn(model)[0]

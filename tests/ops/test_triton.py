@@ -142,9 +142,9 @@ def test_backend_names():
 @needs_triton
 def test_cuda_tensors_without_driver_give_a_reason():
     """On a machine without a GPU driver, explicit 'triton' for CUDA tensors names the reason; 'auto' picks torch."""
-    from mhla_diffusers.ops import _triton_gpu_problem, resolve_backend
+    from mhla_diffusers.ops import resolve_backend, triton_backend
 
-    if _triton_gpu_problem() is None:
+    if triton_backend._gpu_problem() is None:
         pytest.skip("this machine has a working GPU driver")
     with pytest.raises(ValueError, match="no working GPU driver"):
         resolve_backend("triton", torch.device("cuda"))
@@ -271,14 +271,15 @@ def test_gpu_check_arguments():
 def test_auto_picks_triton_on_cuda_only_when_opted_in(monkeypatch):
     """'auto' keeps CUDA tensors on torch until MHLA_AUTO_TRITON=1 (kernels not yet run on a GPU here)."""
     from mhla_diffusers import ops
+    from mhla_diffusers.ops import triton_backend
 
-    monkeypatch.setattr(ops, "_triton_gpu_problem", lambda: None)  # pretend a working driver
+    monkeypatch.setattr(triton_backend, "_gpu_problem", lambda: None)  # pretend a working driver
     monkeypatch.delenv("MHLA_AUTO_TRITON", raising=False)
     assert ops.resolve_backend("auto", torch.device("cuda")) == "torch"
     monkeypatch.setenv("MHLA_AUTO_TRITON", "1")
     assert ops.resolve_backend("auto", torch.device("cuda")) == "triton"
     assert ops.resolve_backend("auto", torch.device("cpu")) == "torch"
-    monkeypatch.setattr(ops, "_triton_gpu_problem", lambda: "no driver")
+    monkeypatch.setattr(triton_backend, "_gpu_problem", lambda: "no driver")
     assert ops.resolve_backend("auto", torch.device("cuda")) == "torch"
 
 

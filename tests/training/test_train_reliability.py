@@ -127,10 +127,10 @@ def test_a_spiking_group_leaves_the_other_groups_step_untouched(tmp_path, monkey
     rest = [k for k in plain if k.startswith("diffusion_pytorch_model")]
     assert len(rest) > 10 and all(torch.equal(plain[k], spike[k]) for k in rest)
 
-    rows = logs._read_rows(tmp_path / "spike" / "loss.csv")
+    rows = logs.read_rows(tmp_path / "spike" / "loss.csv")
     norms = rows[0][4]
     assert set(norms) == {"model", "mhla_mixing"} and norms["mhla_mixing"] > 1e12 * norms["model"]
-    plain_norms = logs._read_rows(tmp_path / "plain" / "loss.csv")[0][4]
+    plain_norms = logs.read_rows(tmp_path / "plain" / "loss.csv")[0][4]
     assert plain_norms["model"] == norms["model"]
     assert norms["mhla_mixing"] == pytest.approx(1e15 * plain_norms["mhla_mixing"], rel=1e-4)
 
@@ -142,7 +142,7 @@ def test_a_non_finite_gradient_skips_the_step_and_says_so(tmp_path, monkeypatch,
     assert "step 2 skipped: non-finite gradient norm in mhla_mixing" in capsys.readouterr().out
     weights = _final_tensors(tmp_path / "nan")
     assert all(torch.isfinite(w).all() for w in weights.values())
-    rows = logs._read_rows(tmp_path / "nan" / "loss.csv")
+    rows = logs.read_rows(tmp_path / "nan" / "loss.csv")
     assert [r[0] for r in rows] == [1, 2, 3] and math.isnan(rows[1][4]["mhla_mixing"])
 
 

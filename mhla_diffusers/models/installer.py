@@ -1,0 +1,285 @@
+"""MHLA on given self-attention layers of a diffusers transformer: install, remove, inspect.
+
+The mechanism under :func:`~mhla_diffusers.apply_mhla` (``models/install.py``, which turns ``layers=``
+into indices with :mod:`mhla_diffusers.selection`); the sensitivity measurement installs MHLA one
+layer at a time with :func:`install_mhla`. ``set_attn_processor`` for any model.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from torch import nn
+
+from mhla_diffusers.models.families import attention_modules, family_of, self_attention_modules, stock_processor
+from mhla_diffusers.models.grid import install_grid_hooks, remove_grid_hooks
+from mhla_diffusers.models.lazy import forget_first_forward, pending_mhla_layers, remove_load_hook
+from mhla_diffusers.models.processor import MHLAProcessor
+from mhla_diffusers.models.provenance import warn_fresh_mixing
+
+__all__ = [
+    "install_mhla",
+    "record_selection",
+    "remove_mhla",
+    "set_attn_processor",
+    "is_mhla_model",
+    "idle_mhla_layers",
+    "mhla_spec",
+]
+
+
+def install_mhla(
+    transformer: nn.Module,
+    layers: Sequence[int],
+    *,
+    num_blocks: int | None = None,
+    block_grid: Sequence[int] | str | None = None,
+    normalize: bool = True,
+    eps: float | None = None,
+    backend: str = "auto",
+    init: str = "locality",
+    output_norm: bool | None = None,
+    feature_eps: float = 0.0,
+    mixing_clamp: bool = True,
+) -> list[str]:
+    """MHLA on the self-attention layers of index ``layers`` (valid indices, as
+    :func:`~mhla_diffusers.selection.hybrid.select_layers` returns them): what
+    :func:`~mhla_diffusers.apply_mhla` does once it knows the layers (see it for the arguments).
+
+    Returns:
+        Names of the converted attention modules.
+
+    Raises:
+        ValueError: unsupported model, bad settings (see :class:`MHLAProcessor`), a block grid that
+            does not fit the model's native token grid, or a layer that already has MHLA.
+    """
+    family = family_of(transformer)
+    modules = self_attention_modules(transformer, family)
+    chosen = list(layers)
+    reference = family.reference_grid(transformer.config)
+    processor = _resolved_processor(family, reference, num_blocks=num_blocks, block_grid=block_grid, normalize=normalize,
+                                    eps=eps, backend=backend, output_norm=output_norm, feature_eps=feature_eps)
+    _refuse_installed(transformer, [modules[i] for i in chosen])
+    warn_fresh_mixing(transformer)
+    names = []
+    for i in chosen:
+        name, attn = modules[i]
+        mixing = processor.attach(attn, reference, init=init, family=family)
+        mixing.clamp = bool(mixing_clamp)
+        attn.set_processor(processor)
+        names.append(name)
+    install_grid_hooks(transformer)
+    return names
+
+
+def _resolved_processor(family, reference, *, eps, **settings) -> MHLAProcessor:
+    """The one processor :func:`install_mhla` puts on the layers: block grid and output norm resolved on the
+    native token grid ``reference`` (a saved spec is explicit), its family set (a layer called alone follows it).
+
+    Raises:
+        ValueError: bad settings (see :class:`MHLAProcessor`), or a block grid larger than ``reference``.
+    """
+    processor = MHLAProcessor(eps=family.default_eps if eps is None else eps, family=family, **settings)
+    resolved = processor.resolve_block_grid(reference, family)
+    processor.block_grid, processor.block_grid_preset = resolved, None
+    processor.output_norm = processor.resolve_output_norm(family)
+    for axis, (n, b) in enumerate(zip(reference, resolved)):
+        if b > n:
+            raise ValueError(
+                f"block grid {resolved} does not fit the model's native token grid {reference} on axis {'THW'[axis]}"
+            )
+    return processor
+
+
+def _refuse_installed(transformer: nn.Module, chosen: list[tuple[str, nn.Module]]) -> None:
+    """Raise ``ValueError`` naming ``remove_mhla`` if a chosen layer already has a mixing matrix."""
+    already = [name for name, attn in chosen if getattr(attn, "mhla_mixing", None) is not None]
+    if not already:
+        return
+    idle = idle_mhla_layers(transformer)
+    if set(already) <= set(idle):
+        raise ValueError(
+            f"{already} keep the mixing matrices of an earlier MHLA install but run {sorted(set(idle.values()))} "
+            "(set by set_attn_processor): call mhla_diffusers.remove_mhla(transformer) first to install MHLA "
+            "afresh, or set_attn_processor(MHLAProcessor()) to run those matrices again"
+        )
+    raise ValueError(f"MHLA is already installed on {already}; call mhla_diffusers.remove_mhla(transformer) first")
+
+
+_SELECTION = "_mhla_selection"  # transformer.__dict__ key: how apply_mhla(layers="auto") chose the layers
+
+
+def record_selection(transformer: nn.Module, selection: dict) -> None:
+    """Remember how the MHLA layers of ``transformer`` were chosen (``layers="auto"``), for :func:`mhla_spec`.
+
+    Loading a converted folder puts its recorded selection back, so a re-saved model keeps it;
+    :func:`remove_mhla` forgets it, and :func:`mhla_spec` drops it once the MHLA layers differ from it.
+    """
+    transformer.__dict__[_SELECTION] = dict(selection)
+
+
+def remove_mhla(transformer: nn.Module) -> list[str]:
+    """Undo :func:`apply_mhla` / MHLA processors: stock processors back, mixing matrices removed.
+
+    Returns the names of the attention modules that had MHLA.
+    """
+    family = family_of(transformer)
+    removed = []
+    for key, attn in attention_modules(transformer).items():
+        had = getattr(attn, "mhla_mixing", None) is not None
+        for name in [n for n in attn._modules if n.startswith("mhla_")]:  # mixing matrix, output norm
+            delattr(attn, name)
+        if isinstance(attn.processor, MHLAProcessor):
+            attn.set_processor(stock_processor(family, key[: -len(".processor")]))
+            had = True
+        remove_load_hook(attn)
+        if had:
+            removed.append(key[: -len(".processor")])
+    transformer.__dict__.pop(_SELECTION, None)
+    forget_first_forward(transformer)  # the one-liner's once-per-model warnings may come again
+    remove_grid_hooks(transformer)
+    return removed
+
+
+def set_attn_processor(model: nn.Module, processor) -> None:
+    """``model.set_attn_processor`` for every diffusers model, including those lacking it (DiT).
+
+    Args:
+        model: a diffusers model with attention modules.
+        processor: one processor for every attention layer, or a dict ``{"<path>.processor": proc}``;
+            unlike diffusers' own method the dict may be partial (other layers keep theirs).
+
+    For :class:`MHLAProcessor` entries on a supported transformer, the mixing matrices of the
+    self-attention layers are created now and the grid hooks installed; cross-attention layers
+    given an :class:`MHLAProcessor` run the stock computation.
+
+    Raises:
+        ValueError: for dict keys that name no attention layer.
+    """
+    current = attention_modules(model)
+    if isinstance(processor, Mapping):
+        unknown = sorted(set(processor) - set(current))
+        if unknown:
+            raise ValueError(f"no attention layer named {unknown[:5]}; valid keys look like {sorted(current)[:3]}")
+        mapping = {key: processor.get(key, attn.processor) for key, attn in current.items()}
+    else:
+        mapping = {key: processor for key in current}
+    uses_mhla = any(isinstance(p, MHLAProcessor) for p in mapping.values())
+    if uses_mhla:
+        family = family_of(model)
+        reference = family.reference_grid(model.config)
+        warn_fresh_mixing(model)
+        for name, attn in self_attention_modules(model, family):
+            proc = mapping.get(f"{name}.processor")
+            if isinstance(proc, MHLAProcessor):
+                proc.attach(attn, reference, family=family)
+    if hasattr(model, "set_attn_processor"):
+        model.set_attn_processor(dict(mapping))
+    else:
+        for key, attn in current.items():
+            attn.set_processor(mapping[key])
+    if uses_mhla:
+        install_grid_hooks(model)
+
+
+def is_mhla_model(model: nn.Module) -> bool:
+    """Whether any attention layer of ``model`` runs MHLA: an :class:`MHLAProcessor` with its mixing
+    matrix, or one on a self-attention layer of a supported transformer whose matrix is created at its
+    first forward (the bare one-liner ``model.set_attn_processor(MHLAProcessor())``).
+
+    Layers that keep a mixing matrix but run another processor (diffusers' own
+    ``set_attn_processor(<stock processor>)`` after MHLA, see :func:`idle_mhla_layers`) do not count: a
+    model whose layers all run stock processors is a stock model."""
+    if any(_runs_mhla(attn) for attn in attention_modules(model).values()):
+        return True
+    return bool(pending_mhla_layers(model))
+
+
+def _runs_mhla(attn: nn.Module) -> bool:
+    return isinstance(getattr(attn, "processor", None), MHLAProcessor) and getattr(attn, "mhla_mixing", None) is not None
+
+
+def idle_mhla_layers(model: nn.Module) -> dict[str, str]:
+    """``{attention path: processor class name}`` of the layers that keep MHLA parameters (a mixing
+    matrix, an output norm) but run another processor, e.g. after diffusers' own
+    ``model.set_attn_processor(<stock processor>)``: those layers compute the stock attention, and
+    neither :func:`is_mhla_model` nor :func:`mhla_spec` (so no saved checkpoint) counts them. Their
+    matrices stay on the model: ``set_attn_processor(MHLAProcessor())`` runs them again,
+    :func:`remove_mhla` drops them."""
+    return {
+        key[: -len(".processor")]: type(attn.processor).__name__
+        for key, attn in attention_modules(model).items()
+        if any(name.startswith("mhla_") for name in attn._modules) and not isinstance(attn.processor, MHLAProcessor)
+    }
+
+
+def mhla_spec(transformer: nn.Module) -> dict | None:
+    """The MHLA settings of a model as written to ``mhla_config.json``, or ``None`` without MHLA.
+
+    Keys: family, model_class, num_layers, layers, block_grid, num_blocks, normalize, eps, backend,
+    and ``output_norm: true`` only for models whose MHLA layers have the per-head output RMSNorm
+    (absent means none, as in checkpoints written before it existed), ``feature_eps`` only when
+    not 0 and ``mixing_clamp: false`` only for unclamped mixing matrices (absent: 0 and true);
+    ``selection`` only for layers chosen by ``apply_mhla(layers="auto")`` (while they are still the MHLA
+    layers): ``{"method": "auto", "keep_softmax": K | "max_attention_cost": F, "attention_cost": the
+    fraction reached, "softmax_layers", "scores": one per layer, "sensitivity": how they were measured}``.
+    Self-attention layers that run an :class:`MHLAProcessor` whose mixing matrix is not created yet
+    (the bare one-liner before its first forward) count as MHLA layers, with the block grid and
+    output norm their first forward would give them (see :func:`materialize_mhla`); layers that
+    keep a mixing matrix but run another processor (:func:`idle_mhla_layers`) do not.
+
+    Raises:
+        ValueError: when the MHLA layers disagree on settings (not representable in one config), or a
+            layer's processor has an explicit block spec its mixing matrix contradicts
+            (:meth:`MHLAProcessor.check_layer`).
+    """
+    family = family_of(transformer)
+    modules = self_attention_modules(transformer, family)
+    layers, specs = [], set()
+    reference = None
+    for i, (_, attn) in enumerate(modules):
+        mixing = getattr(attn, "mhla_mixing", None)
+        proc = getattr(attn, "processor", None)
+        if mixing is None:
+            if not isinstance(proc, MHLAProcessor):
+                continue
+            # created at the first forward: the settings that forward will give the layer
+            reference = reference or family.reference_grid(transformer.config)
+            block_grid = tuple(proc.resolve_block_grid(reference, family))
+            output_norm = getattr(attn, "mhla_output_norm", None) is not None or proc.resolve_output_norm(family)
+        else:
+            if not isinstance(proc, MHLAProcessor):
+                continue  # runs another processor: its matrix is idle, the layer computes that processor's attention
+            reference = reference or family.reference_grid(transformer.config)
+            proc.check_layer(attn, reference, family)  # a processor whose explicit spec the matrix contradicts
+            block_grid = mixing.block_grid
+            output_norm = getattr(attn, "mhla_output_norm", None) is not None
+        layers.append(i)
+        eps = family.default_eps if proc.eps is None else proc.eps
+        clamp = True if mixing is None else mixing.clamp
+        specs.add((tuple(block_grid), proc.normalize, eps, proc.backend, output_norm, proc.feature_eps, clamp))
+    if not layers:
+        return None
+    if len(specs) > 1:
+        raise ValueError(f"MHLA layers use different settings {sorted(specs)}; one checkpoint config holds one setting")
+    block_grid, normalize, eps, backend, output_norm, feature_eps, clamp = specs.pop()
+    extra = {"output_norm": True} if output_norm else {}  # absent = no output norm (format version 1)
+    if feature_eps:  # absent = 0 (phi = ReLU), as in checkpoints written before it existed
+        extra["feature_eps"] = feature_eps
+    if not clamp:  # absent = clamped to [0, 1]
+        extra["mixing_clamp"] = False
+    selection = transformer.__dict__.get(_SELECTION)
+    if selection is not None and selection.get("softmax_layers") == [i for i in range(len(modules)) if i not in layers]:
+        extra["selection"] = selection  # absent: chosen by a fixed rule or by hand
+    return {
+        "family": family.name,
+        "model_class": type(transformer).__name__,
+        "num_layers": len(modules),
+        "layers": layers,
+        "block_grid": list(block_grid),
+        "num_blocks": block_grid[0] * block_grid[1] * block_grid[2],
+        "normalize": normalize,
+        "eps": eps,
+        "backend": backend,
+        **extra,
+    }

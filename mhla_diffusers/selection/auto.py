@@ -1,0 +1,73 @@
+"""``apply_mhla(layers="auto")``: the layers MHLA damages most keep their stock attention, by
+:func:`~mhla_diffusers.layer_sensitivity` scores (measured here on calibration inputs, or given)
+and :func:`~mhla_diffusers.selection.hybrid.select_auto` (a count or an attention-cost budget)."""
+
+from __future__ import annotations
+
+import warnings
+
+from mhla_diffusers.models.families import family_of
+from mhla_diffusers.models.processor import MHLAProcessor
+from mhla_diffusers.selection.cost import cost_fraction, layer_attention_flops
+from mhla_diffusers.selection.hybrid import scores_list, select_auto
+from mhla_diffusers.selection.sensitivity import LayerSensitivity, layer_sensitivity
+
+__all__ = ["auto_layers"]
+
+
+def auto_layers(transformer, num_layers, num_blocks, block_grid, normalize, *, keep_softmax, max_attention_cost,
+                 calibration, sensitivity) -> tuple[list[int], dict]:
+    """``layers="auto"`` of :func:`~mhla_diffusers.apply_mhla` (see it for the arguments) on a model with
+    ``num_layers`` self-attention layers: ``(MHLA layer indices, the selection record)``, the record as
+    :func:`~mhla_diffusers.mhla_spec` writes it under ``"selection"``.
+
+    Raises:
+        ValueError: both or neither of ``calibration`` / ``sensitivity`` or of ``keep_softmax`` /
+            ``max_attention_cost``; a budget no ranking can meet (before any measurement); see
+            :func:`~mhla_diffusers.selection.hybrid.select_auto` and :func:`~mhla_diffusers.layer_sensitivity`.
+    """
+    if (calibration is None) == (sensitivity is None):
+        raise ValueError(
+            "layers='auto' needs calibration inputs (calibration=[{...forward kwargs...}, ...], e.g. from "
+            "mhla_diffusers.calibration_inputs(pipe)) or precomputed scores (sensitivity=), exactly one of them"
+        )
+    if (keep_softmax is None) == (max_attention_cost is None):
+        raise ValueError("layers='auto' needs exactly one of keep_softmax=K or max_attention_cost=F")
+    stock, mhla = layer_attention_flops(transformer, num_blocks=num_blocks, block_grid=block_grid)
+    budget = dict(keep_softmax=keep_softmax, max_attention_cost=max_attention_cost, stock_costs=stock, mhla_costs=mhla)
+    if sensitivity is None:
+        select_auto([0.0] * num_layers, **budget)  # a request no ranking can meet fails before the measurement
+        sensitivity = layer_sensitivity(transformer, calibration, num_blocks=num_blocks, block_grid=block_grid, normalize=normalize)
+    else:
+        _check_sensitivity_grid(transformer, sensitivity, num_blocks, block_grid)
+    scores = scores_list(sensitivity, num_layers)
+    chosen = select_auto(scores, **budget)
+    record = {"method": "auto"}
+    if keep_softmax is not None:
+        record["keep_softmax"] = int(keep_softmax)
+    else:
+        record["max_attention_cost"] = float(max_attention_cost)
+    record["attention_cost"] = cost_fraction(stock, mhla, chosen)
+    record["softmax_layers"] = [i for i in range(num_layers) if i not in chosen]
+    record["scores"] = scores
+    if isinstance(sensitivity, LayerSensitivity):
+        record["sensitivity"] = dict(sensitivity.settings)
+    return chosen, record
+
+
+def _check_sensitivity_grid(transformer, sensitivity, num_blocks, block_grid) -> None:
+    """Warn when precomputed scores (a :class:`~mhla_diffusers.selection.sensitivity.LayerSensitivity`) were measured
+    at another block grid than the one these settings install: they rank the layers for that grid."""
+    measured = getattr(sensitivity, "settings", {}).get("block_grid")
+    if measured is None:
+        return
+    family = family_of(transformer)
+    grid = MHLAProcessor(num_blocks=num_blocks, block_grid=block_grid).resolve_block_grid(family.reference_grid(transformer.config), family)
+    if tuple(measured) != tuple(grid):
+        warnings.warn(
+            f"apply_mhla(layers='auto'): the sensitivity scores were measured with block grid {tuple(measured)} but this "
+            f"call installs block grid {tuple(grid)}: the ranking may differ; measure again with the installed grid "
+            f"(layer_sensitivity(..., num_blocks= / block_grid= as here)) or pass the grid the scores were measured at",
+            UserWarning,
+            stacklevel=3,
+        )
