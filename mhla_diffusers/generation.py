@@ -9,7 +9,6 @@ import importlib.util
 import inspect
 import json
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Sequence
 
@@ -21,9 +20,8 @@ from diffusers.utils import export_to_video, make_image_grid
 from PIL import features
 
 from mhla_diffusers.checkpoint import format as checkpoint_format
-from mhla_diffusers.checkpoint.authors import NATIVE_SIZE_KEY
 from mhla_diffusers.checkpoint.io import atomic_output
-from mhla_diffusers.models.families import wan_native_video
+from mhla_diffusers.families import FAMILIES, GenerationError, find_family, wan_native_video
 
 __all__ = [
     "GenerationError",
@@ -46,10 +44,6 @@ __all__ = [
 ]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class GenerationError(ValueError):
-    """Bad generation request (unknown label, wrong pipeline kind, ...)."""
 
 
 def _prepare(checkpoint, pipe, steps: int, dtype: str, device: str | None, context_parallel: str | None = None):
@@ -210,10 +204,11 @@ def generate_class_images(
         GenerationError: not a class-conditional pipeline, bad labels or steps.
     """
     pipe, device = _prepare(checkpoint, pipe, steps, dtype, device, context_parallel)
-    if type(pipe).__name__ != "DiTPipeline":
+    classes = [c for f in FAMILIES.values() if f.conditioning == "class" for c in f.pipeline_classes]
+    if type(pipe).__name__ not in classes:
         hint = " (it takes prompts: --prompt)" if _takes_prompt(pipe) else ""
         raise GenerationError(
-            f"{checkpoint} holds a {type(pipe).__name__}; class-label generation needs a DiTPipeline{hint}"
+            f"{checkpoint} holds a {type(pipe).__name__}; class-label generation needs a {' or '.join(classes)}{hint}"
         )
     ids = resolve_class_labels(pipe, class_labels)
     return _run(pipe, device, seed, class_labels=ids, num_inference_steps=steps, guidance_scale=guidance_scale).images
@@ -442,73 +437,47 @@ def load_first_frame(image):
         raise GenerationError(f"--image {image} is not an image this Pillow can read ({type(err).__name__}); use png or jpg") from None
 
 
-def image_to_video_pipeline(pipe, checkpoint="the pipeline"):
-    """The image-to-video form of a Wan video pipeline, sharing its components (nothing is copied):
+def _video_family(pipe):
+    """The family that answers for a video pipeline: its first transformer's when that family has video
+    hooks (:attr:`~mhla_diffusers.families.Family.native_video`), else the first registered family with them."""
+    transformers = checkpoint_format.pipeline_transformers(pipe) if hasattr(pipe, "components") else {}
+    transformer = next(iter(transformers.values()), getattr(pipe, "transformer", None))
+    family = find_family(transformer) if transformer is not None else None
+    if family is None or family.native_video is None:
+        family = next(f for f in FAMILIES.values() if f.native_video is not None)
+    return family, transformer
 
-    * a ``WanImageToVideoPipeline`` (Wan 2.1 I2V with its CLIP image encoder; Wan 2.2 I2V A14B, two experts
-      taking 36 latent channels: noise, mask, first-frame latent) is returned as it is;
-    * a ``WanPipeline`` with ``expand_timesteps`` (Wan 2.2 TI2V-5B: one model for text- and image-to-video, the
-      first frame's latent kept clean through per-token timesteps) becomes ``WanImageToVideoPipeline`` over the
-      same components and config (``boundary_ratio``, ``expand_timesteps``), as diffusers runs TI2V-5B's I2V.
+
+def image_to_video_pipeline(pipe, checkpoint="the pipeline"):
+    """The image-to-video form of a video pipeline, sharing its components (nothing is copied): the
+    family's :attr:`~mhla_diffusers.families.Family.image_to_video` (Wan:
+    :func:`~mhla_diffusers.families.wan.image_to_video_pipeline`: a ``WanImageToVideoPipeline`` as it is,
+    Wan 2.2 TI2V-5B's ``WanPipeline`` as a ``WanImageToVideoPipeline`` over the same components).
 
     Raises:
-        GenerationError: a pipeline that cannot take an image (a text-to-video ``WanPipeline``: Wan 2.1 T2V,
-            Wan 2.2 T2V A14B), or an image-to-video one missing what its transformer needs (Wan 2.1 I2V
-            without its image encoder).
+        GenerationError: a pipeline that cannot take an image (text-to-video only), or an image-to-video one
+            missing what its transformer needs (Wan 2.1 I2V without its image encoder).
     """
-    from diffusers import WanImageToVideoPipeline, WanPipeline
-
-    config = getattr(pipe, "config", {})
-    name = type(pipe).__name__
-    if isinstance(pipe, WanImageToVideoPipeline):
-        transformers = checkpoint_format.pipeline_transformers(pipe)
-        needs_encoder = any(t.config.get("image_dim") for t in transformers.values())
-        if needs_encoder and (pipe.image_encoder is None or pipe.image_processor is None):
-            raise GenerationError(
-                f"{checkpoint}: its transformer reads CLIP image features (image_dim set) but the pipeline has no "
-                "image_encoder / image_processor; use the complete Wan image-to-video checkpoint"
-            )
-        return pipe
-    if isinstance(pipe, WanPipeline) and config.get("expand_timesteps"):
-        i2v = WanImageToVideoPipeline(
-            **pipe.components, boundary_ratio=config.get("boundary_ratio"), expand_timesteps=True
-        )
-        i2v.set_progress_bar_config(**getattr(pipe, "_progress_bar_config", {}))
-        return i2v
-    raise GenerationError(
-        f"{checkpoint} holds a {name} that cannot take an image (text-to-video only); --image needs an image-to-video "
-        "checkpoint: Wan 2.1 I2V, Wan 2.2 I2V A14B (WanImageToVideoPipeline) or Wan 2.2 TI2V-5B"
-    )
-
-
-# The keys of a native video size (pixels, frames); the values per Wan variant are in models/families.py.
-WAN_NATIVE_SIZE = wan_native_video({})
+    family, _ = _video_family(pipe)
+    return family.image_to_video(pipe, checkpoint)
 
 
 def native_video_size(pipe) -> dict:
     """``{"height", "width", "frames"}`` a video pipeline's transformer was trained at: the size recorded in
     its config (``_mhla_native_size``, written by :func:`~mhla_diffusers.checkpoint.authors.import_authors_wan`: the
-    authors' MHLA model, 480 x 800 px, 81 frames), else the Wan variant's own
-    (:func:`~mhla_diffusers.models.families.wan_native_video`: Wan 2.1 and 2.2 A14B 480 x 832 px, 81 frames;
+    authors' MHLA model, 480 x 800 px, 81 frames), else its family's
+    (:func:`~mhla_diffusers.families.wan.wan_native_video`: Wan 2.1 and 2.2 A14B 480 x 832 px, 81 frames;
     Wan 2.2 TI2V-5B 704 x 1280 px, 121 frames).
 
     Raises:
         GenerationError: a recorded size that is not three positive integers.
     """
-    transformers = checkpoint_format.pipeline_transformers(pipe) if hasattr(pipe, "components") else {}
-    transformer = next(iter(transformers.values()), getattr(pipe, "transformer", None))
-    config = getattr(transformer, "config", None)
-    recorded = config.get(NATIVE_SIZE_KEY) if hasattr(config, "get") else None
-    if recorded is None:
-        return wan_native_video(config if hasattr(config, "get") else {})
-    if not isinstance(recorded, Mapping) or sorted(recorded) != sorted(WAN_NATIVE_SIZE) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in recorded.values()
-    ):
-        raise GenerationError(
-            f"the transformer config's {NATIVE_SIZE_KEY} must be {{'height': int, 'width': int, 'frames': int}}; "
-            f"got {recorded!r}"
-        )
-    return dict(recorded)
+    family, transformer = _video_family(pipe)
+    return family.native_video_size(getattr(transformer, "config", None))
+
+
+# Deprecated: Wan 2.1's native size (the sizes are the families' now: Family.native_video).
+WAN_NATIVE_SIZE = wan_native_video({})
 
 
 def save_video(frames, path: str | os.PathLike, fps: int = 16) -> Path:

@@ -47,7 +47,8 @@ from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffu
 from mhla_diffusers.checkpoint.conversion import load_failure, pipeline_around, single_file_target
 from mhla_diffusers.checkpoint.format import check_loaded, save_mhla_pipeline, save_mhla_transformer
 from mhla_diffusers.checkpoint.safetensors_file import MHLACheckpointError, load_safetensors
-from mhla_diffusers.models.families import family_of, self_attention_modules
+from mhla_diffusers.families import NATIVE_SIZE_KEY, WAN, family_of, self_attention_modules
+from mhla_diffusers.families.wan import AUTHORS_BLOCK_GRID, AUTHORS_NATIVE_SIZE
 from mhla_diffusers.models.install import apply_mhla, mhla_spec
 
 __all__ = [
@@ -63,11 +64,9 @@ __all__ = [
     "import_authors_wan",
 ]
 
-AUTHORS_BLOCK_GRID = (3, 5, 10)
+# AUTHORS_BLOCK_GRID (3, 5, 10), AUTHORS_NATIVE_SIZE (480 x 800 px, 81 frames): the Wan family's (families/wan.py);
+# NATIVE_SIZE_KEY: the config key recording a native size (families/base.py).
 AUTHORS_FEATURE_EPS = 1e-6
-AUTHORS_NATIVE_SIZE = {"height": 480, "width": 800, "frames": 81}
-# The transformer's diffusers config key recording the size a model was trained at (kept by save/load).
-NATIVE_SIZE_KEY = "_mhla_native_size"
 
 # Key prefixes of wrapped models (DDP, torch.compile, FSDP, ComfyUI-style files), stripped when every key has one.
 _WRAPPER_PREFIXES = ("module.", "model.", "_orig_mod.", "_fsdp_wrapped_module.", "diffusion_model.")
@@ -338,7 +337,7 @@ def install_authors_mhla(
             layers), an output-norm weight not ``[head_dim]``, non-finite values.
     """
     family = family_of(transformer)
-    if family.name != "wan":
+    if family is not WAN:
         raise AuthorsCheckpointError(f"the authors' MHLA video model is a Wan model; got a {type(transformer).__name__}")
     modules = self_attention_modules(transformer, family)
     if not mhla:

@@ -34,7 +34,7 @@ from mhla_diffusers.checkpoint.format import (
     transformer_class_of,
     transformer_folder,
 )
-from mhla_diffusers.models.families import FAMILIES, family_of, get_family
+from mhla_diffusers.families import FAMILIES, family_of, get_family
 from mhla_diffusers.models.install import apply_mhla, mhla_spec, record_selection
 from mhla_diffusers.models.provenance import is_hub_id
 from mhla_diffusers.selection.calibration import calibration_inputs, clip_timestep_range

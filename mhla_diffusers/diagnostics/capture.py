@@ -20,7 +20,7 @@ from mhla_diffusers.diagnostics.attention import (
     rank_bound,
     row_entropy,
 )
-from mhla_diffusers.models.families import family_of
+from mhla_diffusers.families import family_of
 from mhla_diffusers.ops.layout import BlockLayout, choose_block_grid
 from mhla_diffusers.ops.mixing import mixing_init
 

@@ -15,7 +15,7 @@ from mhla_diffusers.data import PHOTO_NAMES, PhotoCrops
 from mhla_diffusers.diagnostics.attention import KINDS
 from mhla_diffusers.diagnostics.capture import capture_query_key, layer_mixing, qk_statistics
 from mhla_diffusers.diagnostics.plots import plot_mixing_matrix, plot_rank_entropy
-from mhla_diffusers.models.families import family_of, self_attention_modules
+from mhla_diffusers.families import family_of, self_attention_modules
 from mhla_diffusers.ops.mixing import mixing_init
 
 

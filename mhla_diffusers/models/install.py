@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from torch import nn
 
-from mhla_diffusers.models.families import attention_modules, family_of, self_attention_modules
+from mhla_diffusers.families import attention_modules, family_of, self_attention_modules
 from mhla_diffusers.models.installer import (
     idle_mhla_layers,
     install_mhla,

@@ -51,7 +51,7 @@ from diffusers.hooks.context_parallel import (
 )
 from torch import nn
 
-from mhla_diffusers.models.families import attention_modules, family_of, self_attention_modules
+from mhla_diffusers.families import attention_modules, family_of, self_attention_modules
 from mhla_diffusers.models.grid import GridReader, current_model
 from mhla_diffusers.ops import InterleavedRotary, mhla_attention
 from mhla_diffusers.ops.layout import BlockLayout
@@ -289,7 +289,7 @@ def _mhla_self_attention(model: nn.Module, family) -> list[tuple[str, bool]]:
 def context_parallel_plan(model: nn.Module) -> dict:
     """The context-parallel plan to pass to ``model.enable_parallelism(config=..., cp_plan=...)`` for an MHLA model.
 
-    Per family (``Family.context_parallel`` in models/families.py):
+    Per family (``Family.context_parallel``, set in each module of :mod:`mhla_diffusers.families`):
 
     * Wan (``WanTransformer3DModel``): the model's own ``_cp_plan`` (tokens split at ``blocks.0``, RoPE
       tables with them, gathered after ``proj_out``); MHLA and softmax layers (hybrid) both run on shards.

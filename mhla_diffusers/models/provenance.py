@@ -17,7 +17,7 @@ from pathlib import Path
 from huggingface_hub import try_to_load_from_cache
 from torch import nn
 
-from mhla_diffusers.models.families import attention_modules
+from mhla_diffusers.families import attention_modules
 
 __all__ = ["MHLA_CONFIG_NAME", "LOADING_CONVERTED", "converted_source", "is_hub_id", "warn_if_stock_loaded",
            "warn_fresh_mixing"]

@@ -1,7 +1,9 @@
-"""The training config: :data:`DEFAULT_CONFIG`, YAML loading, ``key.path=value`` overrides, validation.
+"""The training config: :data:`DEFAULT_CONFIG` (every key, with its default), YAML loading,
+``key.path=value`` overrides and validation.
 
-Validation is one typed rule per key (:data:`_RULES`) plus cross-key checks; every error names the
-key and the fix. See ``docs/training.md``, "Config".
+Validation is a table (:data:`_RULES`: one typed rule per checked key: a choice, an integer bound
+or a number range) plus a few checks that tie keys together (:func:`validate_config`). Every error
+names the key and what to do.
 """
 
 from __future__ import annotations
@@ -15,14 +17,29 @@ from typing import Any, Callable, Iterable, Mapping
 
 import yaml
 
-from mhla_diffusers.models.families import FAMILIES
+from mhla_diffusers.families import FAMILIES
 from mhla_diffusers.training.distill import CONDITIONS, TRANSFER_LAYERS
 from mhla_diffusers.training.flow import LOSS_WEIGHTING, OBJECTIVES, TIMESTEP_SAMPLING
 
-__all__ = ["DEFAULT_CONFIG", "TRAINABLE_SETS", "TRAINED_FAMILIES", "load_config", "apply_overrides", "validate_config"]
+__all__ = [
+    "DEFAULT_CONFIG", "TRAINABLE_SETS", "TRAINED_FAMILIES", "default_family", "load_config", "apply_overrides", "validate_config",
+]
 
-# The families with a training recipe (mhla_diffusers.training.recipes.RECIPES has one for each).
-TRAINED_FAMILIES = ("dit", "sana", "wan")
+# The families with a training recipe (Family.training; mhla_diffusers.training.recipes.RECIPES has one for each).
+TRAINED_FAMILIES = tuple(name for name, family in FAMILIES.items() if family.training is not None)
+# Those whose recipe builds a model from model.init (DiT) / continues one at another model.sample_size (DiT).
+_FROM_SCRATCH = [f for f in FAMILIES.values() if f.training is not None and f.training.from_scratch]
+_RESIZABLE = [f for f in FAMILIES.values() if f.training is not None and f.training.resizable]
+
+
+def default_family() -> str:
+    """The family of a config that names none and whose ``model.pretrained`` tells none: the first that trains
+    from scratch (``"dit"``)."""
+    return _FROM_SCRATCH[0].name
+
+
+def _names(families, attr: str = "title") -> str:
+    return " / ".join(getattr(f, attr) for f in families)
 TRAINABLE_SETS = ("full", "lora", "attention", "mixing")
 
 
@@ -178,7 +195,13 @@ def _merge(base: dict, update: Mapping, path: tuple[str, ...] = ()) -> dict:
 
 
 def apply_overrides(config: dict, overrides: Iterable[str]) -> dict:
-    """Apply ``"dotted.key=value"`` overrides (YAML values; a null section is created); ``ValueError`` if malformed or unknown."""
+    """Apply ``"dotted.key=value"`` overrides (value parsed as YAML: ``10``, ``1e-4``, ``null``, ``[1, 2]``).
+
+    Setting a key inside a null section creates it (``mhla.layers=hybrid`` turns MHLA on).
+
+    Raises:
+        ValueError: malformed override or unknown key.
+    """
     config = copy.deepcopy(config)
     for item in overrides:
         if "=" not in item:
@@ -201,11 +224,15 @@ def apply_overrides(config: dict, overrides: Iterable[str]) -> dict:
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> dict:
-    """The complete config: :data:`DEFAULT_CONFIG` <- the YAML at ``path`` <- ``overrides``, validated.
+    """Defaults (:data:`DEFAULT_CONFIG`) <- the YAML file at ``path`` <- ``overrides``; validated.
+
+    Returns:
+        The complete config dict (every key present).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: unknown keys or bad values (the message names the key and what to do).
+        ValueError: unknown keys, a missing ``output_dir``, neither or both of ``model.pretrained``
+            and ``model.init``, bad values (the message names the key and what to do).
     """
     config = copy.deepcopy(DEFAULT_CONFIG)
     if path is not None:
@@ -234,7 +261,7 @@ class Choice:
     nullable: bool = False
 
     def check(self, name: str, value: Any) -> Any:
-        """``value``, or the choice YAML 1.1 read as this boolean (``no`` -> False); else ``ValueError``."""
+        """``value``, or the choice YAML 1.1 read as this boolean; raises ``ValueError`` otherwise."""
         if isinstance(value, bool):
             # YAML 1.1 reads no / off / yes / on as booleans (`mixed_precision: no` arrives as False):
             # the one choice that YAML reads as this boolean is what was written.
@@ -248,13 +275,13 @@ class Choice:
 
 @dataclass(frozen=True)
 class Integer:
-    """An integer (not a boolean) ``>= minimum``, or null when ``nullable``."""
+    """An integer (not a boolean) ``>= minimum`` (1: "a positive integer"), or null when ``nullable``."""
 
     minimum: int
     nullable: bool = False
 
     def check(self, name: str, value: Any) -> Any:
-        """``value`` unchanged, or ``ValueError``."""
+        """``value`` unchanged; raises ``ValueError`` when it breaks the rule."""
         if value is None and self.nullable:
             return value
         if isinstance(value, int) and not isinstance(value, bool) and value >= self.minimum:
@@ -265,12 +292,12 @@ class Integer:
 
 @dataclass(frozen=True)
 class Boolean:
-    """A YAML boolean (not 0 / 1 or strings), or null when ``nullable``."""
+    """``true`` or ``false`` (YAML booleans; not 0 / 1 or strings), or null when ``nullable``."""
 
     nullable: bool = False
 
     def check(self, name: str, value: Any) -> Any:
-        """``value`` unchanged, or ``ValueError``."""
+        """``value`` unchanged; raises ``ValueError`` unless it is a boolean (or an allowed null)."""
         if isinstance(value, bool) or (value is None and self.nullable):
             return value
         raise ValueError(f"{name} must be true or false{' or null' if self.nullable else ''}; got {value!r}")
@@ -278,14 +305,15 @@ class Boolean:
 
 @dataclass(frozen=True)
 class Number:
-    """A number (numeric strings accepted: PyYAML reads ``1e-4`` as one) satisfying ``valid``, said by ``bound``."""
+    """A number (numeric strings accepted: PyYAML reads ``1e-4`` as a string) for which ``valid``
+    holds (``bound`` says it in words: ``"> 0"``, ``"in [0, 1)"``); null when ``nullable``."""
 
     valid: Callable[[float], bool] = lambda v: True
     bound: str = ""
     nullable: bool = False
 
     def check(self, name: str, value: Any) -> Any:
-        """``float(value)`` (or None), or ``ValueError``."""
+        """``float(value)`` (or None); raises ``ValueError`` when it is not a number or out of bounds."""
         if value is None and self.nullable:
             return None
         try:
@@ -360,7 +388,11 @@ _MHLA_RULES: dict[str, Choice | Integer | Number | Boolean] = {
 
 
 def validate_config(config: dict) -> None:
-    """Check a merged config in place (numbers to float, YAML booleans to the choice); ``ValueError`` naming key and fix."""
+    """Check a merged config in place (numeric strings become floats, YAML booleans the choice written).
+
+    Raises:
+        ValueError: naming the offending key and what to do.
+    """
     if not config.get("output_dir"):
         raise ValueError("output_dir is not set: add `output_dir: <folder>` to the YAML or pass --set output_dir=<folder>")
     _check_model(config["model"])
@@ -386,23 +418,27 @@ def validate_config(config: dict) -> None:
 
 
 def _check_model(m: Mapping) -> None:
-    """``model``: one of pretrained / init, a family with a recipe, the text options."""
+    """``model``: exactly one of pretrained / init, a family with a recipe, the text options."""
+    scratch_class = " / ".join(f.model_classes[0] for f in _FROM_SCRATCH)
     if (m["pretrained"] is None) == (m["init"] is None):
         raise ValueError(
             "set exactly one of model.pretrained (a pipeline folder) and model.init "
-            "(a DiTTransformer2DModel config dict to train from scratch)"
+            f"(a {scratch_class} config dict to train from scratch)"
         )
     if m["init"] is not None and not isinstance(m["init"], Mapping):
-        raise ValueError(f"model.init must be a mapping of DiTTransformer2DModel arguments; got {m['init']!r}")
+        raise ValueError(f"model.init must be a mapping of {scratch_class} arguments; got {m['init']!r}")
     if m["family"] is not None and m["family"] not in TRAINED_FAMILIES:
         known = sorted(FAMILIES)
         raise ValueError(f"model.family must be one of {sorted(TRAINED_FAMILIES)} (MHLA knows {known}) or null; got {m['family']!r}")
-    if m["init"] is not None and m["family"] not in (None, "dit"):
-        raise ValueError(f"model.init (training from scratch) is supported for DiT only; family {m['family']!r} needs model.pretrained")
-    if m["sample_size"] is not None and (m["pretrained"] is None or m["family"] not in (None, "dit")):
+    if m["init"] is not None and m["family"] not in (None, *(f.name for f in _FROM_SCRATCH)):
         raise ValueError(
-            "model.sample_size (continue a pretrained DiT at another latent size) needs model.pretrained and the dit "
-            f"family; for model.init set init.sample_size instead (got sample_size={m['sample_size']!r})"
+            f"model.init (training from scratch) is supported for {_names(_FROM_SCRATCH)} only; family {m['family']!r} needs "
+            "model.pretrained"
+        )
+    if m["sample_size"] is not None and (m["pretrained"] is None or m["family"] not in (None, *(f.name for f in _RESIZABLE))):
+        raise ValueError(
+            f"model.sample_size (continue a pretrained {_names(_RESIZABLE)} at another latent size) needs model.pretrained and "
+            f"the {_names(_RESIZABLE, 'name')} family; for model.init set init.sample_size instead (got sample_size={m['sample_size']!r})"
         )
     chi = m["text"]["complex_human_instruction"]
     if not (chi is None or chi == "default" or (isinstance(chi, list) and all(isinstance(s, str) for s in chi))):
@@ -410,7 +446,7 @@ def _check_model(m: Mapping) -> None:
 
 
 def _check_mhla(mh: Any) -> None:
-    """``mhla``: null or a mapping of :func:`mhla_diffusers.apply_mhla` arguments (not ``layers=auto``)."""
+    """``mhla``: null or a mapping of :func:`mhla_diffusers.apply_mhla` arguments."""
     if mh is None:
         return
     if not isinstance(mh, Mapping):
@@ -430,7 +466,7 @@ def _check_mhla(mh: Any) -> None:
 
 
 def _check_data(d: Mapping) -> None:
-    """``data``: a root for folder kinds, the caption template, the crop size."""
+    """``data``: a root for folder kinds, the caption template, the crop size (``[h, w]`` for videos)."""
     if d["kind"] in ("folder", "captions", "video") and not d["root"]:
         raise ValueError(f"data.kind={d['kind']} needs data.root (the image folder)")
     if not isinstance(d["caption_template"], str) or "{}" not in d["caption_template"]:
@@ -444,7 +480,7 @@ def _check_data(d: Mapping) -> None:
 
 
 def _check_distill(ds: Mapping) -> None:
-    """``distill``: loss weights consistent with the teacher and the condition."""
+    """``distill``: the loss weights against the teacher (none: the data loss alone)."""
     if ds["teacher"] is None:
         if ds["output_weight"] or ds["attention_weight"]:
             raise ValueError("distill.output_weight / attention_weight need a teacher: set distill.teacher (original or a folder)")

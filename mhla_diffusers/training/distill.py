@@ -16,7 +16,7 @@ from torch import nn
 
 from mhla_diffusers.checkpoint.format import load_mhla_transformer
 from mhla_diffusers.checkpoint.lora import has_lora, unload_lora_
-from mhla_diffusers.models.families import self_attention_modules
+from mhla_diffusers.families import self_attention_modules
 from mhla_diffusers.models.install import is_mhla_model, remove_mhla
 
 __all__ = [

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 import torch
-from diffusers import DDIMScheduler, DDPMScheduler, DiTPipeline, DPMSolverMultistepScheduler
 
 from mhla_diffusers.checkpoint.format import save_mhla_pipeline
 from mhla_diffusers.checkpoint.io import atomic_directory
 from mhla_diffusers.checkpoint.lora import LORA_DIR_NAME, has_lora, merge_lora_, save_lora, unload_lora_
+from mhla_diffusers.families.dit import build_dit_pipeline
 
-if TYPE_CHECKING:  # annotations only: recipes imports export_pipeline from here
+if TYPE_CHECKING:  # annotations only
     from mhla_diffusers.training.recipes import TrainingParts
 
 __all__ = ["export_pipeline", "export_model"]
@@ -38,14 +38,7 @@ def export_pipeline(
         ValueError: unknown ``sampler``.
         FileExistsError: ``out_dir`` not empty and not ``overwrite``.
     """
-    classes = {"dpm": DPMSolverMultistepScheduler, "ddim": DDIMScheduler, "ddpm": DDPMScheduler}
-    if sampler not in classes:
-        raise ValueError(f"sampler must be one of {sorted(classes)}; got {sampler!r}")
-    scheduler = classes[sampler].from_config(noise_scheduler.config)
-    labels = {int(k): str(v) for k, v in id2label.items()} if id2label else None
-    pipe = DiTPipeline(transformer=transformer, vae=vae, scheduler=scheduler, id2label=labels)
-    if labels:
-        pipe.register_to_config(id2label={str(k): v for k, v in sorted(labels.items())})
+    pipe = build_dit_pipeline(transformer, vae, noise_scheduler, sampler=sampler, id2label=id2label)
     return save_mhla_pipeline(pipe, out_dir, overwrite=overwrite)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from accelerate.utils import DistributedType, parse_flag_from_env
 from torch import nn
 
-from mhla_diffusers.models.families import family_of, self_attention_modules
+from mhla_diffusers.families import family_of, self_attention_modules
 
 __all__ = ["fsdp_requested", "check_fsdp_setup", "transformer_block_classes", "set_fsdp_wrap"]
 

@@ -8,7 +8,7 @@ from typing import Mapping, Sequence
 import torch
 
 from mhla_diffusers.checkpoint.lora import add_lora, lora_parameters, mhla_parameters
-from mhla_diffusers.models.families import self_attention_modules
+from mhla_diffusers.families import self_attention_modules
 from mhla_diffusers.ops.mixing import mixing_parameters
 from mhla_diffusers.training.config import TRAINABLE_SETS
 

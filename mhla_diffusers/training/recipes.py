@@ -1,23 +1,23 @@
-"""What differs per model family: a recipe class each (:class:`DiTRecipe`, :class:`SanaRecipe`,
-:class:`WanRecipe`), and :func:`build_models`, which loads them into :class:`TrainingParts`.
+"""The training recipes: :func:`build_models`, which loads a family's models into :class:`TrainingParts` (MHLA
+applied if asked, the teacher, the trainable set), and one recipe per family (:data:`RECIPES`).
 
-See ``docs/training.md``, "Recipes".
+A recipe is the generic part written here, the class-conditional one (:class:`ClassConditionalRecipe`) or the
+text one (:class:`TextRecipe`), bound to the family's :class:`~mhla_diffusers.families.TrainingSpec`
+(``Family.training``: prediction, text encoding, loading checks, ...). Each family's recipe class is named
+by its spec (``DiTRecipe``, ``SanaRecipe``, ``WanRecipe``) and importable from here.
 """
 
 from __future__ import annotations
 
 import abc
-import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
-from diffusers import DDPMScheduler, DiTTransformer2DModel
-from diffusers.models.embeddings import LabelEmbedding
 
-from mhla_diffusers.autoencoder import SpaceToDepthAutoencoder, vae_scale_factor
+from mhla_diffusers.autoencoder import vae_scale_factor
 from mhla_diffusers.checkpoint.format import (
     expert_timestep_range,
     load_mhla_pipeline,
@@ -25,24 +25,35 @@ from mhla_diffusers.checkpoint.format import (
     save_mhla_pipeline,
     transformer_folder,
 )
-from mhla_diffusers.models.families import FAMILIES
+from mhla_diffusers.families import (
+    FAMILIES,
+    Family,
+    TrainingSpec,
+    canonical_model_class,
+    family_of_class_name,
+    posterior_sample,
+)
+from mhla_diffusers.families.base import call_default
+from mhla_diffusers.families.dit import check_resolution, disable_internal_label_dropout  # re-exported (public names)
 from mhla_diffusers.models.install import apply_mhla, is_mhla_model
-from mhla_diffusers.training.config import TRAINED_FAMILIES
+from mhla_diffusers.training.config import TRAINED_FAMILIES, default_family
 from mhla_diffusers.training.distill import load_teacher, make_teacher
-from mhla_diffusers.training.export import export_pipeline
 from mhla_diffusers.training.flow import Objective, flow_match_scheduler
 from mhla_diffusers.training.optim import set_trainable
 
 __all__ = [
-    "TrainingParts", "DiTRecipe", "SanaRecipe", "WanRecipe", "RECIPES", "get_recipe", "resolve_family", "build_models",
+    "TrainingParts", "ClassConditionalRecipe", "TextRecipe", "RECIPES", "get_recipe", "resolve_family", "build_models",
     "check_resolution", "vae_scale_factor", "disable_internal_label_dropout", "select_expert", "posterior_sample",
 ]
 
 
 def resolve_family(config: dict) -> str:
-    """The config's model family: ``model.family``, else ``model.pretrained``'s transformer class, else ``"dit"``.
+    """The model family of a config: ``model.family``, else the class of ``model.pretrained``'s
+    transformer, else the family that trains from scratch (``"dit"``).
 
-    ``ValueError`` for a transformer class without a recipe, or one contradicting ``model.family``.
+    Raises:
+        ValueError: the pretrained transformer's class belongs to no family with a training recipe,
+            or contradicts ``model.family``.
     """
     m = config["model"]
     found = None
@@ -52,27 +63,37 @@ def resolve_family(config: dict) -> str:
             name = json.loads((folder / "config.json").read_text()).get("_class_name")
         except (FileNotFoundError, json.JSONDecodeError):
             name = None  # the loader reports a missing / broken folder with its own message
-        if name == "Transformer2DModel":
-            name = "DiTTransformer2DModel"
-        found = next((f.name for f in FAMILIES.values() if name in f.model_classes), None)
+        name = canonical_model_class(name)
+        found = getattr(family_of_class_name(name), "name", None)
         if name is not None and found is None:
             raise ValueError(f"{m['pretrained']}: transformer class {name!r} belongs to no supported family")
         if found is not None and found not in RECIPES:
             raise ValueError(f"{m['pretrained']} is a {found} model; this trainer has recipes for {sorted(RECIPES)}")
-    family = m["family"] or found or "dit"
+    family = m["family"] or found or default_family()
     if found is not None and m["family"] is not None and found != m["family"]:
         raise ValueError(f"model.family is {m['family']!r} but {m['pretrained']} holds a {found} transformer")
     return family
 
 
-# -- what differs per family ---------------------------------------------------------------------
+# -- the generic recipes -------------------------------------------------------------------------
 @dataclass
 class TrainingParts:
-    """Everything :func:`train` builds besides the optimizer.
+    """Everything :func:`train` builds besides the optimizer: models, objective, teacher, options.
 
-    ``transformer`` is trained (fp32, train mode); ``vae``, ``teacher`` and the ``pipeline``'s encoders
-    are frozen; ``noise_scheduler`` is DiT's ``DDPMScheduler`` or the flow sigma table; ``expert`` is
-    the pipeline component trained (Wan 2.2 A14B: ``"transformer"`` or ``"transformer_2"``).
+    Attributes:
+        family: the family's name (``"dit"`` / ``"sana"`` / ``"wan"``).
+        transformer: the model being trained (fp32, train mode, MHLA installed if asked).
+        vae: the frozen autoencoder.
+        noise_scheduler: class-conditional families: the ``DDPMScheduler`` (its config also defines the exported
+            sampler); flow families: the ``FlowMatchEulerDiscreteScheduler`` sigma table.
+        objective: the :class:`~mhla_diffusers.training.flow.Objective` trained.
+        pipeline: text families: the loaded pipeline (``encode_prompt``, export), else ``None``.
+        id2label: class-conditional families: the pretrained pipeline's labels (the dataset's replace them in :func:`train`).
+        mhla_applied: names of the attention modules converted by this run (``[]`` if none).
+        teacher: the frozen distillation teacher, or ``None``. text: ``model.text`` options.
+        null_condition: text families: the empty caption's encoding (caption dropout on cached data).
+        expert: the pipeline component trained (``"transformer"``; Wan 2.2 A14B: ``"transformer"`` or
+            ``"transformer_2"``, see :func:`select_expert`).
     """
 
     family: str
@@ -90,49 +111,24 @@ class TrainingParts:
 
     @property
     def recipe(self) -> "_Recipe":
+        """The family's recipe."""
         return get_recipe(self.family)
 
 
-def posterior_sample(latent_dist, generator: torch.Generator | None = None, *, rank: int = 0, world_size: int = 1) -> torch.Tensor:
-    """A VAE posterior sample ``[B, ...]`` whose noise is drawn for the global batch and sliced for ``rank``.
-
-    The same global batch gets the same latents whatever ``world_size``; one process: exactly
-    ``latent_dist.sample(generator)``. Non-Gaussian posteriors sample as they do.
-    """
-    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-
-    if world_size == 1 or not isinstance(latent_dist, DiagonalGaussianDistribution):
-        return latent_dist.sample(generator=generator)
-    mean = latent_dist.mean
-    b = mean.shape[0]
-    noise = torch.randn((b * world_size,) + tuple(mean.shape[1:]), generator=generator, device=mean.device, dtype=mean.dtype)
-    return mean + latent_dist.std * noise[torch.arange(b, device=mean.device) * world_size + rank]
-
-
-def _encode_latents(vae, pixels: torch.Tensor, generator: torch.Generator | None = None, *, rank: int = 0,
-                    world_size: int = 1) -> torch.Tensor:
-    out = vae.encode(pixels.to(vae.dtype))
-    if hasattr(out, "latent_dist"):
-        z = posterior_sample(out.latent_dist, generator, rank=rank, world_size=world_size)
-    elif hasattr(out, "latent"):
-        z = out.latent
-    else:
-        z = out[0]
-    return z.float() * vae.config.scaling_factor
-
-
 class _Recipe(abc.ABC):
-    """The per-family part of training."""
+    """The generic part of training, bound to a family's :class:`~mhla_diffusers.families.TrainingSpec` (``spec``)."""
 
     family = ""
     objective = ""
     text_conditioned = False
+    spec: TrainingSpec = TrainingSpec()
 
     @abc.abstractmethod
     def load(self, config: dict) -> TrainingParts:
-        """Load the models named by ``config`` (MHLA installed as configured)."""
+        """Load the pipeline / transformer / VAE / encoders named by ``config`` (MHLA installed as configured)."""
 
     def dropout(self, config: dict) -> float:
+        """Probability of dropping a sample's condition (classifier-free guidance)."""
         return float(config["train"]["caption_dropout" if self.text_conditioned else "class_dropout"])
 
     def prepare(self, parts: TrainingParts, dataset, config: dict) -> list:
@@ -141,87 +137,67 @@ class _Recipe(abc.ABC):
 
     def latents(self, parts: TrainingParts, batch: Mapping, generator: torch.Generator | None = None, *, rank: int = 0,
                 world_size: int = 1) -> torch.Tensor:
-        """A batch's clean latents: cached ``latents``, or the frozen vae on ``pixel_values``."""
+        """The clean latents of a batch: cached ``latents``, or the frozen vae on ``pixel_values`` (a posterior
+        sample drawn for the global batch of ``world_size`` processes, :func:`posterior_sample`)."""
         if "latents" in batch:
             return batch["latents"].float()
         with torch.no_grad():
-            return _encode_latents(parts.vae, batch["pixel_values"], generator, rank=rank, world_size=world_size)
+            return self.spec.encode_latents(parts.vae, batch["pixel_values"], generator, rank=rank, world_size=world_size)
 
     @abc.abstractmethod
     def condition(self, parts, batch, drop, mode="dataset", random_labels=None) -> dict:
-        """The transformer's conditioning kwargs for ``batch``; ``drop`` ``[B]`` bool marks dropped conditions."""
+        """The transformer's conditioning kwargs for ``batch`` (labels or text embeddings), ``drop`` [B] bool marking dropped conditions."""
 
-    @abc.abstractmethod
     def predict(self, model, noisy, timesteps, cond) -> torch.Tensor:
-        """The model's prediction (epsilon or velocity) for ``noisy`` at ``timesteps``."""
+        """The model's prediction for noisy latents ``noisy`` at ``timesteps`` (epsilon or flow velocity, by objective)."""
+        return self.spec.predict(model, noisy, timesteps, cond)
 
     @abc.abstractmethod
     def cache_encode(self, parts: TrainingParts, batch: Mapping, device) -> dict:
-        """What a latent cache stores for ``batch``."""
+        """What a latent cache stores for ``batch``: latents and, for text families, the text embeddings."""
 
     def encoders(self, parts: TrainingParts) -> list:
+        """The frozen encoders whose outputs a latent cache stores (fingerprinted in its key)."""
         return [parts.vae]
 
     @abc.abstractmethod
     def write(self, model, parts: TrainingParts, out_dir: Path, *, sampler: str, id2label) -> None:
-        """Write the trained model as a ready pipeline (converted-checkpoint format) into ``out_dir``."""
+        """Write the trained model as a ready diffusers pipeline (converted-checkpoint format) into ``out_dir``."""
 
 
-class DiTRecipe(_Recipe):
-    """Class-conditional DiT: DDPM epsilon prediction, label dropout to the null class, DPM / DDIM / DDPM export."""
-
-    family = "dit"
-    objective = "epsilon"
+class ClassConditionalRecipe(_Recipe):
+    """Class-conditional families (DiT): a pretrained pipeline or a model built from ``model.init``, label dropout to
+    the spec's null class, a pipeline built from the trained parts (the spec's ``pipeline``) on export."""
 
     def load(self, config: dict) -> TrainingParts:
+        """Load ``model.pretrained`` (a pipeline folder) or build ``model.init`` from scratch."""
         m = config["model"]
         id2label = None
         if m["pretrained"] is not None:
             pipe = load_mhla_pipeline(m["pretrained"], torch_dtype=torch.float32)
-            transformer, vae = pipe.transformer, pipe.vae
-            noise_scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
-            raw = pipe.config.get("id2label") if hasattr(pipe, "config") else None
-            if raw:
-                id2label = {int(k): str(v) for k, v in dict(raw).items()}
+            transformer, vae, noise_scheduler, id2label = self.spec.from_pipeline(pipe)
         else:
-            try:
-                transformer = DiTTransformer2DModel(**dict(m["init"]))
-            except TypeError as e:
-                raise ValueError(f"model.init is not a valid DiTTransformer2DModel config: {e}") from e
-            try:
-                vae = SpaceToDepthAutoencoder(**dict(m["vae"]))
-            except TypeError as e:
-                raise ValueError(f"model.vae is not a valid SpaceToDepthAutoencoder config: {e}") from e
-            try:
-                noise_scheduler = DDPMScheduler(**dict(m["noise_scheduler"]))
-            except TypeError as e:
-                raise ValueError(f"model.noise_scheduler is not a valid DDPMScheduler config: {e}") from e
-        if type(transformer).__name__ != "DiTTransformer2DModel":
-            raise ValueError(f"family dit expects a DiTTransformer2DModel; {m['pretrained']} holds a {type(transformer).__name__}")
+            transformer, vae, noise_scheduler = self.spec.from_config(m)
+        if type(transformer).__name__ not in self.model_classes:
+            raise ValueError(
+                f"family {self.family} expects a {self.model_classes[0]}; {m['pretrained']} holds a {type(transformer).__name__}"
+            )
         if m.get("sample_size") is not None:
-            transformer = resize_dit(transformer, int(m["sample_size"]))
-        if getattr(noise_scheduler.config, "prediction_type", "epsilon") != "epsilon":
-            raise ValueError(f"only epsilon prediction is supported; the scheduler says {noise_scheduler.config.prediction_type!r}")
-        if transformer.config.get("num_embeds_ada_norm") is None:
-            raise ValueError("the transformer must be class-conditional (num_embeds_ada_norm set; DiTPipeline needs 1000)")
+            transformer = resize_transformer(transformer, int(m["sample_size"]))
+        self.spec.check(transformer, noise_scheduler)
         return TrainingParts(
             family=self.family, transformer=transformer, vae=vae, noise_scheduler=noise_scheduler,
-            objective=Objective("epsilon", noise_scheduler), id2label=id2label,
+            objective=Objective(self.objective, noise_scheduler), id2label=id2label,
         )
 
     def prepare(self, parts, dataset, config):
-        check_resolution(parts.transformer, parts.vae, int(config["data"]["resolution"]))
-        null_class = int(parts.transformer.config.num_embeds_ada_norm)
-        labels = getattr(dataset, "id2label", None) or {}
-        if len(labels) > null_class:
-            raise ValueError(f"{len(labels)} classes but the model has {null_class} (num_embeds_ada_norm)")
-        restore = [(m, "dropout_prob", p) for m, p in disable_internal_label_dropout(parts.transformer)]
-        if parts.teacher is not None:
-            disable_internal_label_dropout(parts.teacher)
-        return restore
+        """The spec's checks of the data against the model (DiT: resolution, class count; label dropout off)."""
+        return self.spec.prepare(parts, dataset, config)
 
     def condition(self, parts, batch, drop, mode="dataset", random_labels=None):
-        null_class = int(parts.transformer.config.num_embeds_ada_norm)
+        """``{"class_labels"}``: the batch's (``mode="dataset"``), ``random_labels`` (``"random"``) or
+        the null class (``"null"``); dropped samples get the null class."""
+        null_class = self.spec.null_class(parts.transformer)
         labels = batch["class_labels"]
         if mode == "random":
             labels = random_labels
@@ -229,26 +205,27 @@ class DiTRecipe(_Recipe):
             labels = torch.full_like(labels, null_class)
         return {"class_labels": torch.where(drop.to(labels.device), torch.full_like(labels, null_class), labels)}
 
-    def predict(self, model, noisy, timesteps, cond):
-        """The epsilon half of the output (learned-sigma models predict ``2 C`` channels)."""
-        pred = model(noisy, timestep=timesteps, class_labels=cond["class_labels"]).sample
-        return pred[:, : noisy.shape[1]]
-
     def cache_encode(self, parts, batch, device):
-        return {"latents": _encode_latents(parts.vae, batch["pixel_values"].to(device)), "class_labels": batch["class_labels"]}
+        """``{"latents", "class_labels"}`` of a batch."""
+        return {"latents": self.spec.encode_latents(parts.vae, batch["pixel_values"].to(device)), "class_labels": batch["class_labels"]}
 
     def write(self, model, parts, out_dir, *, sampler, id2label):
-        export_pipeline(model, parts.vae, parts.noise_scheduler, out_dir, sampler=sampler, id2label=id2label, overwrite=True)
+        """A complete pipeline of the family (DiT: ``DiTPipeline``, :func:`~mhla_diffusers.training.export_pipeline`)."""
+        pipe = self.spec.pipeline(model, parts.vae, parts.noise_scheduler, sampler=sampler, id2label=id2label)
+        save_mhla_pipeline(pipe, out_dir, overwrite=True)
 
 
 def select_expert(pipe, expert: str | None, where="the pipeline") -> tuple[str, tuple[float, float] | None]:
-    """``(component name, timestep range)`` of the transformer to fine-tune in ``pipe``.
+    """``(component name, timestep range)`` of the transformer to fine-tune in ``pipe`` (``model.expert``).
 
-    Wan 2.2 A14B: ``transformer`` for ``t >= boundary_ratio * T``, ``transformer_2`` below (as
-    ``WanPipeline`` switches them). One transformer: range ``None``.
+    Wan 2.2 A14B denoises with two experts, switched at ``boundary = boundary_ratio * num_train_timesteps``
+    (diffusers' ``WanPipeline``): ``transformer`` for timesteps ``t >= boundary`` (high noise),
+    ``transformer_2`` for ``t < boundary`` (low noise); each is trained on its own range. A pipeline with
+    one transformer trains it on every timestep (range ``None``).
 
     Raises:
-        ValueError: a two-expert pipeline without ``expert``, or an ``expert`` it does not have.
+        ValueError: a two-expert pipeline without ``expert``; ``expert`` naming a component the pipeline
+            does not have.
     """
     present = pipeline_transformers(pipe)
     boundary_ratio = getattr(pipe, "config", {}).get("boundary_ratio")
@@ -265,6 +242,12 @@ def select_expert(pipe, expert: str | None, where="the pipeline") -> tuple[str, 
 
 
 def _expert_folder(path, expert: str):
+    """The folder of ``expert`` in a pipeline folder ``path`` (Wan 2.2: ``<path>/transformer_2`` teaches the
+    low-noise expert); ``path`` itself for the first transformer or a transformer folder.
+
+    Raises:
+        FileNotFoundError: a pipeline folder without that expert.
+    """
     path = Path(path)
     if expert == "transformer" or not (path / "model_index.json").is_file():
         return path
@@ -273,13 +256,9 @@ def _expert_folder(path, expert: str):
     return path / expert
 
 
-def _call_default(pipe, name: str):
-    param = inspect.signature(type(pipe).__call__).parameters.get(name)
-    return None if param is None or param.default is inspect.Parameter.empty else param.default
-
-
-class _TextRecipe(_Recipe):
-    """Shared by the text-conditioned flow-matching families (SANA, Wan)."""
+class TextRecipe(_Recipe):
+    """Text-conditioned flow-matching families (SANA, Wan): the pipeline's own ``encode_prompt`` (the spec's
+    ``encode_text``), caption dropout to the empty caption, export as the same pipeline."""
 
     objective = "flow"
     text_conditioned = True
@@ -288,12 +267,13 @@ class _TextRecipe(_Recipe):
     condition_keys: dict[str, str] = {}
 
     def load(self, config: dict) -> TrainingParts:
-        """Load ``model.pretrained`` and the flow objective (shift default: the scheduler's ``flow_shift``)."""
+        """Load ``model.pretrained`` (a pipeline folder, plain or converted) and the flow objective;
+        the flow shift defaults to the pipeline scheduler's ``flow_shift``; then the spec's ``finish_load``."""
         m = config["model"]
         pipe = load_mhla_pipeline(m["pretrained"], torch_dtype=torch.float32)
         expert, timestep_range = select_expert(pipe, m.get("expert"), m["pretrained"])
         transformer = getattr(pipe, expert)
-        if type(transformer).__name__ != self.transformer_class or not hasattr(pipe, "encode_prompt"):
+        if type(transformer).__name__ not in self.model_classes or not hasattr(pipe, "encode_prompt"):
             raise ValueError(f"family {self.family} expects a pipeline with a {self.transformer_class}; "
                              f"{m['pretrained']} holds {type(pipe).__name__} / {type(transformer).__name__}")
         frozen = [t for name, t in pipeline_transformers(pipe).items() if name != expert]  # the other expert, exported as loaded
@@ -309,23 +289,26 @@ class _TextRecipe(_Recipe):
         )
         text = dict(m["text"])
         if text["max_sequence_length"] is None:
-            text["max_sequence_length"] = _call_default(pipe, "max_sequence_length") or 300
-        return TrainingParts(
+            text["max_sequence_length"] = call_default(pipe, "max_sequence_length") or 300
+        parts = TrainingParts(
             family=self.family, transformer=transformer, vae=pipe.vae, noise_scheduler=table,
             objective=objective, pipeline=pipe, text=text, expert=expert,
         )
+        self.spec.finish_load(parts, config)
+        return parts
 
     def prepare(self, parts, dataset, config):
+        """Encode the empty caption once (caption dropout on cached embeddings)."""
         parts.null_condition = self.encode_text(parts, [""], parts.pipeline.text_encoder.device)
         return []
 
-    @abc.abstractmethod
     def encode_text(self, parts, captions: Sequence[str], device) -> dict:
-        """Encode ``captions`` with the pipeline's ``encode_prompt``."""
+        """Encode ``captions`` with the pipeline's own ``encode_prompt`` (the spec's): the transformer's text kwargs."""
+        return self.spec.encode_text(parts, captions, device)
 
     @staticmethod
     def captions(batch: Mapping, id2label: Mapping | None, template: str = "{}") -> list[str]:
-        """A batch's captions, or its class names through ``template``."""
+        """A batch's captions: its ``caption`` strings, or its class names through ``template``."""
         if "caption" in batch:
             return [str(c) for c in batch["caption"]]
         if "class_labels" in batch and id2label:
@@ -333,8 +316,9 @@ class _TextRecipe(_Recipe):
         raise ValueError(
             "a text-conditioned model needs captions: use data.kind=captions / video, or class-labelled data (photos / folder)"
         )
-
     def condition(self, parts, batch, drop, mode="dataset", random_labels=None):
+        """The transformer's text inputs; dropped samples (and ``mode="null"``) get the empty caption.
+        ``mode="random"`` is not defined for text (use ``null``)."""
         if mode == "random":
             raise ValueError("distill.condition=random needs class labels; use null (empty captions) for text models")
         device = batch["latents"].device if "latents" in batch else batch["pixel_values"].device
@@ -355,102 +339,50 @@ class _TextRecipe(_Recipe):
         return out
 
     def cache_encode(self, parts, batch, device):
+        """``{"latents", <text embeddings>}`` of a batch."""
         captions = self.captions(batch, parts.id2label, parts.text.get("template", "{}"))
         latents = self.latents(parts, {"pixel_values": batch["pixel_values"].to(device)})
         return {"latents": latents, **self.encode_text(parts, captions, device)}
 
     def encoders(self, parts):
+        """The vae, the text encoder and the text options (all change what the cache holds)."""
         return [parts.vae, parts.pipeline.text_encoder, {"text": {k: v for k, v in parts.text.items()}}]
 
     def write(self, model, parts, out_dir, *, sampler, id2label):
+        """The loaded pipeline with the trained transformer (its own scheduler; ``sampler`` is DiT's)."""
         components = dict(parts.pipeline.components)
         components[parts.expert] = model
         config = {k: parts.pipeline.config[k] for k in ("boundary_ratio", "expand_timesteps") if k in parts.pipeline.config}
         save_mhla_pipeline(type(parts.pipeline)(**components, **config), out_dir, overwrite=True)
 
 
-class SanaRecipe(_TextRecipe):
-    """Text-to-image SANA: flow matching, Gemma-2 captions via ``encode_prompt``, caption dropout."""
 
-    family = "sana"
-    transformer_class = "SanaTransformer2DModel"
-    condition_keys = {"prompt_embeds": "encoder_hidden_states", "prompt_attention_mask": "encoder_attention_mask"}
-
-    def load(self, config: dict) -> TrainingParts:
-        parts = super().load(config)
-        if parts.text["complex_human_instruction"] == "default":
-            parts.text["complex_human_instruction"] = _call_default(parts.pipeline, "complex_human_instruction")
-        return parts
-
-    def encode_text(self, parts, captions: Sequence[str], device) -> dict:
-        """``{"prompt_embeds" [B, L, D], "prompt_attention_mask" [B, L]}`` (no grad)."""
-        with torch.no_grad():
-            embeds, mask, _, _ = parts.pipeline.encode_prompt(
-                list(captions), do_classifier_free_guidance=False, device=device, clean_caption=False,
-                max_sequence_length=int(parts.text["max_sequence_length"]),
-                complex_human_instruction=parts.text["complex_human_instruction"],
-            )
-        return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
-
-    def predict(self, model, noisy, timesteps, cond):
-        return model(
-            noisy, encoder_hidden_states=cond["encoder_hidden_states"], encoder_attention_mask=cond["encoder_attention_mask"],
-            timestep=timesteps,
-        ).sample
+def _recipe_class(family: Family) -> type:
+    """The recipe class of ``family``: the generic recipe of its conditioning bound to ``family.training``."""
+    spec = family.training
+    base = TextRecipe if family.conditioning == "text" else ClassConditionalRecipe
+    attrs = {
+        "__doc__": type(spec).__doc__, "__module__": __name__, "__qualname__": spec.recipe_name, "family": family.name,
+        "objective": spec.objective, "spec": spec, "model_classes": family.model_classes,
+    }
+    if base is TextRecipe:
+        attrs.update(transformer_class=family.model_classes[0], condition_keys=dict(spec.condition_keys))
+    return type(spec.recipe_name, (base,), attrs)
 
 
-class WanRecipe(_TextRecipe):
-    """Text-to-video Wan 2.1 / 2.2: flow matching, UMT5 captions, normalised ``AutoencoderKLWan`` latents."""
-
-    family = "wan"
-    transformer_class = "WanTransformer3DModel"
-    condition_keys = {"prompt_embeds": "encoder_hidden_states"}
-
-    def load(self, config: dict) -> TrainingParts:
-        """As :meth:`_TextRecipe.load`; ``ValueError`` for image-to-video transformers (``in_channels`` != the VAE's ``z_dim``)."""
-        parts = super().load(config)
-        z_dim, channels = int(parts.vae.config.z_dim), int(parts.transformer.config.in_channels)
-        if channels != z_dim:
-            raise ValueError(
-                f"{config['model']['pretrained']}: the {parts.expert} takes {channels} input channels, the VAE gives {z_dim}: an "
-                "image-to-video model (noise + mask + first-frame latent); this trainer fine-tunes text-to-video Wan models"
-            )
-        return parts
-
-    def latents(self, parts, batch, generator=None, *, rank=0, world_size=1):
-        """Normalised video latents ``[B, z, F', H/8, W/8]`` of ``[B, 3, F, H, W]`` (or image) pixels."""
-        if "latents" in batch:
-            return batch["latents"].float()
-        pixels = batch["pixel_values"]
-        if pixels.ndim == 4:
-            pixels = pixels.unsqueeze(2)
-        vae = parts.vae
-        with torch.no_grad():
-            z = posterior_sample(vae.encode(pixels.to(vae.dtype)).latent_dist, generator, rank=rank, world_size=world_size).float()
-        shape = (1, vae.config.z_dim) + (1,) * (z.ndim - 2)
-        mean = torch.tensor(vae.config.latents_mean, device=z.device, dtype=z.dtype).view(shape)
-        std = torch.tensor(vae.config.latents_std, device=z.device, dtype=z.dtype).view(shape)
-        return (z - mean) / std
-
-    def encode_text(self, parts, captions: Sequence[str], device) -> dict:
-        """``{"prompt_embeds" [B, L, D]}``, zero rows after each caption (no grad)."""
-        with torch.no_grad():
-            embeds, _ = parts.pipeline.encode_prompt(
-                list(captions), do_classifier_free_guidance=False, device=device,
-                max_sequence_length=int(parts.text["max_sequence_length"]),
-            )
-        return {"prompt_embeds": embeds}
-
-    def predict(self, model, noisy, timesteps, cond):
-        return model(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=cond["encoder_hidden_states"]).sample
-
-
-RECIPES: dict[str, _Recipe] = {"dit": DiTRecipe(), "sana": SanaRecipe(), "wan": WanRecipe()}
+# One recipe per family with a training spec, in registration order; its class is a name of this module.
+RECIPES: dict[str, _Recipe] = {name: _recipe_class(f)() for name, f in FAMILIES.items() if f.training is not None}
+globals().update({type(r).__name__: type(r) for r in RECIPES.values()})  # DiTRecipe, SanaRecipe, WanRecipe
+__all__ += [type(r).__name__ for r in RECIPES.values()]
 assert tuple(RECIPES) == TRAINED_FAMILIES, "config.TRAINED_FAMILIES lists the families with a recipe"
 
 
 def get_recipe(family: str) -> _Recipe:
-    """The training recipe of a model family; ``ValueError`` if it has none."""
+    """The training recipe of a model family.
+
+    Raises:
+        ValueError: no recipe for ``family``.
+    """
     if family not in RECIPES:
         raise ValueError(f"no training recipe for family {family!r}; available: {sorted(RECIPES)}")
     return RECIPES[family]
@@ -458,11 +390,21 @@ def get_recipe(family: str) -> _Recipe:
 
 # -- models, data, optimizer -----------------------------------------------------------------------
 def build_models(config: dict) -> TrainingParts:
-    """Build the models training needs from ``config``: load, copy the teacher, apply MHLA, fp32, trainable set.
+    """Build what training needs from ``config`` (``model``, ``mhla``, ``objective``, ``distill``,
+    ``lora``, ``train.trainable``).
+
+    Order: load the family's models; copy the teacher (``distill.teacher: original``) before anything
+    changes the weights; apply MHLA (unless the checkpoint has it); cast to fp32; choose the trainable
+    set (:func:`set_trainable`: full, LoRA, attention-only or mixing-only).
+
+    Returns:
+        :class:`TrainingParts` (the transformer in fp32 and train mode; vae / text encoder / teacher
+        frozen in eval mode).
 
     Raises:
-        ValueError: a bad ``model.*`` dict, a model that does not fit its family or objective, a teacher
-            of another class.
+        ValueError: a bad ``model.init`` / ``model.vae`` / ``model.noise_scheduler`` dict, a model
+            that does not fit its family, an ``objective.kind`` the family does not train, a teacher
+            of another family.
         FileNotFoundError, MHLACheckpointError: from :func:`mhla_diffusers.load_mhla_pipeline`.
     """
     family = resolve_family(config)
@@ -495,10 +437,20 @@ def build_models(config: dict) -> TrainingParts:
     return parts
 
 
-def resize_dit(transformer: torch.nn.Module, sample_size: int) -> torch.nn.Module:
-    """The same DiT at latent size ``sample_size`` (progressive resolution); weights kept, sincos table rebuilt.
+def resize_transformer(transformer: torch.nn.Module, sample_size: int) -> torch.nn.Module:
+    """The same model at another latent size ``sample_size`` (progressive-resolution training; families whose
+    training spec is ``resizable``: DiT).
 
-    ``ValueError`` for a model with MHLA (resize before converting) or a size not a patch multiple.
+    DiT's positional embedding is the fixed 2D sincos table of ``PatchEmbed`` (a non-persistent
+    buffer, rebuilt for the new grid: diffusers spaces positions by ``sample_size / patch_size``, so
+    the new size sees positions ``0 .. sample_size / patch - 1``, beyond the old range, which the
+    continued training adapts to); every learned weight is carried over unchanged. ``DiTPipeline``
+    samples at ``config.sample_size``, which is why the model is rebuilt rather than run at another size.
+    Returns ``transformer`` itself when the size is already ``sample_size``.
+
+    Raises:
+        ValueError: the model has MHLA (its block grids are tied to the old token grid: convert after
+            resizing), or ``sample_size`` does not divide by the patch size.
     """
     if int(transformer.config.sample_size) == sample_size:
         return transformer
@@ -511,25 +463,4 @@ def resize_dit(transformer: torch.nn.Module, sample_size: int) -> torch.nn.Modul
     return resized.to(dtype=next(transformer.parameters()).dtype)
 
 
-def check_resolution(transformer, vae, resolution: int) -> None:
-    """Raise ``ValueError`` unless ``resolution / vae_scale_factor == transformer.config.sample_size``."""
-    f = vae_scale_factor(vae)
-    size = transformer.config.sample_size
-    if resolution % f or resolution // f != size:
-        raise ValueError(
-            f"data.resolution={resolution} px gives {resolution / f:g} latent pixels (vae factor {f}), but the "
-            f"transformer's sample_size is {size}: set data.resolution to {size * f}"
-        )
-
-
-def disable_internal_label_dropout(transformer: torch.nn.Module) -> list[tuple[torch.nn.Module, float]]:
-    """Turn off diffusers' own label dropout inside DiT; returns ``[(module, old_prob)]`` to restore.
-
-    :func:`training_loss` drops labels itself, once per sample, from a seeded generator.
-    """
-    changed = []
-    for module in transformer.modules():
-        if isinstance(module, LabelEmbedding) and module.dropout_prob > 0:
-            changed.append((module, module.dropout_prob))
-            module.dropout_prob = 0.0
-    return changed
+resize_dit = resize_transformer  # its former name

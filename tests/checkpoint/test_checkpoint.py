@@ -485,7 +485,7 @@ def test_overwrite_never_replaces_the_source_or_the_working_directory(tmp_path, 
 
 def test_recorded_backend_that_cannot_run_here_becomes_auto(monkeypatch):
     """A checkpoint saved with backend 'triton' loads on a machine without CUDA (triton installed or not)."""
-    from mhla_diffusers.checkpoint import format as checkpoint
+    from mhla_diffusers.checkpoint import loading as checkpoint  # format.py re-exports its public names only
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert checkpoint._usable_backend("torch") == "torch"

@@ -34,7 +34,7 @@ from mhla_diffusers import (
     save_mhla_pipeline,
     save_mhla_transformer,
 )
-from mhla_diffusers.checkpoint.format import _sha256
+from mhla_diffusers.checkpoint.spec import sha256 as _sha256
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -19,10 +19,12 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the tiny-model helpers
 
 from helpers import dit_inputs, randomize_mixing_, tiny_dit  # noqa: E402
+from helpers_families import TINY  # noqa: E402
 from helpers_sana import sana_inputs, tiny_sana  # noqa: E402
 from helpers_wan import tiny_wan, wan_inputs  # noqa: E402
 
 import mhla_diffusers  # noqa: E402
+from mhla_diffusers.families import FAMILIES  # noqa: E402
 from mhla_diffusers.models.parallel import communication_bytes, cpu_device_mesh, record_exchanges  # noqa: E402
 from mhla_diffusers.ops.naive import relative_error  # noqa: E402
 
@@ -259,11 +261,27 @@ def case_processor_changed_after_enable(world: int) -> dict:
     return {"output": wan_error, "error": dit_error}
 
 
+def _contract_case(family: str):
+    """The family contract (tests/models/test_family_contract.py): the family's tiny model (helpers_families.TINY)
+    with MHLA on every layer by apply_mhla, ring mode, forward: the single-process output."""
+
+    def case(world: int) -> dict:
+        tiny = TINY[family]
+        model = tiny.build(num_layers=2)
+        mhla_diffusers.apply_mhla(model, layers="all", block_grid=tiny.block_grid)
+        randomize_mixing_(model, low=0.0, high=1.0)
+        inputs = tiny.inputs(batch=2)
+        return _compare(model, lambda m: tiny.call(m, inputs), _config("ring", world), train=False)
+
+    case.__name__ = f"case_contract_{family}"
+    return case
+
+
 CASES = [
     case_wan_oneliner_ring, case_wan_hybrid_ulysses, case_wan_uneven_numerator, case_wan_uneven_ulysses, case_wan_indivisible_refused,
     case_ulysses_heads_refused, case_sana_oneliner_ring, case_dit_ulysses, case_wan_pipeline_generate, case_processor_changed_after_enable,
     case_hybrid_ring_native_refused,
-]
+] + [_contract_case(name) for name, family in FAMILIES.items() if family.context_parallel is not None]
 
 
 def main(out: str) -> None:

@@ -9,42 +9,22 @@ parts: plans, errors, the communication formulas, generate.py under torchrun.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from helpers import tiny_dit
+from helpers_parallel import torchrun
 from helpers_sana import tiny_sana
 from helpers_wan import tiny_wan
 
 import mhla_diffusers
 from mhla_diffusers.models.parallel import communication_bytes, context_parallel_plan, cpu_device_mesh, shard_sizes
 
-ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-5  # outputs (fp32, relative); gradients sum more terms in another order: GRAD_TOL
 GRAD_TOL = 1e-4
 
 
-def _torchrun(nproc: int, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _results(world: int, out: str) -> dict:
-    run = _torchrun(world, "tests/models/context_parallel_check.py", out)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return json.loads(Path(out, "results.json").read_text())
-
-
-@pytest.fixture(scope="module", params=[2, 3], ids=["P2", "P3"])
-def results(request, tmp_path_factory):
-    world = request.param
-    return world, _results(world, str(tmp_path_factory.mktemp(f"cp{world}")))
+# the torchrun launches: tests/helpers_parallel.py; the shared `results` fixture: tests/models/conftest.py
+_torchrun = torchrun
 
 
 def _case(results, name: str) -> dict:

@@ -2,11 +2,11 @@
 
 What a SANA user is promised, as tests:
 
-* one block (M = 1) is the stock ``SanaLinearAttnProcessor2_0`` in fp32 and in fp16, the fp16 clip
-  to +-65504 included (FACTS.md section 2), on a tiny model and on a real-size 36 x 32 layer;
-* the one-liner ``transformer.set_attn_processor(MHLAProcessor())`` reaches cross-attention too,
-  which then runs the stock ``SanaAttnProcessor2_0`` bit for bit (C10-like); ``apply_mhla`` touches
-  self-attention only; one shared processor, one mixing matrix per layer;
+* one block (M = 1) is the stock ``SanaLinearAttnProcessor2_0`` in fp16, the fp16 clip to +-65504
+  included (FACTS.md section 2), and on a real-size 36 x 32 layer (fp32 on the tiny model, and the
+  one-liner's cross-attention running ``SanaAttnProcessor2_0`` bit for bit: the family contract,
+  tests/models/test_family_contract.py); ``apply_mhla`` touches self-attention only; one shared
+  processor, one mixing matrix per layer;
 * the block grid is built on the true token grid of the latent (C05: 1024 x 256 px is 32 x 8, not
   16 x 16), with the pipeline's resolution binning on and off;
 * hybrid selection through a complete processor dict (C12), dtype / device moves and CPU offload
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import AttnCapture, no_grid_frames, randomize_mixing_, realign_, run_main
+from helpers import AttnCapture, randomize_mixing_, realign_, run_main
 from helpers_sana import (
     SANA_600M,
     original_sana_state_dict,
@@ -73,12 +73,6 @@ def _stock_linear():
     return SanaLinearAttnProcessor2_0()
 
 
-def _stock_cross():
-    from diffusers.models.transformers.sana_transformer import SanaAttnProcessor2_0
-
-    return SanaAttnProcessor2_0()
-
-
 def by_hand(attn, hidden: torch.Tensor, grid, eps: float = 1e-15) -> torch.Tensor:
     """MHLA on the layer's own q, k, v (norms over all heads, as SANA), then its to_out: nothing else."""
     b, n, _ = hidden.shape
@@ -89,30 +83,6 @@ def by_hand(attn, hidden: torch.Tensor, grid, eps: float = 1e-15) -> torch.Tenso
     mixing = attn.mhla_mixing
     out = mhla_attention(q, k, v, mixing.weight.clamp(0.0, 1.0), BlockLayout(grid, mixing.block_grid), eps=eps)
     return attn.to_out[1](attn.to_out[0](out.transpose(1, 2).reshape(b, n, -1)))
-
-
-class CrossCapture:
-    """Forward hooks on attn2 modules recording (hidden_states, encoder_hidden_states, attention_mask, output)."""
-
-    def __init__(self, model):
-        self.modules = {f"transformer_blocks.{i}.attn2": a for i, a in enumerate(sana_cross_attn(model))}
-        self.calls: dict[str, list] = {n: [] for n in self.modules}
-        self._handles = []
-
-    def __enter__(self):
-        for name, module in self.modules.items():
-            def hook(module, args, kwargs, output, name=name):
-                hidden = args[0] if args else kwargs["hidden_states"]
-                ehs, mask = kwargs.get("encoder_hidden_states"), kwargs.get("attention_mask")
-                self.calls[name].append((hidden.clone(), ehs.clone(), None if mask is None else mask.clone(), output.clone()))
-
-            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
-        return self
-
-    def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        return False
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -137,27 +107,7 @@ def test_sana_family_facts():
     assert all(isinstance(a.processor, SanaAttnProcessor2_0) for a in sana_cross_attn(model))
 
 
-# -- M = 1 is the stock linear attention -----------------------------------------------------------
-@pytest.mark.parametrize("qk_norm", [None, "rms_norm_across_heads"])
-def test_one_block_equals_stock_fp32(qk_norm):
-    """The one-liner with one block reproduces the stock SANA model (every attn1 output and the model
-    output) up to float summation order; with q/k norms over all heads (SANA-Sprint / 1.5 layout) too."""
-    model = tiny_sana(num_layers=3, qk_norm=qk_norm)
-    stock = stock_copy(model)
-    model.set_attn_processor(MHLAProcessor(num_blocks=1))
-    inputs = sana_inputs(batch=2, size=(16, 8))
-    with AttnCapture(model) as cap, no_grid_frames():
-        out = run_sana(model, inputs)
-    ref = run_sana(stock, inputs)
-    assert _rel(out, ref) < 1e-5
-    with torch.no_grad():
-        for i, attn in enumerate(sana_self_attn(model)):
-            name = f"transformer_blocks.{i}.attn1"
-            assert attn.mhla_mixing.block_grid == (1, 1, 1)
-            (hidden,), (got,) = cap.inputs[name], cap.outputs[name]
-            assert _rel(got, _stock_linear()(attn, hidden)) < 1e-5, name
-
-
+# -- M = 1 is the stock linear attention (fp32: tests/models/test_family_contract.py) ------------------
 def _same_clipping(got, want, exact) -> bool:
     """``got`` and ``want`` (fp16, two computations of one output) clip the same entries to exactly
     +-65504, except entries whose float64 value ``exact`` lies within 8 fp16 ulps (256) of a value
@@ -247,29 +197,7 @@ def test_clip_is_sana_only_and_fp16_only():
             assert torch.isinf(out).any()  # generic processor: no clip
 
 
-# -- cross-attention, apply_mhla, shared processor ------------------------------------------------
-@pytest.mark.parametrize("qk_norm", [None, "rms_norm_across_heads"])
-def test_one_liner_cross_attention_is_stock_bit_identical(qk_norm):
-    """C10-like: the one-liner puts MHLAProcessor on attn2 too; there it runs SanaAttnProcessor2_0 on the
-    same inputs, bit for bit (text mask included); the whole model equals apply_mhla's (attn1 only)."""
-    model = tiny_sana(num_layers=3, qk_norm=qk_norm)
-    other = stock_copy(model)
-    proc = MHLAProcessor()
-    model.set_attn_processor(proc)
-    assert all(p is proc for p in model.attn_processors.values()) and len(model.attn_processors) == 6
-    apply_mhla(other)
-    inputs = sana_inputs(batch=2, size=(8, 8))
-    with CrossCapture(model) as cap:
-        out = run_sana(model, inputs)
-    assert torch.equal(out, run_sana(other, inputs))
-    with torch.no_grad():
-        for name, attn in cap.modules.items():
-            ((hidden, ehs, mask, got),) = cap.calls[name]
-            assert mask is not None
-            assert torch.equal(got, _stock_cross()(attn, hidden, encoder_hidden_states=ehs, attention_mask=mask)), name
-            assert getattr(attn, "mhla_mixing", None) is None, name  # never a mixing matrix on cross-attention
-
-
+# -- apply_mhla, shared processor (cross-attention: tests/models/test_family_contract.py) ---------------
 def test_apply_mhla_touches_self_attention_only():
     model = tiny_sana(num_layers=3)
     cross_before = [a.processor for a in sana_cross_attn(model)]

@@ -1,0 +1,350 @@
+"""Loading converted checkpoints (:mod:`~mhla_diffusers.checkpoint.format`): the base model through diffusers'
+``from_pretrained``, MHLA installed from ``mhla_config.json``, then its weights strictly; base weights with
+peft-wrapped keys refused before loading, no model returned with tensors on the meta device, only
+safetensors read.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import warnings
+from pathlib import Path
+
+import diffusers
+import torch
+from diffusers import DiffusionPipeline
+from torch import nn
+
+from mhla_diffusers.checkpoint.lora_guard import load_saved_lora
+from mhla_diffusers.checkpoint.marker import forget_marker, loading_converted
+from mhla_diffusers.checkpoint.safetensors_file import MHLACheckpointError, load_safetensors, read_safetensors_header
+from mhla_diffusers.checkpoint.spec import (
+    MHLA_CONFIG_NAME,
+    MHLA_WEIGHTS_NAME,
+    TRANSFORMER_COMPONENTS,
+    check_config_against_weights,
+    mhla_parameters,
+    read_mhla_config,
+    sha256,
+    transformer_folder,
+)
+from mhla_diffusers.families import canonical_model_class, family_of, pipeline_quirks, pipeline_transformers, self_attention_modules
+from mhla_diffusers.models.install import apply_mhla, record_selection
+from mhla_diffusers.ops import available_backends, get_backend
+
+__all__ = [
+    "load_mhla_transformer", "load_mhla_pipeline", "load_mhla_weights", "check_loaded", "import_named_components",
+]
+
+
+# A key of a model saved with peft layers in it: "<module>.base_layer.weight", "<module>.lora_A.<adapter>.weight".
+_PEFT_KEY = re.compile(r"\.(base_layer|lora_A|lora_B|lora_magnitude_vector)\.")
+
+
+_BASE_WEIGHTS = "diffusion_pytorch_model*"
+
+
+def check_base_weights(folder: Path) -> None:
+    """Refuse a transformer folder whose base weights hold peft-wrapped keys (headers only, before loading):
+    diffusers would load the layers under them without weights (meta tensors or a fresh init).
+
+    Raises:
+        MHLACheckpointError: naming the file, a key and the fix.
+    """
+    for file in sorted(folder.glob(f"{_BASE_WEIGHTS}.safetensors")):
+        wrapped = [key for key in read_safetensors_header(file) if _PEFT_KEY.search(key)]
+        if wrapped:
+            raise MHLACheckpointError(
+                f"{file} holds peft-wrapped keys ({wrapped[0]}, ... {len(wrapped)} in all): it was saved from a model "
+                "that still had LoRA adapters, and the layers under them would load without weights. Save the model "
+                "again from memory without peft layers (fuse_lora() then unload_lora_weights() keeps the LoRA in the "
+                "weights; unload_lora_weights() drops it), or with save_mhla_pipeline(..., merge_lora=True)"
+            )
+
+
+def _meta_tensors(model: nn.Module) -> list[str]:
+    """Names of the parameters and buffers of ``model`` on the meta device (no values), outside modules whose
+    weights accelerate's offload hooks (``_hf_hook``, ``device_map`` / sequential offload) hold elsewhere."""
+    offloaded = [f"{name}." if name else "" for name, m in model.named_modules() if hasattr(m, "_hf_hook")]
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    return [name for name, t in tensors if t.is_meta and not any(name.startswith(p) for p in offloaded)]
+
+
+def check_loaded(model: nn.Module, source: str | os.PathLike) -> None:
+    """Make sure a loaded model holds values everywhere: no parameter or buffer on the meta device (where
+    diffusers leaves weights whose keys its file lacks), except under accelerate's offload hooks.
+
+    Args:
+        source: the folder or file the model was loaded from (named in the error).
+
+    Raises:
+        MHLACheckpointError: naming ``source``'s weights file(s), how many tensors and which.
+    """
+    names = _meta_tensors(model)
+    if not names:
+        return
+    path = Path(source)
+    weights = path.iterdir() if path.is_dir() else ()
+    files = sorted(f for f in weights if f.suffix in (".safetensors", ".bin") and f.name != MHLA_WEIGHTS_NAME)
+    where = ", ".join(str(f) for f in files) or str(source)
+    raise MHLACheckpointError(
+        f"{where} left {len(names)} tensors of {type(model).__name__} without values (on the meta device: "
+        f"{names[:5]}{', ...' if len(names) > 5 else ''}): the file lacks their keys, and the model would fail at its "
+        "first forward. Save the model again from a complete copy (mhla_diffusers.save_mhla_pipeline / "
+        "save_mhla_transformer)"
+    )
+
+
+def check_pipeline_loaded(pipe, path: str | os.PathLike) -> None:
+    """:func:`check_loaded` on every model of a pipeline loaded from the folder ``path`` (or a Hub id)."""
+    for name, component in getattr(pipe, "components", {}).items():
+        if isinstance(component, nn.Module):
+            check_loaded(component, Path(path) / name)
+
+
+def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike, expected_sha256: str | None = None) -> None:
+    """Load ``mhla.safetensors`` from ``folder`` into a model with MHLA installed, strictly.
+
+    Args:
+        expected_sha256: the digest recorded in ``mhla_config.json`` (checked when given).
+
+    Every tensor must be float32 (the format's dtype) of the model parameter's shape: a file whose
+    tensors were rewritten in another dtype is refused, not cast.
+
+    Raises:
+        MHLACheckpointError: file missing or corrupted (digest mismatch included; see
+            :func:`read_safetensors_header`), keys missing or unexpected, a dtype other than float32,
+            shapes differ, non-finite values; the model's MHLA parameters on the meta device.
+    """
+    path = Path(folder) / MHLA_WEIGHTS_NAME
+    if not path.is_file():
+        raise MHLACheckpointError(f"{path} is missing: the MHLA mixing matrices of this checkpoint are lost")
+    tensors = load_safetensors(path, "MHLA weights")
+    params = mhla_parameters(transformer)
+    meta = [key for key, param in params.items() if param.is_meta]
+    if meta:  # copy_ into a meta tensor is a no-op: the model would keep no values
+        raise MHLACheckpointError(
+            f"{path}: the model's {meta[0]} (and {len(meta) - 1} more) are on the meta device, so the weights cannot be "
+            "loaded into them: its base weights did not load (see mhla_diffusers.checkpoint.format.check_loaded)"
+        )
+    missing, unexpected = sorted(set(params) - set(tensors)), sorted(set(tensors) - set(params))
+    if missing or unexpected:
+        raise MHLACheckpointError(f"{path} does not match the model: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+    for key, param in params.items():
+        if tensors[key].dtype != torch.float32:
+            raise MHLACheckpointError(
+                f"{path}: {key} is stored as {_dtype_name(tensors[key].dtype)}; the format stores every MHLA parameter as "
+                f"float32 (this one of shape {tuple(param.shape)}): the file was rewritten. Restore it, or convert again"
+            )
+        if tuple(tensors[key].shape) != tuple(param.shape):
+            raise MHLACheckpointError(f"{path}: {key} has shape {tuple(tensors[key].shape)}, the model expects {tuple(param.shape)}")
+        if not torch.isfinite(tensors[key]).all():
+            raise MHLACheckpointError(f"{path}: {key} holds NaN or infinite values")
+    # Last: the specific messages above say more when the file parses; this catches silent damage.
+    if expected_sha256 is not None and sha256(path) != expected_sha256:
+        raise MHLACheckpointError(
+            f"{path} does not match the sha256 recorded in {MHLA_CONFIG_NAME}: the file is corrupted or was replaced"
+        )
+    with torch.no_grad():
+        for key, param in params.items():
+            param.copy_(tensors[key])
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _install_from_config(transformer: nn.Module, config: dict, folder: Path) -> None:
+    check_config_against_weights(config, folder)
+    if type(transformer).__name__ != config["model_class"]:
+        raise MHLACheckpointError(
+            f"{folder / MHLA_CONFIG_NAME} was written for {config['model_class']}, but the base model is {type(transformer).__name__}"
+        )
+    try:
+        family = family_of(transformer).name
+    except ValueError as err:
+        raise MHLACheckpointError(f"{folder / MHLA_CONFIG_NAME}: {err}") from err
+    if family != config["family"]:
+        raise MHLACheckpointError(
+            f"{folder / MHLA_CONFIG_NAME} names the family {config['family']!r}, but the base model "
+            f"{type(transformer).__name__} is of the family {family!r}"
+        )
+    num_layers = len(self_attention_modules(transformer))
+    if num_layers != config["num_layers"]:
+        raise MHLACheckpointError(
+            f"{folder / MHLA_CONFIG_NAME} counts {config['num_layers']} self-attention layers, the base model has {num_layers}"
+        )
+    try:
+        apply_mhla(
+            transformer,
+            layers=list(config["layers"]),
+            block_grid=tuple(config["block_grid"]),
+            normalize=bool(config["normalize"]),
+            eps=float(config["eps"]),
+            backend=_usable_backend(config.get("backend", "auto")),
+            output_norm=bool(config.get("output_norm", False)),
+            feature_eps=float(config.get("feature_eps", 0.0)),
+            mixing_clamp=bool(config.get("mixing_clamp", True)),
+        )
+    except (ValueError, TypeError) as err:  # layers, block grid or settings that do not fit this model
+        raise MHLACheckpointError(f"{folder / MHLA_CONFIG_NAME} does not fit the base model: {err}") from err
+    load_mhla_weights(transformer, folder, config.get("weights_sha256"))
+    if "selection" in config:  # how the layers were chosen: kept, so that a re-saved model still says it
+        record_selection(transformer, config["selection"])
+
+
+def _usable_backend(backend: str) -> str:
+    """The recorded backend if it can run here, else ``"auto"`` (backends give the same numbers).
+
+    A backend that is not installed here, or that says it is not kept on this machine
+    (:meth:`~mhla_diffusers.ops.Backend.kept_on_load`: e.g. GPU kernels without CUDA), gives
+    ``"auto"``, not a failure at the first forward.
+    """
+    if backend in ("auto", "torch"):
+        return backend
+    if backend in available_backends() and get_backend(backend).kept_on_load():
+        return backend
+    warnings.warn(
+        f"the checkpoint asks for MHLA backend {backend!r}, which is not available here; using 'auto'", stacklevel=2
+    )
+    return "auto"
+
+
+def dtype_kwargs(torch_dtype: torch.dtype | None) -> dict:
+    """diffusers 0.42 takes ``dtype=`` (``torch_dtype=`` is deprecated there)."""
+    return {} if torch_dtype is None else {"dtype": torch_dtype}
+
+
+def import_named_components(pipeline_folder: str | os.PathLike) -> list[str]:
+    """Import the ``mhla_diffusers`` modules that ``pipeline_folder/model_index.json`` names as component
+    libraries (the demo's ``["mhla_diffusers.autoencoder", "SpaceToDepthAutoencoder"]`` vae); returns their names.
+
+    diffusers 0.42 loads a component from a library that is not its own only when the module is
+    already imported, and ``import mhla_diffusers`` stays cheap (it imports no component modules), so
+    every loader of a pipeline folder calls this first. Modules outside ``mhla_diffusers`` are left to
+    diffusers' own rules. A folder without ``model_index.json`` (a Hub id) imports nothing.
+
+    Raises:
+        MHLACheckpointError: ``model_index.json`` is not a JSON object, or names an ``mhla_diffusers`` module
+            that does not exist.
+    """
+    index = Path(pipeline_folder) / "model_index.json"
+    if not index.is_file():
+        return []
+    names = sorted({
+        entry[0]
+        for entry in _read_json_object(index).values()
+        if isinstance(entry, list) and entry and isinstance(entry[0], str) and entry[0].startswith("mhla_diffusers.")
+    })
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            raise MHLACheckpointError(
+                f"{index} names the component library {name!r}, which this mhla_diffusers does not have ({err}); "
+                "upgrade mhla_diffusers or edit model_index.json"
+            ) from err
+    return names
+
+
+def _read_json_object(path: Path) -> dict:
+    """The JSON object in ``path`` (a ``config.json`` or ``model_index.json``).
+
+    Raises:
+        MHLACheckpointError: unreadable, not JSON, or not an object (naming the file).
+    """
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise MHLACheckpointError(f"{path} is not readable JSON ({err}): the checkpoint is damaged") from err
+    if not isinstance(data, dict):
+        raise MHLACheckpointError(f"{path} holds a JSON {type(data).__name__}, not an object: the checkpoint is damaged")
+    return data
+
+
+def transformer_class_of(folder: Path):
+    """The diffusers model class named by ``folder/config.json`` (``_class_name``; the original DiT
+    checkpoints' ``Transformer2DModel`` is ``DiTTransformer2DModel``).
+
+    Raises:
+        MHLACheckpointError: a class diffusers does not have (or an unreadable ``config.json``).
+    """
+    name = _read_json_object(folder / "config.json").get("_class_name")
+    name = canonical_model_class(name)  # the original DiT checkpoints: Transformer2DModel
+    cls = getattr(diffusers, str(name), None)
+    if cls is None:
+        raise MHLACheckpointError(f"{folder / 'config.json'} names an unknown model class {name!r}")
+    return cls
+
+
+def load_mhla_transformer(
+    path: str | os.PathLike, *, torch_dtype: torch.dtype | None = None, lora: bool | str | os.PathLike = True, **kwargs
+) -> nn.Module:
+    """Load a transformer from a converted (or plain) checkpoint: a transformer folder or a pipeline folder.
+
+    Returns the model in eval mode with MHLA installed as recorded (unchanged if none recorded) and,
+    with ``lora=True`` (default), the LoRA adapter a fine-tuning run saved beside the transformer
+    folder (``transformer_lora/``, export mode "separate") applied; ``lora=False`` skips it, a
+    path loads that adapter folder.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path`` (or no adapter at an explicit ``lora`` path).
+        MHLACheckpointError: see :func:`read_mhla_config` and :func:`load_mhla_weights`; base weights
+            with peft-wrapped keys (saved with LoRA layers in the model) or that leave tensors on the
+            meta device (:func:`check_loaded`): never a model without values.
+        ValueError: an adapter whose keys do not match the model.
+    """
+    folder = transformer_folder(path)
+    config = read_mhla_config(folder)
+    check_base_weights(folder)
+    with loading_converted():
+        model = transformer_class_of(folder).from_pretrained(folder, **dtype_kwargs(torch_dtype), **kwargs)
+        check_loaded(model, folder)
+        forget_marker(model)
+        if config is not None:
+            _install_from_config(model, config, folder)
+    load_saved_lora(model, folder.parent / "transformer_lora", lora)
+    return model.eval()
+
+
+def load_mhla_pipeline(
+    path: str | os.PathLike, *, torch_dtype: torch.dtype | None = None, lora: bool | str | os.PathLike = True, **kwargs
+):
+    """Load a diffusers pipeline folder whose transformer may be a converted MHLA checkpoint.
+
+    Returns a ready pipeline (its ``transformer`` in eval mode, MHLA installed if recorded — on each of
+    Wan 2.2's two experts ``transformer`` / ``transformer_2`` as recorded in its own folder —, and
+    the LoRA adapter of ``<path>/transformer_lora`` applied when present and ``lora=True``;
+    ``lora=False`` skips it, a path loads that adapter folder). A class-conditional pipeline keeps
+    the ``id2label`` of ``model_index.json`` in ``pipe.config`` as well as in ``pipe.labels``.
+
+    Raises:
+        FileNotFoundError: ``path`` holds no ``model_index.json`` (or no adapter at an explicit ``lora`` path).
+        MHLACheckpointError: see :func:`load_mhla_transformer`.
+    """
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        raise FileNotFoundError(f"{path} is not a diffusers pipeline folder (no model_index.json)")
+    configs = {name: read_mhla_config(path / name) for name in TRANSFORMER_COMPONENTS if (path / name / "config.json").is_file()}
+    if not configs:
+        transformer_folder(path)  # raises FileNotFoundError: a pipeline folder without a transformer
+    import_named_components(path)
+    for name in configs:
+        check_base_weights(path / name)
+    with loading_converted():
+        pipe = DiffusionPipeline.from_pretrained(path, **dtype_kwargs(torch_dtype), **kwargs)
+        check_pipeline_loaded(pipe, path)
+        for quirks in pipeline_quirks():  # DiT: id2label kept in pipe.config
+            quirks.after_load(pipe, path)
+        for name, model in pipeline_transformers(pipe).items():
+            forget_marker(model)
+            if configs.get(name) is not None:
+                _install_from_config(model, configs[name], path / name)
+    if pipe.transformer is not None:
+        load_saved_lora(pipe.transformer, path / "transformer_lora", lora)
+    for model in pipeline_transformers(pipe).values():
+        model.eval()
+    return pipe
