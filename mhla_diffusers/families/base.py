@@ -19,7 +19,7 @@ import torch
 from diffusers.models.attention_processor import AttnProcessor2_0
 from torch import nn
 
-from mhla_diffusers.models.family_calls import FamilyAttention, StockSignature
+from mhla_diffusers.families.calls import FamilyAttention, StockSignature
 
 __all__ = [
     "Family",
@@ -123,7 +123,7 @@ class TrainingSpec:
 @dataclass(frozen=True)
 class Family(FamilyAttention):
     """Model-family facts used by the processor, the grid hooks, conversion, checkpoints, generation and training
-    (the per-call steps of a self-attention layer that read them: :class:`~mhla_diffusers.models.family_calls.FamilyAttention`).
+    (the per-call steps of a self-attention layer that read them: :class:`~mhla_diffusers.families.calls.FamilyAttention`).
 
     One entry per family, built in its module (``families/dit.py``, ...) and registered with
     :func:`register_family`. Each field is documented where it is declared. Copies and pickles of an entry

@@ -198,7 +198,10 @@ class MHLAProcessor(GridReader, nn.Module):
 
     @staticmethod
     def _shard(attn, num_tokens: int, grid: tuple[int, int, int]):
+        """This rank's shard under context parallelism, ``None`` when the call holds every token of the grid."""
         total = math.prod(grid)
+        if num_tokens == total:
+            return None
         shard = context_shard(num_tokens, total, attn.heads)
         if shard is None and num_tokens != total:
             raise RuntimeError(

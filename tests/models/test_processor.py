@@ -29,7 +29,7 @@ from mhla_diffusers import (
 )
 from mhla_diffusers.models.grid import current_grid
 
-processor_module = importlib.import_module("mhla_diffusers.models.family_calls")  # where get_layout is called
+processor_module = importlib.import_module("mhla_diffusers.families.calls")  # where get_layout is called
 
 
 def by_hand(attn, hidden: torch.Tensor, grid, eps: float = 1e-6) -> torch.Tensor:

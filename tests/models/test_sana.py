@@ -61,7 +61,7 @@ from mhla_diffusers import (
 )
 from mhla_diffusers.models.families import FAMILIES, family_of, self_attention_modules, stock_processor
 
-processor_module = importlib.import_module("mhla_diffusers.models.family_calls")  # where get_layout is called
+processor_module = importlib.import_module("mhla_diffusers.families.calls")  # where get_layout is called
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 FP16_MAX = 65504.0
