@@ -1,11 +1,9 @@
 """The token grid ``(T, H, W)`` of the running forward, published by hooks that belong to the model.
 
-``N`` never determines the grid (2048 x 512 and 1024 x 1024 images can share it); the latent entering
-the family's patch embedding does. :func:`install_grid_hooks` gives one model a pre-hook and an
-always-called hook that open and close a thread-local frame, and a patch-embedding pre-hook that
-writes the grid into it; :func:`remove_grid_hooks` takes them off. For the bare one-liner, a layer
-given an ``MHLAProcessor`` waits (:func:`await_model`) and, only while one waits, a process-wide
-module pre-hook finds and hooks its transformer. :func:`token_grid` publishes a grid by hand.
+The grid comes from the latent entering the family's patch embedding, never from ``N``.
+:func:`install_grid_hooks` / :func:`remove_grid_hooks` put on and take off one model's hooks;
+:func:`await_model` serves the bare one-liner; :func:`token_grid` publishes a grid by hand.
+See ``docs/processor.md`` (Hooks).
 """
 
 from __future__ import annotations
