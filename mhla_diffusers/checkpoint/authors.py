@@ -99,9 +99,7 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _numpy_rng_globals() -> list:
-    """The numpy globals ``torch.load(weights_only=True)`` needs for ``np.random.get_state()`` (a tuple holding a
-    uint32 ndarray): the array rebuild function (under its numpy 2 and numpy 1 module names), ``ndarray``,
-    ``dtype`` and the uint32 dtype class."""
+    """The numpy globals ``weights_only`` loading needs for ``np.random.get_state()`` (numpy 1 and 2 names)."""
     import numpy as np
 
     reconstruct = np.empty(0).__reduce__()[0]  # numpy._core.multiarray._reconstruct (numpy.core.* in numpy 1)
@@ -238,12 +236,7 @@ def _to_diffusers_keys(stock: dict[str, torch.Tensor]) -> tuple[dict[str, torch.
 
 
 def _check_stock_keys(converted: dict, original: dict[str, str], empty, src) -> None:
-    """Every parameter of the diffusers model given once with its shape, nothing else.
-
-    Raises:
-        AuthorsCheckpointError: listing unknown keys (their names), missing keys (diffusers names) and
-            shape mismatches.
-    """
+    """Every model parameter given once with its shape, else :class:`AuthorsCheckpointError` listing the differences."""
     expected = {k: tuple(v.shape) for k, v in empty.state_dict().items()}
     unknown = [original[k] for k in converted if k not in expected]
     missing = [k for k in expected if k not in converted]

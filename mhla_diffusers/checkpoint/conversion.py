@@ -256,12 +256,7 @@ def _load_source(src: str, torch_dtype: torch.dtype | None, config: str | None =
 def _check_calibration_options(
     layers, keep_softmax, max_attention_cost, calibration, sensitivity, samples, seed, embeddings, latent_size=None, device=None
 ) -> None:
-    """``layers="auto"`` needs one of ``keep_softmax`` / ``max_attention_cost``; calibration settings apply
-    only with it, and those that make calibration inputs only when none are given.
-
-    Raises:
-        ValueError: naming the settings that would otherwise be ignored.
-    """
+    """Refuse ``layers="auto"`` / calibration options that would be ignored (``ValueError`` naming them)."""
     made = {"calibration_samples": samples, "calibration_seed": seed, "calibration_embeddings": embeddings,
             "calibration_latent_size": latent_size}
     if isinstance(layers, str) and layers == "auto" and (keep_softmax is None) == (max_attention_cost is None):
@@ -278,11 +273,7 @@ def _check_calibration_options(
 
 
 def _check_request(src, out, family: str | None, layers, layers_2):
-    """The checks :func:`convert_checkpoint` makes before loading anything; returns ``layers`` (a list or a string).
-
-    Raises:
-        ValueError: no layer selected, ``out`` inside (or equal to) ``src``, an unknown family.
-    """
+    """Checks made before loading anything (``ValueError``); returns ``layers``."""
     if not isinstance(layers, str):
         layers = list(layers)
     if (layers == "none" and layers_2 in (None, "none")) or (not isinstance(layers, str) and not layers):
@@ -396,11 +387,7 @@ def _check_auto_settings(layers, layers_2, sensitivity) -> None:
 
 
 def _check_device(device) -> torch.device | None:
-    """``device`` (``--device``) as a ``torch.device`` that can hold a tensor here, or ``None``.
-
-    Raises:
-        ValueError: an unknown device name, or one this machine does not have.
-    """
+    """``device`` as a usable ``torch.device``, or ``None`` (``ValueError`` for one this machine lacks)."""
     if device is None:
         return None
     try:
@@ -414,13 +401,7 @@ def _check_device(device) -> torch.device | None:
 
 
 def _auto_settings(pipe, name: str, model, auto: dict) -> tuple[dict, tuple[float, float] | None]:
-    """The ``apply_mhla`` arguments of ``layers="auto"`` for the expert ``name`` of ``pipe`` (``pipe`` may be
-    ``None``: a transformer alone): when neither calibration nor scores are given, the calibration inputs made
-    from the source for this expert, on its own timestep range (Wan 2.2 A14B:
-    :func:`~mhla_diffusers.checkpoint.format.expert_timestep_range`), at ``latent_size``, on ``model``'s device.
-
-    Returns ``(apply_mhla keyword arguments, timestep range of the calibration made or None)``.
-    """
+    """``(apply_mhla kwargs, calibration timestep range or None)`` of ``layers="auto"`` for expert ``name``."""
     calibration, timestep_range = auto["calibration"], None
     if calibration is None and auto["sensitivity"] is None:
         timestep_range = expert_timestep_range(pipe, name) if pipe is not None else None
@@ -441,13 +422,7 @@ def _auto_settings(pipe, name: str, model, auto: dict) -> tuple[dict, tuple[floa
 
 
 def _convert_one(pipe, name: str, model, layers, settings: dict, auto: dict | None, where: str) -> None:
-    """``apply_mhla(model, layers, **settings)`` on the pipeline's transformer ``name`` (``auto``: the ``layers="auto"``
-    options, see :func:`_apply`).
-
-    Raises:
-        ValueError: ``layers`` selects none of the layers of ``model``; for ``transformer_2`` every error of
-            ``apply_mhla`` prefixed by ``where`` (it names the expert and ``--layers-2``).
-    """
+    """``apply_mhla`` on transformer ``name``; ``transformer_2`` errors prefixed with ``where``."""
     if not isinstance(layers, str):
         layers = list(layers)
     if layers == "none" or (not isinstance(layers, str) and not layers):

@@ -189,12 +189,7 @@ def _install_from_config(transformer: nn.Module, config: dict, folder: Path) -> 
 
 
 def _usable_backend(backend: str) -> str:
-    """The recorded backend if it can run here, else ``"auto"`` (backends give the same numbers).
-
-    A backend that is not installed here, or that says it is not kept on this machine
-    (:meth:`~mhla_diffusers.ops.Backend.kept_on_load`: e.g. GPU kernels without CUDA), gives
-    ``"auto"``, not a failure at the first forward.
-    """
+    """The recorded backend if it can run here, else ``"auto"`` (backends give the same numbers)."""
     if backend in ("auto", "torch"):
         return backend
     if backend in available_backends() and get_backend(backend).kept_on_load():
@@ -239,11 +234,7 @@ def import_named_components(pipeline_folder: str | os.PathLike) -> list[str]:
 
 
 def _read_json_object(path: Path) -> dict:
-    """The JSON object in ``path`` (a ``config.json`` or ``model_index.json``).
-
-    Raises:
-        MHLACheckpointError: unreadable, not JSON, or not an object (naming the file).
-    """
+    """The JSON object in ``path``, else :class:`MHLACheckpointError` naming the file."""
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as err:

@@ -51,11 +51,7 @@ def _without_mixing(model: nn.Module) -> Iterator[dict[tuple[str, str], nn.Modul
 
 
 def _prepare_for_saving(transformer: nn.Module) -> None:
-    """Create the mixing matrices of layers set up by the bare one-liner and not run yet.
-
-    Raises:
-        MHLACheckpointError: when they cannot be created here.
-    """
+    """Create the pending one-liner layers' matrices (:class:`MHLACheckpointError` if impossible)."""
     try:
         materialize_mhla(transformer)
     except (ValueError, TypeError, RuntimeError) as err:

@@ -95,9 +95,7 @@ def _write_id2label(pipe, folder: Path) -> None:
 
 
 def _register_id2label(pipe, path: Path) -> None:
-    """Keep the ``id2label`` of ``model_index.json`` in ``pipe.config`` (diffusers passes it to the
-    pipeline's ``__init__`` only), so that ``pipe.config["id2label"]`` holds the class names and a
-    later ``save_pretrained`` writes them again."""
+    """Keep ``model_index.json``'s ``id2label`` in ``pipe.config`` so a later ``save_pretrained`` writes it again."""
     config = getattr(pipe, "config", None)
     if config is None or config.get("id2label") or "id2label" not in inspect.signature(type(pipe).__init__).parameters:
         return

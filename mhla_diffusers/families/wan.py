@@ -122,9 +122,7 @@ def _wan_attn_processor():
 
 
 def _expert_timestep_range(pipe, expert: str) -> tuple[float, float] | None:
-    """Wan 2.2 A14B (diffusers' ``WanPipeline``): ``boundary = boundary_ratio * num_train_timesteps``;
-    ``transformer`` runs ``t >= boundary`` (high noise, ``(boundary, inf)``), ``transformer_2`` ``t < boundary``
-    (low noise, ``(-inf, boundary)``); ``None`` without ``boundary_ratio``."""
+    """Wan 2.2 A14B: ``transformer`` on ``t >= boundary_ratio * T``, ``transformer_2`` below; ``None`` without ``boundary_ratio``."""
     boundary_ratio = getattr(pipe, "config", {}).get("boundary_ratio")
     if boundary_ratio is None:
         return None

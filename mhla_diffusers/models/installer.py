@@ -70,12 +70,7 @@ def install_mhla(
 
 
 def _resolved_processor(family, reference, *, eps, **settings) -> MHLAProcessor:
-    """The one processor :func:`install_mhla` puts on the layers: block grid and output norm resolved on the
-    native token grid ``reference`` (a saved spec is explicit), its family set (a layer called alone follows it).
-
-    Raises:
-        ValueError: bad settings (see :class:`MHLAProcessor`), or a block grid larger than ``reference``.
-    """
+    """The processor :func:`install_mhla` installs, block grid and output norm resolved on ``reference``."""
     processor = MHLAProcessor(eps=family.default_eps if eps is None else eps, family=family, **settings)
     resolved = processor.resolve_block_grid(reference, family)
     processor.block_grid, processor.block_grid_preset = resolved, None

@@ -129,10 +129,7 @@ _PENDING_LOAD = "this layer runs MHLAProcessor but has no mixing matrix yet"
 
 
 class _PendingMixingLoader:
-    """``load_state_dict`` pre-hook of a layer given an ``MHLAProcessor``: a state dict holding
-    ``<prefix>mhla_mixing.weight`` for a layer without a matrix creates it first when the block grid
-    is known without the model (explicit ``block_grid``, a preset of the layer's family), else fails
-    naming ``materialize_mhla`` (with ``strict=False`` too). A plain object: models pickle and copy."""
+    """``load_state_dict`` pre-hook creating a pending layer's matrix when its block grid is known without the model."""
 
     def __call__(self, attn, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         key = f"{prefix}mhla_mixing.weight"

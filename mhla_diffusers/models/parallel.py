@@ -315,9 +315,7 @@ def cpu_device_mesh() -> Iterator[None]:
 
 
 def _token_count_check(degree: int, anything: bool, planned: frozenset[str] = frozenset()):
-    """Model forward pre-hook: a token count the context-parallel degree cannot split is an error naming the fix;
-    so is a layer of the plan that no longer runs MHLA (``planned``: the self-attention layers that must, the
-    ``"trunk"`` / ``"layers"`` plans, whose stock attention would silently see only this rank's tokens)."""
+    """Forward pre-hook refusing unsplittable token counts and planned layers that no longer run MHLA."""
 
     def check(model, args, kwargs):
         # a processor installed after enable_parallelism (remove_mhla putting the stock one back, a new processor)
@@ -420,9 +418,7 @@ def enable_context_parallel(model: nn.Module, config) -> None:
 
 # -- the output gather of uneven shards on gloo ------------------------------------------------------
 class _PaddedAllGather(torch.autograd.Function):
-    """Every rank's ``[..., n_r, ...]`` (along ``dim``) -> the concatenation in rank order, for ranks holding
-    different ``n_r``: each shard is padded to the longest, gathered, trimmed (gloo's all_gather needs equal
-    sizes; diffusers' gather of uneven shards sends them as they are). Backward: this rank's slice."""
+    """All-gather of uneven shards along ``dim`` (padded, gathered, trimmed); backward: this rank's slice."""
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, dim: int, group) -> torch.Tensor:

@@ -232,12 +232,7 @@ def select_expert(pipe, expert: str | None, where="the pipeline") -> tuple[str, 
 
 
 def _expert_folder(path, expert: str):
-    """The folder of ``expert`` in a pipeline folder ``path`` (Wan 2.2: ``<path>/transformer_2`` teaches the
-    low-noise expert); ``path`` itself for the first transformer or a transformer folder.
-
-    Raises:
-        FileNotFoundError: a pipeline folder without that expert.
-    """
+    """``expert``'s folder in pipeline folder ``path`` (``path`` itself for the first transformer); ``FileNotFoundError``."""
     path = Path(path)
     if expert == "transformer" or not (path / "model_index.json").is_file():
         return path
