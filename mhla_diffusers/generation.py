@@ -69,20 +69,17 @@ def _prepare(checkpoint, pipe, steps: int, dtype: str, device: str | None, conte
 
 
 def enable_pipeline_context_parallel(pipe, mode: str, device: str) -> str:
-    """Put the pipeline's transformers (``transformer``, and Wan 2.2 A14B's ``transformer_2``) under diffusers'
-    context parallelism over all processes of ``torchrun``.
+    """Put the pipeline's transformer(s) under diffusers' context parallelism over all ``torchrun`` processes.
 
-    Initialises ``torch.distributed`` if needed (NCCL for CUDA, gloo for CPU), one rank per GPU
-    (``cuda:LOCAL_RANK``), then :func:`~mhla_diffusers.enable_context_parallel` with
-    ``ContextParallelConfig(ring_degree=P)`` (``mode="ring"``) or ``ulysses_degree=P``. Every rank runs the
-    pipeline on the same seed; the transformer's tokens are split over the ranks and gathered at its output.
+    Initialises ``torch.distributed`` if needed (one rank per GPU), then
+    :func:`~mhla_diffusers.enable_context_parallel` in ``mode`` ``"ring"`` or ``"ulysses"``.
 
     Returns:
         This rank's device.
 
     Raises:
         GenerationError: fewer than 2 processes, an unknown mode.
-        ValueError: from :func:`~mhla_diffusers.enable_context_parallel` (no plan, a degree the heads cannot take).
+        ValueError: from :func:`~mhla_diffusers.enable_context_parallel`.
     """
     # function-level imports: only context-parallel runs need them
     from diffusers import ContextParallelConfig
@@ -185,17 +182,12 @@ def generate_class_images(
     pipe=None,
     context_parallel: str | None = None,
 ):
-    """Generate one image per class label with the checkpoint's own ``DiTPipeline``.
+    """Generate one image per class label (ids or names) with the checkpoint's own ``DiTPipeline``.
 
     Args:
-        checkpoint: pipeline folder (plain or MHLA-converted); ignored when ``pipe`` is given.
-        class_labels: ids or names.
-        steps: denoising steps of the pipeline's scheduler. guidance_scale: CFG scale (1 = off).
-        seed: seed of the ``torch.Generator`` (CPU generator: same images on every device).
-        dtype: ``"fp32" | "bf16" | "fp16"``. device: default CUDA when available, else CPU.
-        pipe: an already loaded pipeline (skips loading).
-        context_parallel: ``"ring"`` or ``"ulysses"``: run the transformer under context parallelism over the
-            processes of ``torchrun`` (:func:`enable_pipeline_context_parallel`); ``None``: one process.
+        checkpoint: pipeline folder (plain or converted); ignored when ``pipe`` is given.
+        steps, guidance_scale (1 = off), seed (CPU generator), dtype (``"fp32" | "bf16" | "fp16"``), device.
+        context_parallel: ``"ring"`` / ``"ulysses"`` over ``torchrun``'s processes; ``None``: one process.
 
     Returns:
         A list of PIL images.
@@ -241,28 +233,21 @@ def generate_text_images(
     pipe=None,
     context_parallel: str | None = None,
 ):
-    """Generate one image per prompt with the checkpoint's own text-to-image pipeline (``SanaPipeline``).
+    """Generate one image per prompt (one batch) with the checkpoint's own text-to-image pipeline (``SanaPipeline``).
 
     Args:
-        checkpoint: pipeline folder (plain or MHLA-converted); ignored when ``pipe`` is given.
-        prompts: one image each (generated as one batch, with one ``torch.Generator``).
+        checkpoint: pipeline folder (plain or converted); ignored when ``pipe`` is given.
+        height, width: pixels, multiples of 32 for SANA; ``None``: the native size.
+        use_resolution_binning: SANA's own snapping to a trained aspect ratio.
         negative_prompt: the classifier-free guidance negative prompt.
-        height, width: image size in pixels (multiples of 32 for SANA); ``None``: the model's native
-            size, ``transformer.config.sample_size * vae_scale_factor`` (1024 for SANA-1024px).
-        steps: denoising steps. guidance_scale: CFG scale (1 = off). seed: CPU generator seed.
-        dtype: ``"fp32" | "bf16" | "fp16"``. device: default CUDA when available, else CPU.
-        use_resolution_binning: SANA's own default: snap the size to the nearest trained aspect
-            ratio, generate there, resize back (MHLA builds its blocks on the true latent grid).
-        pipe: an already loaded pipeline (skips loading).
-        context_parallel: ``"ring"`` or ``"ulysses"``: run the transformer under context parallelism over the
-            processes of ``torchrun`` (:func:`enable_pipeline_context_parallel`); ``None``: one process.
+        steps, guidance_scale, seed, dtype, device, context_parallel: as :func:`generate_class_images`.
 
     Returns:
         A list of PIL images of size ``(width, height)``.
 
     Raises:
         GenerationError: not a text-to-image pipeline, no prompts, bad steps or dtype.
-        ValueError: from the pipeline, e.g. a size SANA does not take (multiples of 32 px).
+        ValueError: from the pipeline, e.g. a size SANA does not take.
     """
     prompts = [str(p) for p in prompts]
     if not prompts:
@@ -327,38 +312,26 @@ def generate_videos(
     guidance_scale_2: float | None = None,
     context_parallel: str | None = None,
 ):
-    """Generate one video per prompt with the checkpoint's own video pipeline: text-to-video
-    (``WanPipeline``; Wan 2.2 A14B runs its two experts as diffusers does, switched at ``boundary_ratio``) or,
-    with ``image``, image-to-video from that first frame (:func:`image_to_video_pipeline`).
+    """Generate one video per prompt with the checkpoint's own video pipeline, text- or (with ``image``) image-to-video.
 
     Args:
-        checkpoint: pipeline folder (plain or MHLA-converted); ignored when ``pipe`` is given.
-        prompts: one video each (one batch, one CPU ``torch.Generator`` seeded with ``seed``).
+        checkpoint: pipeline folder (plain or converted); ignored when ``pipe`` is given.
+        height, width: pixels, multiples of 16 for Wan; default :func:`native_video_size`.
+        frames: ``4k + 1`` for Wan (default 81); other counts raise instead of being rounded.
+        image: the first frame (a path or ``PIL.Image``), required by I2V checkpoints, refused by T2V ones.
+        guidance_scale_2: Wan 2.2 A14B's low-noise expert CFG scale (``None``: ``guidance_scale``).
         negative_prompt: the classifier-free guidance negative prompt.
-        height, width: frame size in pixels, multiples of 16 for Wan (VAE 8 x patch 2); default
-            the checkpoint's native size (:func:`native_video_size`: Wan 2.1's 480 x 832, the
-            authors' imported MHLA model 480 x 800).
-        frames: number of frames, ``4k + 1`` for Wan (1, 5, ..., 81: the VAE compresses time by 4);
-            default the native 81. diffusers' ``WanPipeline`` would silently round other counts; this raises.
-        steps: denoising steps. guidance_scale: CFG scale (1 = off; Wan runs cond and uncond as two calls).
-        dtype: ``"fp32" | "bf16" | "fp16"``. device: default CUDA when available, else CPU.
-        pipe: an already loaded pipeline (skips loading).
-        image: the first frame: a path (any format PIL reads) or a ``PIL.Image``; resized by the pipeline to
-            ``height x width``. Needed by image-to-video checkpoints, refused by those that cannot take one.
-        guidance_scale_2: Wan 2.2 A14B: the CFG scale of the low-noise expert (``transformer_2``); ``None``:
-            ``guidance_scale`` (diffusers' default).
-        context_parallel: ``"ring"`` or ``"ulysses"``: run the transformer under context parallelism over the
-            processes of ``torchrun`` (:func:`enable_pipeline_context_parallel`); ``None``: one process.
+        steps, guidance_scale, seed, dtype, device, context_parallel: as :func:`generate_class_images`.
 
     Returns:
-        A list (one per prompt) of float32 arrays ``[frames, height, width, 3]`` in ``[0, 1]``.
+        One float32 array ``[frames, height, width, 3]`` in ``[0, 1]`` per prompt.
 
     Raises:
-        GenerationError: not a video pipeline, an image-to-video checkpoint without ``image`` or a
-            text-to-video one with it (:func:`image_to_video_pipeline`), an image file that is missing or
-            unreadable, ``guidance_scale_2`` for a pipeline with one denoising model, no prompts, a frame
-            count the VAE does not take, bad steps or dtype.
-        ValueError: from the pipeline, e.g. a size Wan does not take (multiples of 16 px).
+        GenerationError: not a video pipeline, an image mismatch or unreadable image, ``guidance_scale_2``
+            with one denoising model, no prompts, a bad frame count, steps or dtype.
+        ValueError: from the pipeline, e.g. a size Wan does not take.
+
+    Sizes and family details: ``docs/families.md`` (Generation helpers).
     """
     prompts = [str(p) for p in prompts]
     if not prompts:
@@ -449,25 +422,17 @@ def _video_family(pipe):
 
 
 def image_to_video_pipeline(pipe, checkpoint="the pipeline"):
-    """The image-to-video form of a video pipeline, sharing its components (nothing is copied): the
-    family's :attr:`~mhla_diffusers.families.Family.image_to_video` (Wan:
-    :func:`~mhla_diffusers.families.wan.image_to_video_pipeline`: a ``WanImageToVideoPipeline`` as it is,
-    Wan 2.2 TI2V-5B's ``WanPipeline`` as a ``WanImageToVideoPipeline`` over the same components).
+    """The image-to-video form of a video pipeline, sharing its components (:attr:`~mhla_diffusers.families.Family.image_to_video`).
 
     Raises:
-        GenerationError: a pipeline that cannot take an image (text-to-video only), or an image-to-video one
-            missing what its transformer needs (Wan 2.1 I2V without its image encoder).
+        GenerationError: a text-to-video-only pipeline, or an I2V one missing what its transformer needs.
     """
     family, _ = _video_family(pipe)
     return family.image_to_video(pipe, checkpoint)
 
 
 def native_video_size(pipe) -> dict:
-    """``{"height", "width", "frames"}`` a video pipeline's transformer was trained at: the size recorded in
-    its config (``_mhla_native_size``, written by :func:`~mhla_diffusers.checkpoint.authors.import_authors_wan`: the
-    authors' MHLA model, 480 x 800 px, 81 frames), else its family's
-    (:func:`~mhla_diffusers.families.wan.wan_native_video`: Wan 2.1 and 2.2 A14B 480 x 832 px, 81 frames;
-    Wan 2.2 TI2V-5B 704 x 1280 px, 121 frames).
+    """``{"height", "width", "frames"}`` the pipeline's transformer was trained at (recorded ``_mhla_native_size``, else the family's).
 
     Raises:
         GenerationError: a recorded size that is not three positive integers.

@@ -1,23 +1,14 @@
 """LoRA adapters for MHLA fine-tuning through peft: add, merge, unload, save beside a checkpoint, load.
 
-- :func:`add_lora` puts LoRA adapters on a transformer's linear layers: ``model.add_adapter``
-  where diffusers offers it (SANA, Wan), ``peft.inject_adapter_in_model`` elsewhere (DiT has no
-  ``add_adapter`` in diffusers 0.42). Both freeze every non-LoRA parameter, the MHLA mixing
-  matrices included: :func:`add_lora` makes the mixing matrices trainable
-  again (``train_mixing=True``), since the retrofit is what has to be learned.
-- :func:`merge_lora_` folds ``W + (alpha / r) B A`` into every adapted layer and removes the
-  adapters: the model is then a plain diffusers model (plus MHLA) and saves as a converted
-  checkpoint that :func:`mhla_diffusers.load_mhla_pipeline` reads. A model that still has peft
-  layers must not be saved with ``save_pretrained`` (its ``base_layer`` keys are silently
-  re-initialised by ``from_pretrained``); ``save_mhla_*`` refuse it, or write it merged with
-  ``merge_lora=True`` through :func:`lora_merged`, which leaves the model as it was.
-- :func:`save_lora` / :func:`load_lora` keep the adapter beside the checkpoint instead
-  (``<pipeline>/transformer_lora/adapter_config.json`` + ``adapter_model.safetensors``, peft's
-  format); ``load_mhla_pipeline`` / ``load_mhla_transformer`` apply an adapter found in that
-  default place (``lora=False`` skips it), and ``mhla_diffusers.checkpoint.lora`` loads a checkpoint
-  with an adapter from elsewhere in one call.
+:func:`add_lora` adds adapters (``add_adapter`` on SANA / Wan, ``peft.inject_adapter_in_model`` on
+DiT) and keeps the MHLA parameters trainable; :func:`merge_lora_` folds ``W + (alpha / r) B A`` in for
+good; :func:`lora_merged` does so only while a block runs (how ``save_mhla_*(merge_lora=True)``
+writes); :func:`save_lora` / :func:`load_lora` keep the adapter in peft's format in
+``<pipeline>/transformer_lora/``, which the loaders apply by default. A model with peft layers must
+never go through plain ``save_pretrained`` (its ``base_layer`` keys reload re-initialised).
 
 Below the checkpoint format (``format.py`` imports this module; this module imports no loader).
+Rules in full: ``docs/checkpoints.md`` (LoRA).
 """
 
 from __future__ import annotations
@@ -72,9 +63,8 @@ def add_lora(
 ):
     """Add LoRA adapters (``peft.LoraConfig``, adapter name ``"default"``) to ``transformer`` in place.
 
-    Afterwards exactly the LoRA matrices (and, with ``train_mixing``, the MHLA parameters: the
-    mixing matrices and Wan's output norms, see :func:`mhla_parameters`) have ``requires_grad=True``.
-    LoRA B starts at zero, so the model's output is unchanged.
+    Afterwards exactly the LoRA matrices (and, with ``train_mixing``, :func:`mhla_parameters`) have
+    ``requires_grad=True``. LoRA B starts at zero, so the output is unchanged.
 
     Args:
         rank: LoRA rank ``r``. alpha: scale numerator (``None``: ``rank``, i.e. scale 1).
@@ -158,15 +148,14 @@ def lora_is_fused(model: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def lora_merged(model: nn.Module) -> Iterator[nn.Module]:
-    """Within the block, every peft adapter layer of ``model`` is replaced by its base layer holding the
-    merged weights (``W + scale * B A`` of the active adapters, peft's own merge), so that ``model.state_dict()``
-    and ``save_pretrained`` see a plain model computing what the adapted one computes. The model is
-    restored on exit, bit for bit: a layer fused already lends its base layer, any other is merged in a
-    copy (memory: one copy of each such base layer while the block runs).
+    """Context manager: inside it every peft layer of ``model`` is its base layer holding ``W + scale * B A``.
+
+    ``state_dict()`` / ``save_pretrained`` then see a plain model computing the same; the model is
+    restored bit for bit on exit (unfused layers are merged in a copy: one copy of each in memory).
 
     Raises:
-        ValueError: adapters are disabled (the model computes the base weights: nothing to merge, say
-            which you mean), or peft's ``safe_merge`` finds a non-finite merged weight.
+        ValueError: adapters are disabled (nothing to merge), or peft's ``safe_merge`` finds a
+            non-finite merged weight.
     """
     layers = _tuner_layers(model)
     disabled = [name for name, layer in layers if layer.disable_adapters]

@@ -1,36 +1,15 @@
 """Import the authors' released Wan2.1-1.3B MHLA weights (DAGroup-PKU/MHLA) into a diffusers ``WanTransformer3DModel``.
 
-Their model is the original Wan 2.1 code (key names ``blocks.{i}.self_attn.q.weight``,
-``blocks.{i}.ffn.0.weight``, ``head.head.weight``, ...) in which some self-attention layers are
-their ``MHLA_Video_Uni``. What their released configuration runs (their ``mhla_videogen`` code at
-commit ccf97b2: ``configs/Wan_1300M_hybrid_mhla.yaml`` as forwarded by ``init_model_configs``, and
-``diffusion/model/wan/mhla_utils.py``), and how it is reproduced here:
+Their model is the original Wan 2.1 code with some self-attention layers replaced by their
+``MHLA_Video_Uni``; their released configuration (``mhla_videogen`` at commit ccf97b2) maps onto our
+layer as: stock q/k/v/o and q/k norms (renamed by diffusers' converter), ``feature_eps=1e-6``
+(``ReLU(x) + 1e-6``), ``normalize=False`` (numerator only, RoPE on the features), block grid
+``(3, 5, 10)`` (``M = 150``) with ``W = block_attn.conv.weight[:, :, 0, 0]`` unclamped
+(``mixing_clamp=False``), and their ``g_norm`` as our per-head :class:`~mhla_diffusers.OutputRMSNorm`.
+Gate and LePE weights are refused. The MHLA layers are those whose weights the file holds; the native
+size 480 x 800 px, 81 frames is recorded as ``config._mhla_native_size``. Differences left are rounding.
 
-* q, k, v, o linear layers with bias and ``norm_q`` / ``norm_k`` (RMSNorm over all heads): the
-  stock Wan layer's, renamed by diffusers' own ``convert_wan_transformer_to_diffusers``;
-* features ``phi(x) = ReLU(x) + 1e-6`` (the epsilon added after the ReLU): ``feature_eps=1e-6``;
-* Wan's RoPE applied to those features, numerator only, and no normaliser (``norm_output: false``):
-  ``normalize=False`` (our Wan RoPE path rotates the features after the feature map);
-* blocks ``(3, 5, 10)`` by floor division of the 21 x 30 x 50 token grid (the constructor default:
-  the YAML's ``block_layout`` is never forwarded), ``M = 150``, and the mixed summaries
-  ``kv[i] = sum_j W[i, j] kv[j]`` with ``W = block_attn.conv.weight[:, :, 0, 0]`` (rows = query blocks),
-  never clamped (the released matrices hold negative entries): ``mixing_clamp=False``;
-* ``g_norm``: an RMSNorm over the head dim (eps 1e-6, one learned weight shared by the heads) on the
-  attention output, then ``o``: our per-head :class:`~mhla_diffusers.OutputRMSNorm`, its weight the
-  same row for every head;
-* no output gate and no LePE (the YAML's ``is_gated`` / ``is_lepe`` are never forwarded either).
-  A file holding gate (``self_attn.g``) or LePE (``self_attn.lepe``) weights is refused.
-
-The layers that are MHLA are read from the file (the layers holding ``block_attn.conv.weight``; the
-released hybrid model: 1, 2, 4, 5, ..., 28, 29, softmax kept on 0, 3, ..., 27; their full-MHLA
-configuration: all 30). Their model runs at 480 x 800 px, 81 frames (31,500 tokens): the imported
-transformer records it in its diffusers config (``_mhla_native_size``), the default size of
-:func:`~mhla_diffusers.generation.generate_videos` and ``pipelines/generate.py`` for it. Our layer
-also runs at other sizes (blocks of unequal size), which their code cannot.
-
-Differences that remain are rounding only: their RoPE multiplies in float64, ours in float32 (below
-1e-6 relative in float32 runs); in bfloat16 their q / k norms output float32 where diffusers' layer
-rounds to bfloat16, and their ``g_norm`` rounds its input to bfloat16 first.
+The mapping in full, with the reasons: ``docs/checkpoints.md`` (the authors' importer).
 """
 
 from __future__ import annotations
@@ -90,20 +69,15 @@ def _listed(keys) -> str:
 def read_authors_state_dict(path: str | os.PathLike, state_dict_key: str | None = None) -> dict[str, torch.Tensor]:
     """The flat ``{key: tensor}`` state dict of the authors' checkpoint file, in their key names.
 
-    Reads ``.safetensors`` (its header checked first, :func:`~mhla_diffusers.checkpoint.safetensors_file.read_safetensors_header`)
-    or a pickled ``.pth`` / ``.pt`` / ``.bin`` / ``.ckpt`` with ``torch.load(weights_only=True)``: tensors,
-    containers and plain values only, plus, for this call alone, the numpy types of ``np.random.get_state()``
-    that their DDP training checkpoint pickles beside the weights (:func:`_torch_load_weights`); nothing else is
-    unpickled. A training checkpoint nesting the weights (their trainer writes ``{"state_dict": ...,
-    "state_dict_ema": ..., "optimizer": ..., "rng_state": ...}``) is unwrapped: ``state_dict_key`` names the
-    entry to use; without it the one entry that is a dict of tensors is taken. A prefix every key carries
-    (``module.``, ``model.``, ``_orig_mod.``, ...) is removed. Tensors keep their stored dtype (bfloat16 or float32).
+    Reads ``.safetensors`` (header checked first) or a pickled ``.pth`` / ``.pt`` / ``.bin`` / ``.ckpt``
+    through :func:`_torch_load_weights` (``weights_only``; nothing else is unpickled). A nested training
+    checkpoint is unwrapped (``state_dict_key``, else its one dict of tensors); a prefix every key carries
+    (``module.``, ``model.``, ``_orig_mod.``, ...) is removed. Tensors keep their stored dtype.
 
     Raises:
         FileNotFoundError: no such file.
-        AuthorsCheckpointError: an unknown suffix, a damaged or truncated file, a pickle holding objects
-            ``weights_only`` loading refuses (the message says how to extract the state dict), no dict of
-            tensors, several candidate entries without ``state_dict_key``, or a ``state_dict_key`` it lacks.
+        AuthorsCheckpointError: an unknown suffix, a damaged or truncated file, a pickle ``weights_only``
+            refuses, no dict of tensors, several candidates without ``state_dict_key``, or a missing key.
     """
     path = Path(path)
     if not path.is_file():
@@ -125,9 +99,7 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _numpy_rng_globals() -> list:
-    """The numpy globals ``torch.load(weights_only=True)`` needs for ``np.random.get_state()`` (a tuple holding a
-    uint32 ndarray): the array rebuild function (under its numpy 2 and numpy 1 module names), ``ndarray``,
-    ``dtype`` and the uint32 dtype class."""
+    """The numpy globals ``weights_only`` loading needs for ``np.random.get_state()`` (numpy 1 and 2 names)."""
     import numpy as np
 
     reconstruct = np.empty(0).__reduce__()[0]  # numpy._core.multiarray._reconstruct (numpy.core.* in numpy 1)
@@ -142,16 +114,7 @@ _EXTRACT = (
 
 
 def _torch_load_weights(path: str | os.PathLike):
-    """``torch.load(path, map_location="cpu", weights_only=True)`` with the numpy types of a numpy RNG state
-    (:func:`_numpy_rng_globals`) allowed for this call only: torch's allow-list is as before afterwards.
-
-    Returns:
-        The loaded object (tensors, containers, plain values, numpy RNG state arrays).
-
-    Raises:
-        AuthorsCheckpointError: a damaged, truncated or foreign file, or a pickle holding other objects (naming
-            them and saying how to extract the state dict); nothing else is unpickled, no pickled code runs.
-    """
+    """``torch.load(weights_only=True)`` on the CPU, numpy RNG-state types allowed for this call only; else AuthorsCheckpointError."""
     path = Path(path)
     ours = [g for g in _numpy_rng_globals() if g not in torch.serialization.get_safe_globals()]
     try:
@@ -232,13 +195,11 @@ def split_authors_state_dict(
     """Split their state dict into the stock Wan keys and the MHLA keys of each MHLA layer.
 
     Returns:
-        ``(stock, mhla)``: ``stock`` every key but the MHLA ones (their names); ``mhla``
-        ``{layer index: {"block_attn.conv.weight": [M, M, 1, 1], "g_norm.weight": [head_dim]}}``
-        (entries as found; :func:`install_authors_mhla` checks them).
+        ``(stock, mhla)``: ``stock`` every other key (their names); ``mhla``
+        ``{layer: {"block_attn.conv.weight": [M, M, 1, 1], "g_norm.weight": [head_dim]}}`` (unchecked).
 
     Raises:
-        AuthorsCheckpointError: gate (``self_attn.g``) or LePE (``self_attn.lepe``) weights: variants
-            their released configuration does not run and this importer does not map.
+        AuthorsCheckpointError: gate (``self_attn.g``) or LePE (``self_attn.lepe``) weights.
     """
     variants = [k for k in state if _VARIANT_KEY.match(k)]
     if variants:
@@ -275,12 +236,7 @@ def _to_diffusers_keys(stock: dict[str, torch.Tensor]) -> tuple[dict[str, torch.
 
 
 def _check_stock_keys(converted: dict, original: dict[str, str], empty, src) -> None:
-    """Every parameter of the diffusers model given once with its shape, nothing else.
-
-    Raises:
-        AuthorsCheckpointError: listing unknown keys (their names), missing keys (diffusers names) and
-            shape mismatches.
-    """
+    """Every model parameter given once with its shape, else :class:`AuthorsCheckpointError` listing the differences."""
     expected = {k: tuple(v.shape) for k, v in empty.state_dict().items()}
     unknown = [original[k] for k in converted if k not in expected]
     missing = [k for k in expected if k not in converted]
@@ -317,24 +273,20 @@ def install_authors_mhla(
 ) -> list[int]:
     """Install MHLA on a diffusers ``WanTransformer3DModel`` as the authors' layers run, with their weights.
 
-    ``apply_mhla`` on the layers of ``mhla`` with ``block_grid``, numerator only, the per-head output
-    RMSNorm, ``feature_eps=1e-6`` and unclamped mixing matrices; then each layer's mixing matrix
-    ``<- block_attn.conv.weight[:, :, 0, 0]`` and output-norm weight ``<- g_norm.weight`` (every head),
-    in float32.
+    ``apply_mhla`` on the layers of ``mhla`` (numerator only, per-head output RMSNorm,
+    ``feature_eps=1e-6``, unclamped); mixing ``<- block_attn.conv.weight[:, :, 0, 0]``, output norm
+    ``<- g_norm.weight`` on every head, float32.
 
     Args:
-        transformer: a ``WanTransformer3DModel`` without MHLA.
-        mhla: ``{layer: {"block_attn.conv.weight": [M, M, 1, 1], "g_norm.weight": [head_dim]}}`` as
-            :func:`split_authors_state_dict` returns it.
+        mhla: as :func:`split_authors_state_dict` returns it.
         block_grid: ``(bt, bh, bw)`` with ``bt * bh * bw = M``; their code always builds (3, 5, 10).
 
     Returns:
         The MHLA layer indices.
 
     Raises:
-        AuthorsCheckpointError: no MHLA layer, a layer index the model lacks, a layer with one of the two
-            keys only, a mixing matrix not ``[M, M, 1, 1]`` for the block grid (or differing between
-            layers), an output-norm weight not ``[head_dim]``, non-finite values.
+        AuthorsCheckpointError: no MHLA layer, an unknown layer index, one key of the two only, a mixing
+            matrix not ``[M, M, 1, 1]`` (or differing between layers), a norm not ``[head_dim]``, non-finite values.
     """
     family = family_of(transformer)
     if family is not WAN:
@@ -394,24 +346,17 @@ def load_authors_wan(
     """The authors' Wan MHLA model as a diffusers pipeline (or transformer) with our MHLA layers.
 
     Args:
-        src: their checkpoint file (see :func:`read_authors_state_dict`) or the loaded object (a state
-            dict, or a training checkpoint nesting one: ``state_dict_key`` as for a file).
-        config: a local diffusers Wan2.1-T2V-1.3B pipeline folder (the other components are loaded from
-            it), a transformer folder, or a Hub id of the diffusers pipeline (online or cached).
-        torch_dtype: dtype of the base weights; ``None``: the file's (bfloat16 or float32). MHLA
-            parameters are float32.
-        state_dict_key: which entry of a nested training checkpoint to use.
-        block_grid: see :func:`install_authors_mhla`.
+        src: their checkpoint file (:func:`read_authors_state_dict`) or the loaded object.
+        config: a local diffusers Wan2.1-T2V-1.3B pipeline or transformer folder, or a Hub id.
+        torch_dtype: base weights' dtype (``None``: the file's); MHLA parameters are float32.
+        state_dict_key, block_grid: see :func:`read_authors_state_dict`, :func:`install_authors_mhla`.
 
     Returns:
-        ``(pipeline or None, transformer)``: the pipeline when ``config`` names one; the transformer
-        in eval mode, recording the native size 480 x 800 px, 81 frames (``config._mhla_native_size``).
+        ``(pipeline or None, transformer)``, the transformer in eval mode with ``config._mhla_native_size``.
 
     Raises:
-        AuthorsCheckpointError: see :func:`read_authors_state_dict`, :func:`split_authors_state_dict`,
-            :func:`install_authors_mhla`; stock keys unknown, missing or mis-shaped for ``config``; a
-            config of another model family.
-        MHLACheckpointError: a loaded model left tensors on the meta device (never returned so).
+        AuthorsCheckpointError: as the readers above; stock keys unknown, missing or mis-shaped; another family.
+        MHLACheckpointError: tensors left on the meta device.
         FileNotFoundError: ``src`` or ``config`` does not exist.
     """
     name = "the state dict" if isinstance(src, Mapping) else str(src)
@@ -447,14 +392,12 @@ def import_authors_wan(
     state_dict_key: str | None = None,
     block_grid=AUTHORS_BLOCK_GRID,
 ) -> dict:
-    """Convert the authors' checkpoint file into our converted-checkpoint format (``mhla_config.json``,
-    ``mhla.safetensors``; :mod:`mhla_diffusers.checkpoint.format`), loadable with ``load_mhla_pipeline``.
+    """Convert the authors' checkpoint file into a converted checkpoint at ``out`` (atomic).
 
-    Arguments as :func:`load_authors_wan`; ``out`` the output folder (written atomically; it must not
-    exist or be empty unless ``overwrite``). A pipeline ``config`` writes a whole ``WanPipeline``.
+    Arguments as :func:`load_authors_wan`; a pipeline ``config`` writes a whole ``WanPipeline``.
 
     Returns:
-        The MHLA spec written to ``mhla_config.json`` plus ``"native_size"`` and ``"out"``.
+        The spec written to ``mhla_config.json`` plus ``"native_size"`` and ``"out"``.
 
     Raises:
         As :func:`load_authors_wan`; ``ValueError`` when ``out`` would replace ``src``;

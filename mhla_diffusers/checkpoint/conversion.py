@@ -51,15 +51,10 @@ _SAFETENSORS_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torc
 
 
 def stored_dtype(path: str | os.PathLike) -> torch.dtype | None:
-    """The floating dtype holding most parameters of a ``.safetensors`` file, or of the safetensors
-    files of a diffusers model folder (read from the headers only); ``None`` if there is none.
-
-    diffusers and transformers load weights as float32 unless told otherwise, so converting "in the
-    stored dtype" needs this.
+    """The floating dtype of most parameters of a ``.safetensors`` file or model folder (headers only), or ``None``.
 
     Raises:
-        MHLACheckpointError: a file that is not a readable safetensors file (see
-            :func:`~mhla_diffusers.checkpoint.safetensors_file.read_safetensors_header`).
+        MHLACheckpointError: a file that is not a readable safetensors file.
     """
     path = Path(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path] if path.suffix == ".safetensors" else []
@@ -127,16 +122,7 @@ def _check_weight_files(path: Path) -> None:
 
 
 def _load_single_file(src: Path, config: str | None, family: str | None, torch_dtype: torch.dtype | None):
-    """(pipeline or None, transformer) from an original single-file checkpoint and a diffusers config.
-
-    ``config``: a local diffusers pipeline folder (the other components are loaded from it and the
-    whole pipeline is written), a local transformer folder (the transformer alone is written), or a
-    Hub id of a diffusers pipeline (online, or cached).
-
-    Raises:
-        MHLACheckpointError: a damaged, truncated or foreign file (also :class:`AlreadyConvertedError`).
-        ValueError: no ``config``, a file of another model or of other sizes.
-    """
+    """``(pipeline or None, transformer)`` from an original single-file checkpoint and a diffusers ``config``."""
     if (src.parent / "mhla_config.json").is_file():
         raise AlreadyConvertedError(
             f"{src} belongs to an MHLA checkpoint ({src.parent / 'mhla_config.json'}); nothing was written. Convert "
@@ -270,12 +256,7 @@ def _load_source(src: str, torch_dtype: torch.dtype | None, config: str | None =
 def _check_calibration_options(
     layers, keep_softmax, max_attention_cost, calibration, sensitivity, samples, seed, embeddings, latent_size=None, device=None
 ) -> None:
-    """``layers="auto"`` needs one of ``keep_softmax`` / ``max_attention_cost``; calibration settings apply
-    only with it, and those that make calibration inputs only when none are given.
-
-    Raises:
-        ValueError: naming the settings that would otherwise be ignored.
-    """
+    """Refuse ``layers="auto"`` / calibration options that would be ignored (``ValueError`` naming them)."""
     made = {"calibration_samples": samples, "calibration_seed": seed, "calibration_embeddings": embeddings,
             "calibration_latent_size": latent_size}
     if isinstance(layers, str) and layers == "auto" and (keep_softmax is None) == (max_attention_cost is None):
@@ -292,11 +273,7 @@ def _check_calibration_options(
 
 
 def _check_request(src, out, family: str | None, layers, layers_2):
-    """The checks :func:`convert_checkpoint` makes before loading anything; returns ``layers`` (a list or a string).
-
-    Raises:
-        ValueError: no layer selected, ``out`` inside (or equal to) ``src``, an unknown family.
-    """
+    """Checks made before loading anything (``ValueError``); returns ``layers``."""
     if not isinstance(layers, str):
         layers = list(layers)
     if (layers == "none" and layers_2 in (None, "none")) or (not isinstance(layers, str) and not layers):
@@ -338,60 +315,30 @@ def convert_checkpoint(
     calibration_latent_size: Sequence[int] | None = None,
     device: str | torch.device | None = None,
 ) -> dict:
-    """Load a pretrained checkpoint, install MHLA, write it as a converted checkpoint.
+    """Load a pretrained checkpoint, install MHLA, write it as a converted checkpoint at ``out``.
 
     Args:
-        src: a Hub id (``facebook/DiT-XL-2-256``, ``Efficient-Large-Model/Sana_600M_1024px_diffusers``,
-            ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers``), a local diffusers pipeline folder or a local
-            transformer folder (a pipeline is written whole, a transformer folder alone), or an
-            original single-file checkpoint (``.safetensors``, ``.pth``, ...; SANA, Wan and other
-            models diffusers' ``from_single_file`` reads) together with ``config``.
-        config: for a single-file ``src`` only: a local diffusers pipeline folder (its other
-            components are loaded from it and the whole pipeline is written), a local transformer
-            folder (the transformer alone is written), or a Hub id of a diffusers pipeline.
-        out: output folder (written atomically; must not exist or be empty unless ``overwrite``).
-        family: expected model family (``"dit"``, ``"sana"``, ``"wan"``); checked against the loaded
-            model when given.
-        layers, num_blocks, block_grid, normalize, eps, output_norm: see
-            :func:`~mhla_diffusers.apply_mhla` (``block_grid`` may name a preset: Wan ``"paper"``,
-            ``"authors"``).
-        layers_2: a pipeline with a second transformer (Wan 2.2 A14B: ``transformer`` for high noise,
-            ``transformer_2`` for low noise) converts both, with the same settings; ``layers_2`` is the
-            layer selection of ``transformer_2`` (``None``: ``layers``; ``"none"``: leave it stock;
-            ``"auto"`` with ``layers="auto"``: each expert measured on calibration inputs of its own timestep
-            range, see :func:`~mhla_diffusers.checkpoint.format.expert_timestep_range`); ``layers="none"`` with a
-            ``layers_2`` converts the low-noise expert only (``transformer`` stays stock).
-        calibration_latent_size: ``layers="auto"``, calibration made here: the latent size of
-            :func:`~mhla_diffusers.calibration_inputs` (default the model's native size).
-        device: ``layers="auto"``: where the sensitivity measurement (and the calibration made here) runs, e.g.
-            ``"cuda"``; each transformer goes back to its device afterwards, the written checkpoint is the same.
-        torch_dtype: dtype to load (and save) the base weights in (for a pipeline: every component);
-            ``None`` keeps the stored dtype of each local component (read from the safetensors
-            headers); Hub ids and pickled single files then load as float32 (diffusers' default).
-        keep_softmax, max_attention_cost, calibration, sensitivity: ``layers="auto"``, see
-            :func:`~mhla_diffusers.apply_mhla`. Without ``calibration`` and ``sensitivity`` the calibration
-            inputs are made from the loaded source by :func:`~mhla_diffusers.calibration_inputs`
-            (``calibration_samples``, default 8; ``calibration_seed``, default 0; SANA / Wan: the
-            pipeline's text encoder, or ``calibration_embeddings``, a file or dict of cached text states).
-            The selection is recorded in ``mhla_config.json`` (``"selection"``; with calibration made here,
-            its ``"calibration_timestep_range"`` ``[low, high]``).
+        src: a Hub id, a local pipeline or transformer folder, or a single-file checkpoint (with ``config``).
+        config: single-file ``src`` only: a local pipeline / transformer folder or a pipeline Hub id.
+        out: output folder (atomic; must not exist or be empty unless ``overwrite``).
+        family: expected family (``"dit"``, ``"sana"``, ``"wan"``), checked when given.
+        layers, num_blocks, block_grid, normalize, eps, output_norm, keep_softmax, max_attention_cost,
+            calibration, sensitivity: see :func:`~mhla_diffusers.apply_mhla`.
+        layers_2: Wan 2.2's ``transformer_2`` selection (``None``: ``layers``; ``"none"``: stock).
+        calibration_samples, calibration_seed, calibration_latent_size, calibration_embeddings, device:
+            ``layers="auto"`` with calibration made here (:func:`~mhla_diffusers.calibration_inputs`).
+        torch_dtype: base weights' dtype; ``None`` keeps each local component's stored dtype.
 
     Returns:
-        The MHLA spec written to ``mhla_config.json`` plus ``"out"``.
+        The spec written to ``mhla_config.json`` plus ``"out"``.
 
     Raises:
-        AlreadyConvertedError: ``src`` already has MHLA (C15): nothing is written.
-        ValueError: unknown family, family mismatch, bad layer or block options (no layer selected:
-            an empty list, ``"none"``, ``"hybrid"`` on a one-layer model), a single file
-            without ``config`` (or ``config`` without a single file), a file of another model, a
-            ``layers_2`` for a source without a second transformer, ``layers="none"`` without one (or without
-            ``layers_2``), a ``device`` that cannot be used here, errors of ``transformer_2`` (prefixed with
-            ``(transformer_2, --layers-2)``), ``layers_2="auto"`` without
-            ``layers="auto"``, ``sensitivity`` with both experts on ``"auto"``;
-            ``layers="auto"`` errors (see :func:`~mhla_diffusers.apply_mhla`), calibration options without
-            ``"auto"`` (or beside ``calibration`` / ``sensitivity``), calibration that cannot be made (a
-            SANA / Wan transformer without its text encoder and without ``calibration_embeddings``).
-        FileNotFoundError / OSError: ``src`` (or the ``calibration_embeddings`` file) cannot be found or loaded.
+        AlreadyConvertedError: ``src`` already has MHLA: nothing is written.
+        ValueError: unknown or mismatched family, bad layer / block / calibration options, a single file
+            without ``config`` or the reverse, a ``layers_2`` without a second transformer, an unusable ``device``.
+        FileNotFoundError / OSError: ``src`` (or ``calibration_embeddings``) cannot be found or loaded.
+
+    Every option's rules in full: ``docs/checkpoints.md`` (Converting).
     """
     _check_calibration_options(
         layers, keep_softmax, max_attention_cost, calibration, sensitivity, calibration_samples, calibration_seed,
@@ -440,11 +387,7 @@ def _check_auto_settings(layers, layers_2, sensitivity) -> None:
 
 
 def _check_device(device) -> torch.device | None:
-    """``device`` (``--device``) as a ``torch.device`` that can hold a tensor here, or ``None``.
-
-    Raises:
-        ValueError: an unknown device name, or one this machine does not have.
-    """
+    """``device`` as a usable ``torch.device``, or ``None`` (``ValueError`` for one this machine lacks)."""
     if device is None:
         return None
     try:
@@ -458,13 +401,7 @@ def _check_device(device) -> torch.device | None:
 
 
 def _auto_settings(pipe, name: str, model, auto: dict) -> tuple[dict, tuple[float, float] | None]:
-    """The ``apply_mhla`` arguments of ``layers="auto"`` for the expert ``name`` of ``pipe`` (``pipe`` may be
-    ``None``: a transformer alone): when neither calibration nor scores are given, the calibration inputs made
-    from the source for this expert, on its own timestep range (Wan 2.2 A14B:
-    :func:`~mhla_diffusers.checkpoint.format.expert_timestep_range`), at ``latent_size``, on ``model``'s device.
-
-    Returns ``(apply_mhla keyword arguments, timestep range of the calibration made or None)``.
-    """
+    """``(apply_mhla kwargs, calibration timestep range or None)`` of ``layers="auto"`` for expert ``name``."""
     calibration, timestep_range = auto["calibration"], None
     if calibration is None and auto["sensitivity"] is None:
         timestep_range = expert_timestep_range(pipe, name) if pipe is not None else None
@@ -485,13 +422,7 @@ def _auto_settings(pipe, name: str, model, auto: dict) -> tuple[dict, tuple[floa
 
 
 def _convert_one(pipe, name: str, model, layers, settings: dict, auto: dict | None, where: str) -> None:
-    """``apply_mhla(model, layers, **settings)`` on the pipeline's transformer ``name`` (``auto``: the ``layers="auto"``
-    options, see :func:`_apply`).
-
-    Raises:
-        ValueError: ``layers`` selects none of the layers of ``model``; for ``transformer_2`` every error of
-            ``apply_mhla`` prefixed by ``where`` (it names the expert and ``--layers-2``).
-    """
+    """``apply_mhla`` on transformer ``name``; ``transformer_2`` errors prefixed with ``where``."""
     if not isinstance(layers, str):
         layers = list(layers)
     if layers == "none" or (not isinstance(layers, str) and not layers):

@@ -1,57 +1,15 @@
 """The converted-checkpoint format: save and load MHLA transformers and pipelines.
 
-A converted checkpoint is the base diffusers checkpoint (``save_pretrained``, without any MHLA
-keys; its ``config.json`` carries one extra key, see below) plus, in the transformer's folder (in a
-Wan 2.2 A14B pipeline, in each expert's folder, ``transformer/`` and ``transformer_2/``, each with its
-own settings):
+A converted checkpoint is the base diffusers checkpoint plus, in each transformer folder,
+``mhla_config.json`` (the MHLA settings, :func:`~mhla_diffusers.mhla_spec`, with ``weights_sha256``)
+and ``mhla.safetensors`` (the MHLA parameters, float32, the settings repeated in its header). The
+transformer's ``config.json`` carries the marker key ``mhla_checkpoint`` (:data:`CONFIG_MARKER_KEY`)
+so that a stock ``from_pretrained`` of the folder warns. Loading is strict (a missing, unknown or
+mis-shaped key is an error, never a re-initialisation); only safetensors is read; writes are atomic.
+Models with peft adapters are refused on save unless ``merge_lora=True``.
 
-* ``mhla_config.json`` — ``format_version``, family, model class, layers, block grid, normalize,
-  eps, backend (see :func:`~mhla_diffusers.mhla_spec`); for layers chosen by ``layers="auto"`` also
-  ``selection`` (method, K or budget, the sensitivity scores and how they were measured): a record of
-  how the layers were chosen, not a setting of the weights (not repeated in the weights' header);
-  folders without it load as before;
-* ``mhla.safetensors`` — the MHLA parameters, fp32: the mixing matrices, keyed
-  ``<attention path>.mhla_mixing.weight``, and any other per-layer MHLA submodule's parameters
-  (Wan's per-head output RMSNorm: ``<attention path>.mhla_output_norm.weight``). Its header
-  metadata ``mhla_config`` repeats the settings that give the weights their meaning (family,
-  model class, layers, block grid, number of blocks, normalize, eps, output norm, feature epsilon,
-  mixing clamp) and the config's
-  ``weights_sha256`` covers the whole file, header included: an edit of any of these settings in
-  ``mhla_config.json`` no longer matches and is refused on load. (``backend`` is a run-time
-  choice, the same numbers on every backend: it may be edited.) Checkpoints written before this
-  metadata existed still load; only their settings cannot be cross-checked.
-
-Saving a model that runs :class:`~mhla_diffusers.MHLAProcessor` on self-attention layers whose
-mixing matrices are not created yet (the bare one-liner ``model.set_attn_processor(MHLAProcessor())``
-before its first forward) creates them first, as that forward would: the checkpoint is always the
-MHLA model, never silently the stock one. A pipeline's ``id2label`` (DiT class names), which
-diffusers' ``save_pretrained`` drops, is written into ``model_index.json``. A model with peft adapter
-layers (LoRA, fused or not) is refused before anything is written, the message naming the fix, unless
-``merge_lora=True`` (written merged; the model is left as it is). Layers that keep a mixing matrix
-but run another processor are saved as they compute (stock), with a warning.
-
-Loading: the base ``from_pretrained``, ``apply_mhla`` from the config, then the MHLA weights
-strictly: a missing file, unknown, missing or mis-shaped key is an error, never a silent
-re-initialisation (CASES C14). Base weights with peft-wrapped keys (``to_q.base_layer.weight``) are
-refused before loading, and no loader returns a model with tensors on the meta device
-(:func:`check_loaded`). Only safetensors is read; nothing is unpickled. Writes go to a
-temporary folder beside the target that is renamed into place when complete.
-
-A stock load is never silent: diffusers' own ``from_pretrained`` of a converted folder gives the
-base model WITHOUT MHLA (the stock attention). The transformer's ``config.json`` therefore holds
-the key ``mhla_checkpoint`` (:data:`CONFIG_MARKER_KEY`), unknown to diffusers, which logs it as a
-warning ("The config attributes {'mhla_checkpoint': 'converted MHLA checkpoint ...: load it with
-mhla_diffusers.load_mhla_transformer or load_mhla_pipeline ...'} were passed to ... but are not
-expected and will be ignored"); our loaders drop that line and the key (the loaded model's config
-is the base config). Checkpoints written before the key existed load as before (the key is not
-covered by ``weights_sha256``). Where our code later sees a model loaded from a converted folder
-that has no MHLA layers (``apply_mhla``, ``set_attn_processor``, ``materialize_mhla``, the bare
-one-liner's first forward, the generation helpers), it warns (:func:`warn_if_stock_loaded`).
-
-The parts live in their own modules, re-exported here (the same objects): :mod:`.spec` (the schema: names,
-version, settings and their checks), :mod:`.marker` (the config marker and diffusers' log line),
-:mod:`.lora_guard` (LoRA adapters on save and load), :mod:`.saving` and :mod:`.loading`; the family quirks
-(DiT's ``id2label``, Wan 2.2's experts) come from :mod:`mhla_diffusers.families`.
+This module re-exports (the same objects) :mod:`.spec`, :mod:`.marker`, :mod:`.lora_guard`,
+:mod:`.saving` and :mod:`.loading`. The full format and its rules: ``docs/checkpoints.md``.
 """
 
 # ruff: noqa: F401  (re-exports: every public name this module defined stays importable)

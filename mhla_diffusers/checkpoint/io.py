@@ -1,11 +1,7 @@
 """Atomic file and folder writes: the one place the package writes a result that a crash must not half-write.
 
-A file is written to a temporary file in the same folder (so the final rename stays on one file
-system), flushed and ``fsync``-ed, then moved over the target with ``os.replace``: a reader sees the
-old file or the new one, never a torn one. A failed write leaves the target untouched and removes
-the temporary file. New files get the permissions of an ordinary ``open()`` (``0o666`` less the umask).
-
-Standard library only: benchmarks/gpu_check.py may import this module with just torch and triton installed.
+Temporary file in the same folder, fsync, ``os.replace``: a reader sees the old file or the new one.
+Standard library only (``benchmarks/gpu_check.py`` imports it with just torch and triton).
 """
 
 from __future__ import annotations
@@ -32,16 +28,13 @@ def _fsync_file(path: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; when the block ends without error the file written
-    there is fsync-ed and moved over ``path`` in one rename.
+    """Yield a temporary path beside ``path``; on a clean exit it is fsync-ed and renamed over ``path``.
 
-    For writers that take a file name (``safetensors.torch.save_file``, ``PIL.Image.save``,
-    ``export_to_video``). ``suffix`` is kept at the end of the temporary name for writers that pick
-    the format from it (e.g. ``".mp4"``). The parent folder is created if missing.
+    For writers that take a file name; ``suffix`` ends the temporary name (writers that pick the format
+    from it, e.g. ``".mp4"``). The parent folder is created if missing.
 
     Raises:
-        FileNotFoundError: the block ended without writing the temporary file.
-        Whatever the block raises (the temporary file is removed, ``path`` is left as it was).
+        FileNotFoundError: the block wrote nothing. Whatever the block raises (``path`` left as it was).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -86,14 +79,10 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, **dumps_kwargs: Any) -> Path:
-    """Write ``json.dumps(obj, **dumps_kwargs)`` plus a final newline to ``path`` atomically.
-
-    ``dumps_kwargs`` default to ``indent=2`` (pass ``sort_keys=True``, ``default=str`` ... as needed).
-    The object is serialised before anything is written, so a value JSON cannot hold leaves ``path``
-    untouched. Returns ``path``.
+    """Write ``json.dumps(obj, **dumps_kwargs)`` (default ``indent=2``) plus a newline to ``path`` atomically; returns ``path``.
 
     Raises:
-        TypeError / ValueError: from ``json.dumps`` (an object JSON cannot hold).
+        TypeError / ValueError: from ``json.dumps``, before anything is written.
     """
     dumps_kwargs.setdefault("indent", 2)
     return atomic_write_text(path, json.dumps(obj, **dumps_kwargs) + "\n")

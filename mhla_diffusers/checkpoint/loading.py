@@ -74,14 +74,10 @@ def _meta_tensors(model: nn.Module) -> list[str]:
 
 
 def check_loaded(model: nn.Module, source: str | os.PathLike) -> None:
-    """Make sure a loaded model holds values everywhere: no parameter or buffer on the meta device (where
-    diffusers leaves weights whose keys its file lacks), except under accelerate's offload hooks.
-
-    Args:
-        source: the folder or file the model was loaded from (named in the error).
+    """Refuse a loaded model with a parameter or buffer on the meta device (outside accelerate's offload hooks).
 
     Raises:
-        MHLACheckpointError: naming ``source``'s weights file(s), how many tensors and which.
+        MHLACheckpointError: naming ``source``'s weights file(s) and the tensors.
     """
     names = _meta_tensors(model)
     if not names:
@@ -108,16 +104,12 @@ def check_pipeline_loaded(pipe, path: str | os.PathLike) -> None:
 def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike, expected_sha256: str | None = None) -> None:
     """Load ``mhla.safetensors`` from ``folder`` into a model with MHLA installed, strictly.
 
-    Args:
-        expected_sha256: the digest recorded in ``mhla_config.json`` (checked when given).
-
-    Every tensor must be float32 (the format's dtype) of the model parameter's shape: a file whose
-    tensors were rewritten in another dtype is refused, not cast.
+    Every tensor must be float32 and of the parameter's shape (never cast).
 
     Raises:
-        MHLACheckpointError: file missing or corrupted (digest mismatch included; see
-            :func:`read_safetensors_header`), keys missing or unexpected, a dtype other than float32,
-            shapes differ, non-finite values; the model's MHLA parameters on the meta device.
+        MHLACheckpointError: file missing or corrupted (``expected_sha256`` mismatch included), keys
+            missing or unexpected, a dtype other than float32, shapes differ, non-finite values, MHLA
+            parameters on the meta device.
     """
     path = Path(folder) / MHLA_WEIGHTS_NAME
     if not path.is_file():
@@ -197,12 +189,7 @@ def _install_from_config(transformer: nn.Module, config: dict, folder: Path) -> 
 
 
 def _usable_backend(backend: str) -> str:
-    """The recorded backend if it can run here, else ``"auto"`` (backends give the same numbers).
-
-    A backend that is not installed here, or that says it is not kept on this machine
-    (:meth:`~mhla_diffusers.ops.Backend.kept_on_load`: e.g. GPU kernels without CUDA), gives
-    ``"auto"``, not a failure at the first forward.
-    """
+    """The recorded backend if it can run here, else ``"auto"`` (backends give the same numbers)."""
     if backend in ("auto", "torch"):
         return backend
     if backend in available_backends() and get_backend(backend).kept_on_load():
@@ -219,17 +206,13 @@ def dtype_kwargs(torch_dtype: torch.dtype | None) -> dict:
 
 
 def import_named_components(pipeline_folder: str | os.PathLike) -> list[str]:
-    """Import the ``mhla_diffusers`` modules that ``pipeline_folder/model_index.json`` names as component
-    libraries (the demo's ``["mhla_diffusers.autoencoder", "SpaceToDepthAutoencoder"]`` vae); returns their names.
+    """Import the ``mhla_diffusers`` modules ``model_index.json`` names as component libraries; returns their names.
 
-    diffusers 0.42 loads a component from a library that is not its own only when the module is
-    already imported, and ``import mhla_diffusers`` stays cheap (it imports no component modules), so
-    every loader of a pipeline folder calls this first. Modules outside ``mhla_diffusers`` are left to
-    diffusers' own rules. A folder without ``model_index.json`` (a Hub id) imports nothing.
+    diffusers loads a foreign component only from an imported module, and ``import mhla_diffusers``
+    imports none, so pipeline loaders call this first.
 
     Raises:
-        MHLACheckpointError: ``model_index.json`` is not a JSON object, or names an ``mhla_diffusers`` module
-            that does not exist.
+        MHLACheckpointError: ``model_index.json`` is not a JSON object, or names a missing module.
     """
     index = Path(pipeline_folder) / "model_index.json"
     if not index.is_file():
@@ -251,11 +234,7 @@ def import_named_components(pipeline_folder: str | os.PathLike) -> list[str]:
 
 
 def _read_json_object(path: Path) -> dict:
-    """The JSON object in ``path`` (a ``config.json`` or ``model_index.json``).
-
-    Raises:
-        MHLACheckpointError: unreadable, not JSON, or not an object (naming the file).
-    """
+    """The JSON object in ``path``, else :class:`MHLACheckpointError` naming the file."""
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as err:
@@ -285,16 +264,13 @@ def load_mhla_transformer(
 ) -> nn.Module:
     """Load a transformer from a converted (or plain) checkpoint: a transformer folder or a pipeline folder.
 
-    Returns the model in eval mode with MHLA installed as recorded (unchanged if none recorded) and,
-    with ``lora=True`` (default), the LoRA adapter a fine-tuning run saved beside the transformer
-    folder (``transformer_lora/``, export mode "separate") applied; ``lora=False`` skips it, a
-    path loads that adapter folder.
+    Returns it in eval mode, MHLA installed as recorded, the ``transformer_lora/`` adapter applied with
+    ``lora=True`` (``False`` skips it, a path loads that folder).
 
     Raises:
         FileNotFoundError: no checkpoint at ``path`` (or no adapter at an explicit ``lora`` path).
-        MHLACheckpointError: see :func:`read_mhla_config` and :func:`load_mhla_weights`; base weights
-            with peft-wrapped keys (saved with LoRA layers in the model) or that leave tensors on the
-            meta device (:func:`check_loaded`): never a model without values.
+        MHLACheckpointError: see :func:`read_mhla_config`, :func:`load_mhla_weights`; peft-wrapped base
+            keys; tensors left on the meta device.
         ValueError: an adapter whose keys do not match the model.
     """
     folder = transformer_folder(path)
@@ -313,16 +289,13 @@ def load_mhla_transformer(
 def load_mhla_pipeline(
     path: str | os.PathLike, *, torch_dtype: torch.dtype | None = None, lora: bool | str | os.PathLike = True, **kwargs
 ):
-    """Load a diffusers pipeline folder whose transformer may be a converted MHLA checkpoint.
+    """Load a diffusers pipeline folder whose transformer(s) may be converted MHLA checkpoints.
 
-    Returns a ready pipeline (its ``transformer`` in eval mode, MHLA installed if recorded — on each of
-    Wan 2.2's two experts ``transformer`` / ``transformer_2`` as recorded in its own folder —, and
-    the LoRA adapter of ``<path>/transformer_lora`` applied when present and ``lora=True``;
-    ``lora=False`` skips it, a path loads that adapter folder). A class-conditional pipeline keeps
-    the ``id2label`` of ``model_index.json`` in ``pipe.config`` as well as in ``pipe.labels``.
+    The transformer(s) in eval mode with MHLA as recorded in each folder, ``transformer_lora/`` applied
+    as in :func:`load_mhla_transformer`, ``id2label`` in ``pipe.config`` and ``pipe.labels``.
 
     Raises:
-        FileNotFoundError: ``path`` holds no ``model_index.json`` (or no adapter at an explicit ``lora`` path).
+        FileNotFoundError: no ``model_index.json`` (or no adapter at an explicit ``lora`` path).
         MHLACheckpointError: see :func:`load_mhla_transformer`.
     """
     path = Path(path)

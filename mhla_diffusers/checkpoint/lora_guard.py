@@ -36,11 +36,10 @@ def _lora_fixes(model: nn.Module, ref: str, pipe=None, component: str | None = N
 
 
 def check_saveable(models: dict[str, nn.Module], pipe=None, merge_lora: bool = False) -> None:
-    """Refuse, before anything is written, a model that carries peft adapters (unless ``merge_lora``);
-    warn about MHLA matrices a checkpoint leaves out (:func:`~mhla_diffusers.models.install.idle_mhla_layers`).
+    """Refuse a model with peft adapters (unless ``merge_lora``); warn about idle MHLA matrices a save leaves out.
 
     Args:
-        models: ``{component name: model}`` (one transformer, or every module of a pipeline).
+        models: ``{component name: model}``.
 
     Raises:
         MHLACheckpointError: a model has LoRA adapters and ``merge_lora`` is False.

@@ -32,23 +32,16 @@ _SAFETENSORS_MAX_HEADER = 100_000_000  # bytes: safetensors itself refuses a lar
 
 
 def read_safetensors_header(path: str | os.PathLike) -> dict:
-    """The header of a ``.safetensors`` file, checked, without reading the tensor data.
-
-    The file is an 8-byte little-endian header length ``n``, ``n`` bytes of JSON
-    (``{name: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, "__metadata__": {str: str}}``),
-    then the data, which the offsets (relative to the data's start) must tile exactly. At most ``8 + n``
-    bytes are read, and ``n`` is checked against the file's size first.
+    """The checked header of a ``.safetensors`` file, without reading the tensor data (at most ``8 + n`` bytes).
 
     Returns:
         The header as stored (``"__metadata__"`` included when present).
 
     Raises:
         FileNotFoundError: no such file.
-        MHLACheckpointError: one line naming the file and the fault: shorter than 8 bytes, a header length
-            past the end of the file (truncated, or not a safetensors file), a header that is not a UTF-8
-            JSON object of tensor entries, an entry without a dtype, a shape of non-negative integers or
-            two data offsets, offsets outside the data or not tiling it (truncated), or a byte length that
-            is not the dtype's size times the number of elements.
+        MHLACheckpointError: one line naming the file and the fault: too short, a header length past the
+            end, not a JSON object of valid tensor entries, offsets not tiling the data, or a byte length
+            that is not dtype size times element count.
     """
     path = Path(path)
     if not path.is_file():
@@ -113,15 +106,11 @@ def _check_tensor_entries(entries: dict, data_size: int, bad) -> None:
 
 
 def load_safetensors(path: str | os.PathLike, what: str = "") -> dict[str, torch.Tensor]:
-    """All tensors of ``path`` (on the CPU), after :func:`read_safetensors_header` checked it.
-
-    Args:
-        what: what the file is, for the message (e.g. ``"LoRA weights"``).
+    """All tensors of ``path`` on the CPU, after :func:`read_safetensors_header` checked it.
 
     Raises:
         FileNotFoundError: no such file.
-        MHLACheckpointError: the header is damaged (see :func:`read_safetensors_header`) or safetensors
-            cannot read the data.
+        MHLACheckpointError: a damaged header, or data safetensors cannot read (``what`` names the file's role).
     """
     read_safetensors_header(path)
     try:

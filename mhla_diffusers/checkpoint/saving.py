@@ -51,11 +51,7 @@ def _without_mixing(model: nn.Module) -> Iterator[dict[tuple[str, str], nn.Modul
 
 
 def _prepare_for_saving(transformer: nn.Module) -> None:
-    """Create the mixing matrices of layers set up by the bare one-liner and not run yet.
-
-    Raises:
-        MHLACheckpointError: when they cannot be created here.
-    """
+    """Create the pending one-liner layers' matrices (:class:`MHLACheckpointError` if impossible)."""
     try:
         materialize_mhla(transformer)
     except (ValueError, TypeError, RuntimeError) as err:
@@ -94,21 +90,15 @@ def _write_mhla_files(transformer: nn.Module, folder: Path) -> None:
 def save_mhla_transformer(
     transformer: nn.Module, out_dir: str | os.PathLike, *, overwrite: bool = False, merge_lora: bool = False, **save_kwargs
 ) -> Path:
-    """Write ``transformer`` as a converted checkpoint folder (atomic). A model without MHLA is
-    written as a plain diffusers folder. Extra keyword arguments go to ``save_pretrained``.
+    """Write ``transformer`` as a converted checkpoint folder (atomic; extra kwargs go to ``save_pretrained``).
 
-    Layers that run :class:`~mhla_diffusers.MHLAProcessor` without a mixing matrix yet (the bare
-    one-liner before any forward) get it now, as their first forward would. Layers that keep a
-    mixing matrix but run another processor are written as they compute, stock (with a warning).
-
-    A model with peft adapters (``add_adapter``, ``load_lora_weights``, fused or not) is refused:
-    its peft-wrapped keys would load as missing weights. ``merge_lora=True`` writes the adapters
-    merged into the weights instead (the model itself is left as it is).
+    Missing mixing matrices of ``MHLAProcessor`` layers are created first; idle MHLA layers are written
+    stock, with a warning. A model with peft adapters is refused unless ``merge_lora=True`` (written
+    merged, the model left as it is). Without MHLA: a plain diffusers folder.
 
     Raises:
-        MHLACheckpointError: such matrices cannot be created; the model has LoRA adapters and not
-            ``merge_lora`` (nothing is written; the message names the calls that fix it).
-        ValueError: the MHLA layers disagree on settings (one config holds one setting).
+        MHLACheckpointError: matrices cannot be created; LoRA adapters without ``merge_lora`` (nothing written).
+        ValueError: the MHLA layers disagree on settings.
     """
     check_saveable({"transformer": transformer}, merge_lora=merge_lora)
     _prepare_for_saving(transformer)

@@ -136,11 +136,7 @@ def read_mhla_config(path: str | os.PathLike) -> dict | None:
 
 
 def _validate_config(config: dict, config_file: Path) -> None:
-    """The types and the internal consistency of the settings (not yet against the model or the weights).
-
-    Raises:
-        MHLACheckpointError: naming the key and what it should hold.
-    """
+    """Check the settings' types and consistency (:class:`MHLACheckpointError` naming the key)."""
 
     def bad(key: str, expected: str):
         return MHLACheckpointError(f"{config_file}: {key!r} must be {expected}; got {config.get(key)!r}")
@@ -226,12 +222,7 @@ def check_config_against_weights(config: dict, folder: Path) -> None:
 
 
 def _mhla_keys_in_base(folder: Path) -> list[str]:
-    """MHLA keys found in the base ``*.safetensors`` weights of a transformer folder (headers only).
-
-    Raises:
-        MHLACheckpointError: a base weights file that is not a readable safetensors file (see
-            :func:`read_safetensors_header`).
-    """
+    """MHLA keys in a transformer folder's base ``*.safetensors`` (headers only)."""
     found = []
     for file in sorted(folder.glob("*.safetensors")):
         if file.name != MHLA_WEIGHTS_NAME:

@@ -1,10 +1,8 @@
 """What every model family shares: the :class:`Family` entry, the hooks a family may fill, the registry.
 
-A family module (``dit.py``, ``sana.py``, ``wan.py``) builds one :class:`Family` and registers it with
-:func:`register_family`; the generic modules (the processor, the grid hooks, conversion, the checkpoint
-format, generation, training, context parallelism) ask the registry (:func:`family_of`, :func:`get_family`,
-:data:`FAMILIES`) and call the entry's fields and hooks instead of naming families. This module imports
-only torch and diffusers: every part of the package may import it.
+Generic modules ask the registry (:func:`family_of`, :func:`get_family`, :data:`FAMILIES`) and call
+the entry's fields and hooks instead of naming families. Imports only torch and diffusers, so every
+part of the package may import it. Fields and hooks in full: ``docs/families.md``.
 """
 
 from __future__ import annotations
@@ -66,9 +64,8 @@ class Experts:
     """Pipelines of a family that denoise with several transformers, each on its own timesteps (Wan 2.2 A14B).
 
     Attributes:
-        components: the pipeline components that are transformers, in order (``("transformer", "transformer_2")``).
-        timestep_range: ``(pipe, component) -> (low, high) | None``: the timesteps ``[low, high)`` on which ``pipe``
-            runs that component (``None``: every timestep); called for pipelines holding two of ``components`` or more.
+        components: the transformer components, in order (``("transformer", "transformer_2")``).
+        timestep_range: ``(pipe, component) -> (low, high) | None``, the timesteps ``[low, high)`` it runs.
     """
 
     components: tuple[str, ...]
@@ -78,8 +75,7 @@ class Experts:
 class PipelineQuirks:
     """What the checkpoint format repairs in pipelines after diffusers saved or loaded them (DiT's ``id2label``).
 
-    Every registered family's quirks see every pipeline our loaders and savers handle (a quirk decides itself
-    whether the pipeline is one it repairs); the defaults do nothing.
+    Every registered family's quirks see every pipeline and decide whether it is theirs; the defaults do nothing.
     """
 
     def after_load(self, pipe, path) -> None:
@@ -92,9 +88,8 @@ class PipelineQuirks:
 class TrainingSpec:
     """The family-specific part of a training recipe (:mod:`mhla_diffusers.training.recipes` holds the rest).
 
-    The generic recipe is the class-conditional one (:attr:`Family.conditioning` ``"class"``: labels, null class,
-    a pipeline built from the trained parts) or the text one (``"text"``: the pipeline's ``encode_prompt``,
-    caption dropout, the loaded pipeline re-saved). Methods take the recipe's ``TrainingParts`` as ``parts``.
+    Methods take the recipe's ``TrainingParts`` as ``parts``; the generic recipe is class- or text-conditional
+    (:attr:`Family.conditioning`).
     """
 
     recipe_name = ""  # the name of the family's recipe class (``DiTRecipe``)
@@ -122,105 +117,83 @@ class TrainingSpec:
 # -- the family entry ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Family(FamilyAttention):
-    """Model-family facts used by the processor, the grid hooks, conversion, checkpoints, generation and training
-    (the per-call steps of a self-attention layer that read them: :class:`~mhla_diffusers.families.calls.FamilyAttention`).
+    """Model-family facts read by the processor, grid hooks, conversion, checkpoints, generation and training.
 
-    One entry per family, built in its module (``families/dit.py``, ...) and registered with
-    :func:`register_family`. Each field is documented where it is declared. Copies and pickles of an entry
-    stand for the registered entry itself (:func:`get_family` by name).
+    One frozen entry per family, registered with :func:`register_family`; copies and pickles stand for the
+    registered entry (:func:`get_family` by name). Per-call steps: :class:`~mhla_diffusers.families.calls.FamilyAttention`.
     """
 
-    #: short name used in configs and on the command line (``"dit"``).
+    #: short name in configs and on the command line (``"dit"``).
     name: str
-    #: diffusers class names of the transformers of this family.
+    #: diffusers class names of the family's transformers.
     model_classes: tuple[str, ...]
-    #: regex over ``named_modules()`` names matching self-attention layers; group 1 is the layer index.
+    #: regex over ``named_modules()`` names of self-attention layers; group 1 the layer index.
     self_attention: str
-    #: name of the submodule that turns the latent into tokens; its first positional input is the latent.
+    #: submodule turning the latent (its first positional input) into tokens.
     patch_embed: str
     #: ``(latent, config) -> (T, H, W)``, the token grid of one forward.
     grid_from_latent: Callable[[torch.Tensor, dict], tuple[int, int, int]]
-    #: ``config -> (T, H, W)``, the token grid at the model's native resolution.
+    #: ``config -> (T, H, W)``, the token grid at the native resolution.
     reference_grid: Callable[[dict], tuple[int, int, int]]
-    #: factory of the processor the model's self-attention ships with.
+    #: factory of the stock self-attention processor.
     stock_self_processor: Callable[[], object]
-    #: denominator epsilon when the processor sets none (the stock linear attention's own: SANA 1e-15).
+    #: denominator epsilon when the processor sets none (SANA: 1e-15, its stock one).
     default_eps: float = 1e-6
-    #: regex over ``named_modules()`` names matching cross-attention layers (group 1 the index); ``None``: none.
+    #: regex of cross-attention layers (group 1 the index); ``None``: none.
     cross_attention: str | None = None
-    #: factory of the stock cross-attention processor (an MHLA processor there runs it unchanged);
-    #: ``None``: diffusers' default ``AttnProcessor2_0``.
+    #: factory of the stock cross-attention processor (run unchanged); ``None``: ``AttnProcessor2_0``.
     stock_cross_processor: Callable[[], object] | None = None
-    #: the stock self-attention applies ``norm_q`` / ``norm_k`` to the ``[B, N, heads * d]`` projections
-    #: before the head split (SANA, Wan), not per head after it (``AttnProcessor2_0``).
+    #: q/k norms on ``[B, N, heads * d]`` before the head split (SANA, Wan), not per head.
     qk_norm_across_heads: bool = False
-    #: ``"query"``: the attention output is cast to the query's dtype before ``to_out``; ``"input"``: to
-    #: the dtype of the layer's ``hidden_states`` (``SanaLinearAttnProcessor2_0``).
+    #: ``"query"`` / ``"input"``: cast the output to the query's / the layer input's dtype before ``to_out``.
     attention_output_dtype: str = "query"
-    #: when set, the self-attention output (after ``to_out``) is clipped to ``[-clip, clip]`` for float16
-    #: inputs, as the stock processor does (SANA: 65504, part of the trained function).
+    #: clip the output (after ``to_out``) to ``[-clip, clip]`` for float16 inputs (SANA: 65504).
     fp16_output_clip: float | None = None
-    #: ``"keywords"``: the module calls its processor as diffusers' ``Attention`` does (``encoder_hidden_states=``,
-    #: ``attention_mask=``, named extras); ``"positional"``: as ``WanAttention`` does
-    #: ``(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)``.
+    #: ``"keywords"`` (diffusers' ``Attention``) or ``"positional"`` (``WanAttention``) processor calls.
     processor_call: str = "keywords"
-    #: ``rotary_emb -> callable`` rotating a ``[B, heads, N, d]`` feature tensor (Wan: ``WanRotary``); ``None``: no RoPE.
+    #: ``rotary_emb -> callable`` rotating ``[B, heads, N, d]`` features (Wan: ``WanRotary``); ``None``: no RoPE.
     rotary: Callable[[object], Callable[[torch.Tensor], torch.Tensor]] | None = None
-    #: class names of attention modules found only in this family's models (``WanAttention``): an MHLA
-    #: processor called on such a module outside its transformer follows this family.
+    #: attention classes only this family has (``WanAttention``): such a module follows this family.
     attention_classes: tuple[str, ...] = ()
-    #: target ``M`` when the user gives neither ``num_blocks`` nor ``block_grid`` (``None``:
-    #: :func:`~mhla_diffusers.default_num_blocks`); the grid is then chosen on the reference grid.
+    #: target ``M`` without ``num_blocks`` / ``block_grid`` (``None``: :func:`~mhla_diffusers.default_num_blocks`).
     default_num_blocks: int | None = None
-    #: ``((name, (bt, bh, bw)), ...)``: named block grids for this family.
+    #: ``((name, (bt, bh, bw)), ...)``: named block grids.
     block_grid_presets: tuple[tuple[str, tuple[int, int, int]], ...] = ()
-    #: a forward whose token grid has fewer tokens than the block grid on an axis runs with the blocks that
-    #: hold tokens (exactly MHLA with the other blocks empty) instead of raising (``False``: raises).
+    #: a token grid smaller than the block grid runs with the non-empty blocks instead of raising.
     empty_blocks: bool = False
-    #: an MHLA processor with ``normalize=False`` and ``output_norm=None`` puts a per-head RMSNorm on the
-    #: attention output (the authors' Wan recipe).
+    #: ``normalize=False``, ``output_norm=None`` adds a per-head output RMSNorm (the authors' Wan).
     output_norm_without_normalize: bool = False
-    #: what the stock self-attention computes: ``"softmax"`` (``O(N^2 d)`` per head) or ``"linear"``
-    #: (``O(N d^2)``), for the cost model of automatic hybrid selection.
+    #: ``"softmax"`` or ``"linear"``: the stock cost model, for automatic hybrid selection.
     stock_attention: str = "softmax"
-    #: what the forward needs beside the latent and the timestep: ``"class"`` (``class_labels`` ``[B]`` long)
-    #: or ``"text"`` (text-encoder states from :attr:`encode_prompts`).
+    #: ``"class"`` (``class_labels`` ``[B]`` long) or ``"text"`` (states from :attr:`encode_prompts`).
     conditioning: str = "class"
-    #: the training noise process, for calibration inputs: ``"ddpm"`` (integer timesteps) or ``"flow"``
-    #: (``x_t = (1 - s) x0 + s eps``, timestep ``1000 s``).
+    #: training noise process, for calibration: ``"ddpm"`` or ``"flow"`` (timestep ``1000 s``).
     noise: str = "ddpm"
-    #: ``(pipe, prompts, device) -> {forward keyword: tensor}``: the prompts through the pipeline's own
-    #: ``encode_prompt`` as its ``__call__`` does by default (``None`` for class-conditional families).
+    #: ``(pipe, prompts, device) -> {keyword: tensor}`` via the pipeline's ``encode_prompt``; ``None``: class families.
     encode_prompts: Callable[[object, list, object], dict] | None = None
-    #: how :func:`~mhla_diffusers.context_parallel_plan` splits the tokens: ``"model"`` (the model's own
-    #: ``_cp_plan``), ``"trunk"`` (split at ``cp_trunk[0]``'s input, gathered after ``cp_trunk[1]``; every
-    #: self-attention must be MHLA), ``"layers"`` (each MHLA self-attention alone is split and gathered);
-    #: ``None``: no plan.
+    #: token split of :func:`~mhla_diffusers.context_parallel_plan`: ``"model"``, ``"trunk"``, ``"layers"`` or ``None``.
     context_parallel: str | None = None
     #: ``(first module, last module)`` of the ``"trunk"`` plan.
     cp_trunk: tuple[str, str] | None = None
-    #: ``config -> (T, H, W)``: the largest token count per axis the forward takes (Wan: its RoPE table); ``None``: no bound.
+    #: ``config -> (T, H, W)``, the largest tokens per axis the forward takes (Wan: RoPE table); ``None``: no bound.
     max_grid: Callable[[dict], tuple[int, int, int]] | None = None
-    #: each transformer block can be an FSDP unit; ``False`` when the forward uses a block's submodule outside
-    #: that block (DiT's root calls ``transformer_blocks[0].norm1.emb``): the whole model is one unit.
+    #: each block can be an FSDP unit (``False`` for DiT: its root uses a block's submodule).
     fsdp_blocks: bool = True
-    #: the family's name in messages (``"DiT"``); ``""``: :attr:`name`.
+    #: name in messages (``"DiT"``); ``""``: :attr:`name`.
     display_name: str = ""
-    #: ``((config class name, model class name), ...)``: class names older checkpoints write in their
-    #: ``config.json`` for a class of :attr:`model_classes` (DiT: ``Transformer2DModel``).
+    #: ``((config class name, model class name), ...)`` older checkpoints write (DiT: ``Transformer2DModel``).
     class_aliases: tuple[tuple[str, str], ...] = ()
-    #: diffusers pipeline classes of this family (generation checks a class-conditional request against them).
+    #: the family's diffusers pipeline classes.
     pipeline_classes: tuple[str, ...] = ()
     #: pipelines with several transformers (:class:`Experts`), or ``None``.
     experts: Experts | None = None
-    #: what the checkpoint format repairs after diffusers saved / loaded a pipeline (:class:`PipelineQuirks`).
+    #: pipeline repairs after diffusers saved / loaded it (:class:`PipelineQuirks`).
     pipeline_quirks: PipelineQuirks | None = None
-    #: video families: ``config -> {"height", "width", "frames"}``, the size the model was trained at.
+    #: video families: ``config -> {"height", "width", "frames"}``, the trained size.
     native_video: Callable[[Mapping], dict] | None = None
-    #: video families: ``(pipe, checkpoint) -> pipe``: the image-to-video form of a pipeline of this family;
-    #: raises :class:`GenerationError` for one that cannot take a first frame.
+    #: video families: ``(pipe, checkpoint) -> pipe``, the image-to-video form (or :class:`GenerationError`).
     image_to_video: Callable[[Any, Any], Any] | None = None
-    #: the family-specific part of its training recipe (:class:`TrainingSpec`); ``None``: not trained here.
+    #: the family's part of its training recipe (:class:`TrainingSpec`); ``None``: not trained here.
     training: TrainingSpec | None = None
 
     def __reduce__(self):  # a registry entry: copies and pickles stand for the registered family itself
@@ -280,8 +253,7 @@ class Family(FamilyAttention):
         return attn_processor_2_0()
 
     def native_video_size(self, config) -> dict:
-        """``{"height", "width", "frames"}`` a video transformer of ``config`` was trained at: the size recorded in
-        its config (:data:`NATIVE_SIZE_KEY`), else :attr:`native_video` of ``config``.
+        """``{"height", "width", "frames"}`` the video transformer was trained at (:data:`NATIVE_SIZE_KEY`, else :attr:`native_video`).
 
         Raises:
             GenerationError: a recorded size that is not three positive integers.
@@ -343,15 +315,10 @@ def attn_processor_2_0():
 
 
 def posterior_sample(latent_dist, generator: torch.Generator | None = None, *, rank: int = 0, world_size: int = 1) -> torch.Tensor:
-    """A sample of a VAE posterior whose noise is drawn for the GLOBAL batch and sliced.
+    """A VAE posterior sample whose noise is drawn for the global batch and sliced (rank ``r``, sample ``j``: ``j * world_size + r``).
 
-    For diffusers' ``DiagonalGaussianDistribution`` (``mean + std * noise``, the KL autoencoders' and
-    Wan's posterior) the noise is drawn for ``world_size`` x the local batch from ``generator`` and
-    sample ``j`` of rank ``r`` takes global position ``j * world_size + r``, as the step's other draws
-    (:func:`~mhla_diffusers.training.losses.training_loss`): the same global batch gets the same
-    latents whatever the number of processes. One process: exactly ``latent_dist.sample(generator)``.
-    Other posteriors (e.g. the deterministic :class:`~mhla_diffusers.PointLatentDistribution`) sample
-    as they do.
+    Same latents for the same global batch whatever the process count; one process: ``latent_dist.sample(generator)``.
+    Non-Gaussian posteriors (:class:`~mhla_diffusers.PointLatentDistribution`) sample as they do.
 
     Returns:
         ``[B, ...]`` in the posterior's dtype.
@@ -553,11 +520,9 @@ def pipeline_transformers(pipe) -> dict[str, nn.Module]:
 
 
 def expert_timestep_range(pipe, expert: str) -> tuple[float, float] | None:
-    """The timesteps ``[low, high)`` (the scale the transformer's ``timestep`` input takes, 0..num_train_timesteps)
-    on which ``pipe`` runs its transformer ``expert``; ``None`` when it runs one transformer on every timestep.
+    """The timesteps ``[low, high)`` (0..num_train_timesteps) on which ``pipe`` runs transformer ``expert``; ``None``: every one.
 
-    Asks the :attr:`Family.experts` whose components ``pipe`` holds two of or more (Wan 2.2 A14B switches
-    at ``boundary_ratio * num_train_timesteps``). The one source of these ranges (training, calibration).
+    The one source of these ranges (training, calibration); asks :attr:`Family.experts`.
     """
     present = pipeline_transformers(pipe)
     for family in FAMILIES.values():

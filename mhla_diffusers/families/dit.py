@@ -1,11 +1,8 @@
 """DiT (``DiTTransformer2DModel`` + ``DiTPipeline``): class-conditional, softmax self-attention.
 
-``AttnProcessor2_0`` self-attention with per-head q/k norms after the head split (none in released
-models), no cross-attention, token grid ``(H / p, W / p)``. Here besides the :data:`DIT` entry: its training
-recipe specifics (DDPM epsilon prediction, the null class, training from scratch), its checkpoint quirks
-(the original checkpoints' ``Transformer2DModel`` class name; the ``id2label`` class names diffusers'
-``save_pretrained`` drops, repaired in ``model_index.json`` and ``pipe.config``) and its context-parallel
-plan (the trunk ``transformer_blocks.0`` .. ``proj_out_2``).
+The :data:`DIT` entry, its training specifics (DDPM epsilon, null class, from scratch), checkpoint
+quirks (``Transformer2DModel`` alias, ``id2label`` repair) and its ``"trunk"`` context-parallel plan.
+Details: ``docs/families.md``.
 """
 
 from __future__ import annotations
@@ -65,15 +62,7 @@ def _labels_of(id2label: dict[str, str]) -> dict[str, int]:
 
 
 def _pipeline_id2label(pipe) -> dict[str, str] | None:
-    """The ``id2label`` of a pipeline (DiT's class names) as ``model_index.json`` stores it, or ``None``.
-
-    diffusers' ``save_pretrained`` writes only what is registered in the pipeline's config, and
-    ``DiTPipeline`` keeps the names it was built or loaded with in ``pipe.labels`` only. In order:
-    ``pipe.config["id2label"]`` (registered, as :func:`build_dit_pipeline` does); the ``model_index.json``
-    the pipeline was loaded from, when its names give exactly ``pipe.labels``; else the names rebuilt from
-    ``pipe.labels`` (``name -> id``; the names of one id joined with ", ", which ``DiTPipeline`` splits back
-    into the same ``labels``).
-    """
+    """The pipeline's ``id2label`` as ``model_index.json`` stores it (config, source file, else rebuilt from ``pipe.labels``)."""
     config = getattr(pipe, "config", None) or {}
     raw = config.get("id2label") if hasattr(config, "get") else None
     if raw:
@@ -106,9 +95,7 @@ def _write_id2label(pipe, folder: Path) -> None:
 
 
 def _register_id2label(pipe, path: Path) -> None:
-    """Keep the ``id2label`` of ``model_index.json`` in ``pipe.config`` (diffusers passes it to the
-    pipeline's ``__init__`` only), so that ``pipe.config["id2label"]`` holds the class names and a
-    later ``save_pretrained`` writes them again."""
+    """Keep ``model_index.json``'s ``id2label`` in ``pipe.config`` so a later ``save_pretrained`` writes it again."""
     config = getattr(pipe, "config", None)
     if config is None or config.get("id2label") or "id2label" not in inspect.signature(type(pipe).__init__).parameters:
         return
@@ -148,12 +135,7 @@ def check_resolution(transformer, vae, resolution: int) -> None:
 
 
 def disable_internal_label_dropout(transformer: torch.nn.Module) -> list[tuple[torch.nn.Module, float]]:
-    """Turn off diffusers' own label dropout inside DiT (each block draws its own, from the global RNG).
-
-    :func:`training_loss` drops labels itself, once per sample, from a seeded generator. Returns
-    ``[(module, old_prob)]`` so the caller can restore them (the probability is not in the config
-    or the state dict, so saving is unaffected either way).
-    """
+    """Turn off DiT's per-block label dropout (``training_loss`` drops labels itself); returns ``[(module, old_prob)]``."""
     changed = []
     for module in transformer.modules():
         if isinstance(module, LabelEmbedding) and module.dropout_prob > 0:
@@ -163,9 +145,7 @@ def disable_internal_label_dropout(transformer: torch.nn.Module) -> list[tuple[t
 
 
 def build_dit_pipeline(transformer, vae, noise_scheduler, *, sampler: str = "dpm", id2label: Mapping[int, str] | None = None):
-    """A ``DiTPipeline`` of the trained parts, its sampler built from ``noise_scheduler``'s config:
-    ``DPMSolverMultistepScheduler`` (``"dpm"``), ``DDIMScheduler`` (``"ddim"``) or ``DDPMScheduler`` (``"ddpm"``);
-    ``id2label`` registered in its config (so ``save_pretrained`` writes it into ``model_index.json``).
+    """A ``DiTPipeline`` of the trained parts with ``id2label`` registered; ``sampler`` ``"dpm"`` / ``"ddim"`` / ``"ddpm"``.
 
     Raises:
         ValueError: unknown ``sampler``.

@@ -1,11 +1,8 @@
 """SANA (``SanaTransformer2DModel`` + ``SanaPipeline``): text-to-image, ReLU linear self-attention.
 
-``SanaLinearAttnProcessor2_0`` self-attention (eps 1e-15, q/k norms over all heads before the head split,
-output cast to the layer input's dtype and clipped to +-65504 for fp16 inputs), softmax cross-attention
-(``SanaAttnProcessor2_0``). Here besides the :data:`SANA` entry: its prompt encoding (Gemma-2 through the
-pipeline's ``encode_prompt``, with the complex human instruction), its training recipe specifics (flow
-matching) and its context-parallel plan (each MHLA layer alone: the feed-forward's 3x3 convolution mixes
-tokens).
+The :data:`SANA` entry (stock eps 1e-15, q/k norms across heads, fp16 output clip), Gemma-2 prompt
+encoding, flow-matching training and the ``"layers"`` context-parallel plan (the feed-forward's 3x3
+convolution mixes tokens). Details: ``docs/families.md``.
 """
 
 from __future__ import annotations

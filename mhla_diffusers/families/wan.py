@@ -1,13 +1,9 @@
 """Wan (``WanTransformer3DModel``: Wan 2.1 T2V / I2V, Wan 2.2 A14B experts and TI2V-5B): video, softmax attention.
 
-``WanAttention`` modules call ``WanAttnProcessor`` positionally ``(attn, hidden_states,
-encoder_hidden_states, attention_mask, rotary_emb)``; q/k RMSNorm over all heads before the head split;
-interleaved 3D RoPE (:class:`WanRotary`), which MHLA applies after the feature map, in the numerator only;
-token grid ``(F / p_t, H / p_h, W / p_w)`` of the latent entering ``patch_embedding``; the paper's ``M = 105``
-blocks by default (``(3, 5, 7)`` on the native 21 x 30 x 52 grid), presets ``"paper"`` and ``"authors"``
-(``(3, 5, 10)``, M = 150). Here besides the :data:`WAN` entry: native sizes (Wan 2.1 / 2.2 A14B, TI2V-5B,
-the authors' model), Wan 2.2 A14B's two experts, prompt encoding (UMT5), the image-to-video pipeline,
-the training recipe specifics (normalised VAE latents) and the context-parallel plan (the model's own).
+The :data:`WAN` entry (positional processor calls, q/k norms across heads, 3D RoPE after the feature
+map in the numerator only, default ``M = 105``, presets ``"paper"`` / ``"authors"``), native sizes, Wan
+2.2's two experts, UMT5 prompt encoding, image-to-video, training and the model's own context-parallel
+plan. Details: ``docs/families.md``.
 """
 
 from __future__ import annotations
@@ -81,20 +77,14 @@ def _max_grid_wan(config) -> tuple[int, int, int]:
 class WanRotary(InterleavedRotary):
     """Wan 2.1's 3D rotary embedding as a map on ``[B, heads, N, d]`` feature tensors.
 
-    The exact rotation of diffusers' ``WanAttnProcessor`` (``apply_rotary_emb``, interleaved pairs):
-    for channel pairs ``(x1, x2) = (x[..., 0::2], x[..., 1::2])`` with ``cos = freqs_cos[..., 0::2]``
-    and ``sin = freqs_sin[..., 1::2]``: ``out[..., 0::2] = x1 cos - x2 sin``, ``out[..., 1::2] = x1 sin + x2 cos``.
-    An :class:`~mhla_diffusers.ops.InterleavedRotary` on those tables (computed in the promoted dtype of
-    the input and the float32 tables, returned in the input's dtype; the Triton backend applies it inside
-    its kernels).
+    Exactly diffusers' ``apply_rotary_emb`` (interleaved pairs), as an :class:`~mhla_diffusers.ops.InterleavedRotary`;
+    output in the input's dtype.
 
     Args:
-        rotary_emb: ``(freqs_cos, freqs_sin)`` as ``WanTransformer3DModel.rope`` returns it: two float
-            tensors of shape ``(1, N, 1, d)`` (tokens row-major ``f * H * W + h * W + w``).
+        rotary_emb: ``(freqs_cos, freqs_sin)``, float, ``(1, N, 1, d)`` each, as ``WanTransformer3DModel.rope`` returns.
 
     Raises:
-        ValueError: if ``rotary_emb`` is not such a pair, or (when called) if the feature tensor's
-            token count or head dim does not match the tables.
+        ValueError: not such a pair, or (when called) token count or head dim not matching the tables.
     """
 
     def __init__(self, rotary_emb):
@@ -132,9 +122,7 @@ def _wan_attn_processor():
 
 
 def _expert_timestep_range(pipe, expert: str) -> tuple[float, float] | None:
-    """Wan 2.2 A14B (diffusers' ``WanPipeline``): ``boundary = boundary_ratio * num_train_timesteps``;
-    ``transformer`` runs ``t >= boundary`` (high noise, ``(boundary, inf)``), ``transformer_2`` ``t < boundary``
-    (low noise, ``(-inf, boundary)``); ``None`` without ``boundary_ratio``."""
+    """Wan 2.2 A14B: ``transformer`` on ``t >= boundary_ratio * T``, ``transformer_2`` below; ``None`` without ``boundary_ratio``."""
     boundary_ratio = getattr(pipe, "config", {}).get("boundary_ratio")
     if boundary_ratio is None:
         return None
@@ -143,18 +131,13 @@ def _expert_timestep_range(pipe, expert: str) -> tuple[float, float] | None:
 
 
 def image_to_video_pipeline(pipe, checkpoint="the pipeline"):
-    """The image-to-video form of a Wan video pipeline, sharing its components (nothing is copied):
+    """The image-to-video form of a Wan pipeline, sharing its components.
 
-    * a ``WanImageToVideoPipeline`` (Wan 2.1 I2V with its CLIP image encoder; Wan 2.2 I2V A14B, two experts
-      taking 36 latent channels: noise, mask, first-frame latent) is returned as it is;
-    * a ``WanPipeline`` with ``expand_timesteps`` (Wan 2.2 TI2V-5B: one model for text- and image-to-video, the
-      first frame's latent kept clean through per-token timesteps) becomes ``WanImageToVideoPipeline`` over the
-      same components and config (``boundary_ratio``, ``expand_timesteps``), as diffusers runs TI2V-5B's I2V.
+    A ``WanImageToVideoPipeline`` is returned as is; a TI2V-5B ``WanPipeline`` (``expand_timesteps``)
+    becomes one over the same components and config.
 
     Raises:
-        GenerationError: a pipeline that cannot take an image (a text-to-video ``WanPipeline``: Wan 2.1 T2V,
-            Wan 2.2 T2V A14B), or an image-to-video one missing what its transformer needs (Wan 2.1 I2V
-            without its image encoder).
+        GenerationError: a text-to-video pipeline, or an I2V one missing its image encoder.
     """
     from diffusers import WanImageToVideoPipeline, WanPipeline  # pipelines: only when generating
 

@@ -1,11 +1,9 @@
 """The token grid ``(T, H, W)`` of the running forward, published by hooks that belong to the model.
 
-``N`` never determines the grid (2048 x 512 and 1024 x 1024 images can share it); the latent entering
-the family's patch embedding does. :func:`install_grid_hooks` gives one model a pre-hook and an
-always-called hook that open and close a thread-local frame, and a patch-embedding pre-hook that
-writes the grid into it; :func:`remove_grid_hooks` takes them off. For the bare one-liner, a layer
-given an ``MHLAProcessor`` waits (:func:`await_model`) and, only while one waits, a process-wide
-module pre-hook finds and hooks its transformer. :func:`token_grid` publishes a grid by hand.
+The grid comes from the latent entering the family's patch embedding, never from ``N``.
+:func:`install_grid_hooks` / :func:`remove_grid_hooks` put on and take off one model's hooks;
+:func:`await_model` serves the bare one-liner; :func:`token_grid` publishes a grid by hand.
+See ``docs/processor.md`` (Hooks).
 """
 
 from __future__ import annotations
@@ -50,9 +48,7 @@ class _Frame:
 
 
 class _ThreadFrames(threading.local):
-    """Per-thread stack of open frames. ``__init__`` runs once in every thread that touches it, so
-    ``frames`` always exists: torch.compile guards on the attribute, and one created by the first
-    traced call would make the second call recompile."""
+    """Per-thread stack of open frames (``frames`` exists in every thread: torch.compile guards on it)."""
 
     def __init__(self):
         self.frames: list[_Frame] = []
@@ -142,10 +138,7 @@ def _wrap_checkpointing(model: nn.Module) -> None:
 
 
 class _ReplayGrid:
-    """Wraps a diffusers model's ``_gradient_checkpointing_func`` so a checkpointed block sees the
-    grid of the forward that ran it, also when it is recomputed inside the backward pass (after the
-    transformer's forward returned; several forwards of one N but different grids, e.g. aspect-ratio
-    buckets, may be pending). Installed by the transformer's pre-hook; a plain object (pickles)."""
+    """Wraps ``_gradient_checkpointing_func`` so a recomputed block sees the grid of the forward that ran it."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -197,11 +190,7 @@ def close_frame(model: nn.Module) -> None:
 
 
 class _PublishGrid:
-    """Patch-embedding pre-hook (a plain object, so hooked models pickle and deep-copy). It writes the
-    grid into the innermost frame when that frame is a transformer's of this family that has no grid
-    yet (the first patch embedding its forward runs). No stored model and no identity check: module
-    objects that share the hooks (torch.export's non-strict tracing runs the hooks and the forward on
-    different clones of the model) publish to the frame of the forward that runs."""
+    """Patch-embedding pre-hook: writes the grid into the innermost open frame of this family that has none yet."""
 
     def __init__(self, family):
         self.family = family

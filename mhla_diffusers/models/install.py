@@ -61,53 +61,29 @@ def apply_mhla(
     calibration: Iterable[Mapping[str, Any]] | None = None,
     sensitivity=None,
 ) -> list[str]:
-    """Replace self-attention with MHLA on the selected layers of a diffusers transformer.
+    """Replace self-attention with MHLA (paper Sec. 3.2) on the selected layers of a diffusers transformer.
 
-    Creates every selected layer's mixing matrix now (fp32, on the layer's device, the paper's
-    locality init), so they exist before an optimizer is built, under the state-dict keys
-    ``<attention path>.mhla_mixing.weight``; installs one shared :class:`MHLAProcessor` on those
-    layers (others keep their processor, bit for bit) and the hooks that publish the token grid.
+    Creates each selected layer's mixing matrix now (fp32, the layer's device, locality init, key
+    ``<attention path>.mhla_mixing.weight``) and installs one shared :class:`MHLAProcessor` plus the grid hooks.
 
     Args:
-        transformer: a supported diffusers transformer (``DiTTransformer2DModel``,
-            ``SanaTransformer2DModel``, ``WanTransformer3DModel``).
-        layers: ``"all"``, ``"hybrid"`` (the stock attention kept on layers 0, 3, 6, ...; Wan2.1-1.3B:
-            MHLA on 20 of 30), layer indices, or ``"auto"``: the layers MHLA damages most (per
-            :func:`~mhla_diffusers.layer_sensitivity`) keep their stock attention — the ``keep_softmax``
-            most sensitive ones, or the most sensitive ones that fit ``max_attention_cost`` (see
-            :func:`~mhla_diffusers.selection.hybrid.select_auto`). The choice, the scores and how they were
-            measured are recorded on the model for :func:`mhla_spec` (``"selection"`` in ``mhla_config.json``).
-        num_blocks: target number of blocks ``M`` (block grid chosen from the model's native token
-            grid, near-square blocks, ``M^2 <= N``); ``None``: the family default (Wan: 105, the
-            paper's, = ``(3, 5, 7)`` on 21 x 30 x 52), else ``round(sqrt(N) / 2)``.
-        block_grid: explicit ``(bt, bh, bw)`` or a preset name of the family (Wan: ``"paper"``,
-            ``"authors"`` = ``(3, 5, 10)``); overrides ``num_blocks``.
-        normalize, eps, backend, output_norm, feature_eps: see :class:`MHLAProcessor` (``eps=None``: the
-            family default; ``output_norm=None``: Wan gets the per-head output RMSNorm when ``normalize=False``;
-            ``feature_eps``: ``phi = ReLU + feature_eps``, 0 by default).
-        init: ``"locality"`` (paper) or ``"uniform"`` (all ones = plain linear attention at init).
-        mixing_clamp: the mixing matrices are used clamped to ``[0, 1]`` (the paper's, default) or as
-            stored (``False``, see :class:`~mhla_diffusers.MixingMatrix`; the authors' Wan model).
-        keep_softmax: ``layers="auto"``: how many layers keep their stock attention, ``0 <= K < L``
-            (``0`` is exactly ``layers="all"``).
-        max_attention_cost: ``layers="auto"``: ``0 < F <= 1``, the attention cost allowed as a fraction of the
-            stock model's, from the cost model of :func:`attention_cost` at the native resolution.
-        calibration: ``layers="auto"``: inputs to measure the sensitivity on (a list of dicts of keyword
-            arguments for the transformer's forward, see :func:`~mhla_diffusers.calibration_inputs`),
-            measured with this call's ``num_blocks`` / ``block_grid`` / ``normalize`` and the defaults of
-            :func:`~mhla_diffusers.layer_sensitivity`.
-        sensitivity: ``layers="auto"``: precomputed scores instead of ``calibration`` (a
-            :class:`~mhla_diffusers.LayerSensitivity`, ``{index: score}`` or one score per layer).
+        transformer: a ``DiTTransformer2DModel``, ``SanaTransformer2DModel`` or ``WanTransformer3DModel``.
+        layers: ``"all"``, ``"hybrid"`` (stock on 0, 3, 6, ...), indices, or ``"auto"`` (most sensitive keep stock).
+        num_blocks: target ``M`` (``None``: family default, Wan 105, else ``round(sqrt(N) / 2)``).
+        block_grid: ``(bt, bh, bw)`` or a family preset; overrides ``num_blocks``.
+        normalize, eps, backend, output_norm, feature_eps: see :class:`MHLAProcessor`.
+        init: ``"locality"`` (paper) or ``"uniform"``. mixing_clamp: clamp to ``[0, 1]`` (default) or not.
+        keep_softmax, max_attention_cost, calibration, sensitivity: ``layers="auto"`` only: ``K`` stock
+            layers or a cost budget ``0 < F <= 1``; scores measured on ``calibration`` or given.
 
     Returns:
         Names of the converted attention modules.
 
     Raises:
-        ValueError: unsupported model, bad ``layers``, a block grid that does not fit the model's
-            native token grid, or a selected layer that already has MHLA (``remove_mhla`` first);
-            ``"auto"`` without ``calibration`` / ``sensitivity`` (or with both), with both or neither of
-            ``keep_softmax`` / ``max_attention_cost``, ``K`` out of range, a budget outside ``(0, 1]``,
-            below the all-MHLA cost or keeping every layer; these options without ``layers="auto"``.
+        ValueError: unsupported model, bad ``layers`` or block grid, a layer that already has MHLA
+            (``remove_mhla`` first), or inconsistent ``"auto"`` options.
+
+    Every argument's rules: ``docs/processor.md`` (``apply_mhla`` in full).
     """
     family = family_of(transformer)
     modules = self_attention_modules(transformer, family)

@@ -42,16 +42,13 @@ def install_mhla(
     feature_eps: float = 0.0,
     mixing_clamp: bool = True,
 ) -> list[str]:
-    """MHLA on the self-attention layers of index ``layers`` (valid indices, as
-    :func:`~mhla_diffusers.selection.hybrid.select_layers` returns them): what
-    :func:`~mhla_diffusers.apply_mhla` does once it knows the layers (see it for the arguments).
+    """MHLA on the self-attention layers of index ``layers``: :func:`~mhla_diffusers.apply_mhla` once the layers are known.
 
     Returns:
         Names of the converted attention modules.
 
     Raises:
-        ValueError: unsupported model, bad settings (see :class:`MHLAProcessor`), a block grid that
-            does not fit the model's native token grid, or a layer that already has MHLA.
+        ValueError: unsupported model, bad settings, a block grid not fitting the native grid, a layer with MHLA.
     """
     family = family_of(transformer)
     modules = self_attention_modules(transformer, family)
@@ -73,12 +70,7 @@ def install_mhla(
 
 
 def _resolved_processor(family, reference, *, eps, **settings) -> MHLAProcessor:
-    """The one processor :func:`install_mhla` puts on the layers: block grid and output norm resolved on the
-    native token grid ``reference`` (a saved spec is explicit), its family set (a layer called alone follows it).
-
-    Raises:
-        ValueError: bad settings (see :class:`MHLAProcessor`), or a block grid larger than ``reference``.
-    """
+    """The processor :func:`install_mhla` installs, block grid and output norm resolved on ``reference``."""
     processor = MHLAProcessor(eps=family.default_eps if eps is None else eps, family=family, **settings)
     resolved = processor.resolve_block_grid(reference, family)
     processor.block_grid, processor.block_grid_preset = resolved, None
@@ -144,14 +136,8 @@ def remove_mhla(transformer: nn.Module) -> list[str]:
 def set_attn_processor(model: nn.Module, processor) -> None:
     """``model.set_attn_processor`` for every diffusers model, including those lacking it (DiT).
 
-    Args:
-        model: a diffusers model with attention modules.
-        processor: one processor for every attention layer, or a dict ``{"<path>.processor": proc}``;
-            unlike diffusers' own method the dict may be partial (other layers keep theirs).
-
-    For :class:`MHLAProcessor` entries on a supported transformer, the mixing matrices of the
-    self-attention layers are created now and the grid hooks installed; cross-attention layers
-    given an :class:`MHLAProcessor` run the stock computation.
+    ``processor``: one for every attention layer, or a (possibly partial) dict ``{"<path>.processor": proc}``.
+    :class:`MHLAProcessor` entries get their mixing matrices and grid hooks now; on cross-attention they run stock.
 
     Raises:
         ValueError: for dict keys that name no attention layer.
@@ -216,22 +202,12 @@ def idle_mhla_layers(model: nn.Module) -> dict[str, str]:
 def mhla_spec(transformer: nn.Module) -> dict | None:
     """The MHLA settings of a model as written to ``mhla_config.json``, or ``None`` without MHLA.
 
-    Keys: family, model_class, num_layers, layers, block_grid, num_blocks, normalize, eps, backend,
-    and ``output_norm: true`` only for models whose MHLA layers have the per-head output RMSNorm
-    (absent means none, as in checkpoints written before it existed), ``feature_eps`` only when
-    not 0 and ``mixing_clamp: false`` only for unclamped mixing matrices (absent: 0 and true);
-    ``selection`` only for layers chosen by ``apply_mhla(layers="auto")`` (while they are still the MHLA
-    layers): ``{"method": "auto", "keep_softmax": K | "max_attention_cost": F, "attention_cost": the
-    fraction reached, "softmax_layers", "scores": one per layer, "sensitivity": how they were measured}``.
-    Self-attention layers that run an :class:`MHLAProcessor` whose mixing matrix is not created yet
-    (the bare one-liner before its first forward) count as MHLA layers, with the block grid and
-    output norm their first forward would give them (see :func:`materialize_mhla`); layers that
-    keep a mixing matrix but run another processor (:func:`idle_mhla_layers`) do not.
+    Keys: family, model_class, num_layers, layers, block_grid, num_blocks, normalize, eps, backend; and
+    only when not the default: ``output_norm``, ``feature_eps``, ``mixing_clamp``, ``selection``. Pending
+    one-liner layers count as MHLA; idle ones do not. Keys in full: ``docs/processor.md`` (``mhla_spec``).
 
     Raises:
-        ValueError: when the MHLA layers disagree on settings (not representable in one config), or a
-            layer's processor has an explicit block spec its mixing matrix contradicts
-            (:meth:`MHLAProcessor.check_layer`).
+        ValueError: the MHLA layers disagree on settings, or a processor's block spec contradicts its matrix.
     """
     family = family_of(transformer)
     modules = self_attention_modules(transformer, family)

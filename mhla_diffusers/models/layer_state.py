@@ -17,15 +17,10 @@ __all__ = ["OutputRMSNorm", "attach", "create_layer_state", "layer_requires_grad
 
 
 class OutputRMSNorm(nn.Module):
-    """Per-head RMSNorm of the attention output (the authors' Wan recipe with the normaliser off).
+    """Per-head RMSNorm of the attention output ``[B, heads, N, head_dim]`` (the authors' Wan recipe, normaliser off).
 
-    ``y[b, h, n, :] = x[b, h, n, :] / sqrt(mean(x[b, h, n, :]^2) + eps) * weight[h, :]``, computed in
-    float32 (float64 for float64 inputs) and returned in that dtype; ``weight`` starts at ones. The
-    authors' configuration only says ``rms_output: true``; the per-head form is this project's.
-
-    Args:
-        heads: number of attention heads. head_dim: channels per head of the attention output.
-        eps: added to the mean square.
+    ``y = x / sqrt(mean(x^2) + eps) * weight[h]`` over the head dim, in float32 (float64 for float64);
+    ``weight`` starts at ones. The per-head form is this project's reading of ``rms_output: true``.
     """
 
     def __init__(self, heads: int, head_dim: int, eps: float = 1e-6):

@@ -1,12 +1,7 @@
-"""The bare one-liner, ``transformer.set_attn_processor(MHLAProcessor())``: diffusers installs the processor
-and nothing else, so the block grid (from the transformer's native token grid, which an attention
-module does not know) and the layers' mixing matrices come later.
+"""The bare one-liner, ``transformer.set_attn_processor(MHLAProcessor())``: block grid and mixing matrices come later.
 
-* While an ``MHLAProcessor`` object exists, one process-wide module-registration hook sees it set on a
-  layer: the layer then waits for its transformer (:func:`~mhla_diffusers.models.grid.await_model`),
-  its existing state is re-checked at the next forward, and ``load_state_dict`` can fill it.
-* The layer's first forward creates its matrix with the ``requires_grad`` of its projection weights,
-  warning once per model unless that forward is pure inference; :func:`materialize_mhla` does it now.
+A module-registration hook sees the processor set on a layer, which then waits for its transformer;
+its first forward (or :func:`materialize_mhla`) creates the matrix. See ``docs/processor.md`` (Installing).
 """
 
 from __future__ import annotations
@@ -134,10 +129,7 @@ _PENDING_LOAD = "this layer runs MHLAProcessor but has no mixing matrix yet"
 
 
 class _PendingMixingLoader:
-    """``load_state_dict`` pre-hook of a layer given an ``MHLAProcessor``: a state dict holding
-    ``<prefix>mhla_mixing.weight`` for a layer without a matrix creates it first when the block grid
-    is known without the model (explicit ``block_grid``, a preset of the layer's family), else fails
-    naming ``materialize_mhla`` (with ``strict=False`` too). A plain object: models pickle and copy."""
+    """``load_state_dict`` pre-hook creating a pending layer's matrix when its block grid is known without the model."""
 
     def __call__(self, attn, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         key = f"{prefix}mhla_mixing.weight"
@@ -221,19 +213,16 @@ def pending_mhla_layers(model: nn.Module) -> list[str]:
 
 
 def materialize_mhla(transformer: nn.Module) -> list[str]:
-    """Create now the mixing matrices (and output norms) that the first forward would create for the
-    layers of :func:`pending_mhla_layers`: same block grid, locality init, fp32 on the layer's device,
-    ``requires_grad`` as the layer's own projection weights (a frozen model stays frozen).
+    """Create now the mixing matrices (and output norms) the first forward would create for :func:`pending_mhla_layers`.
 
-    Call it right after diffusers' own ``set_attn_processor(MHLAProcessor())``, before building an
-    optimizer or EMA, loading a state dict, ``torch.compile`` or ``torch.export``.
+    Same block grid, locality init, fp32, ``requires_grad`` as the projection weights. Call it right after
+    diffusers' ``set_attn_processor(MHLAProcessor())``, before an optimizer, EMA, state dict, compile or export.
 
     Returns:
         Names of the layers that got their matrices (``[]`` when none was pending).
 
     Raises:
-        ValueError: ``transformer`` is not a supported transformer but has MHLA processors, or a
-            processor's settings do not fit the model (e.g. a preset the family lacks).
+        ValueError: an unsupported transformer with MHLA processors, or settings not fitting the model.
     """
     family = find_family(transformer)
     if family is None:

@@ -1,36 +1,13 @@
 """Context parallelism for MHLA under diffusers' ``enable_parallelism``.
 
-diffusers' context parallelism (``ContextParallelConfig(ring_degree=P)`` or ``ulysses_degree=P``) splits
-the flattened tokens into ``P`` contiguous shards at the model's input (the model's ``_cp_plan``) and
-replaces softmax attention by ring or Ulysses attention. An MHLA self-attention layer has two exact ways:
+On a token shard an MHLA self-attention layer is exact in one of two ways: the summary exchange (each
+rank's partial block summaries combined by ONE ``all_reduce`` of ``B * heads * M * d * (dv + 1)``
+float32 numbers, whatever the token count) or, in Ulysses mode when the degree divides the heads,
+heads mode (all-to-alls to ``heads / P`` heads of all tokens). Both give the single-process outputs
+and gradients, for uneven shards too. Softmax layers of a hybrid keep diffusers' own path;
+cross-attention stays stock. Plans per family: :func:`context_parallel_plan`.
 
-* summary exchange (ring mode, and Ulysses mode when the degree does not divide the heads): each rank
-  computes the partial block summaries of its own tokens (:func:`~mhla_diffusers.ops.sharded.shard_summaries`),
-  ONE ``all_reduce`` (sum) over the context-parallel group combines them into the summaries of the whole
-  sequence, and each rank computes its own queries' outputs from them
-  (:func:`~mhla_diffusers.ops.sharded.shard_attention`). The exchange has ``B * heads * M * d * (dv + 1)``
-  float32 numbers whatever the token count; its backward is the same all-reduce
-  (``torch.distributed.nn.functional.all_reduce``).
-* heads mode (Ulysses mode, ``P`` divides the heads): all-to-alls turn q, k, v into ``heads / P`` heads of
-  all tokens, :func:`~mhla_diffusers.mhla_attention` runs there (any backend, Triton included), and one
-  all-to-all brings the output back: the bytes of diffusers' Ulysses attention, plus one all-gather of the
-  RoPE tables per forward (Wan). Its cost falls as ``1 / P``; the summary exchange's does not.
-
-Both give the single-process outputs and, in training, its gradients (each rank holds its own tokens'
-share of every parameter gradient; DDP / FSDP sum them). Shards may be uneven (diffusers' ``ring_anything``
-/ ``ulysses_anything``) and may cut blocks anywhere.
-
-Why an all-reduce for the summaries: every rank needs the mixed summaries ``Mc S`` of the blocks its
-queries touch, and the mixing matrix is dense (locality init: every entry but the farthest is positive),
-so every rank needs every block's summary. A ring all-reduce moves ``2 (P - 1) / P`` times the summaries per
-rank, independent of where the shards cut the blocks. The alternative, an all-to-all (reduce-scatter) of
-mixed partial summaries to the ranks whose queries need them, moves less only at ``P = 2``: with Wan's 3
-temporal block rows a shard of 81 frames touches 35-70 of the 105 blocks, so at ``P >= 4`` it moves more
-(:func:`communication_bytes` computes all of them; README, "Context parallelism").
-
-The hybrid's softmax layers keep diffusers' own ring / Ulysses path (their stock processors get the
-config from ``enable_parallelism``); cross-attention (text, Wan image tokens: not split) stays stock.
-Plans: Wan uses its own ``_cp_plan``; :func:`context_parallel_plan` gives plans for DiT and SANA.
+Why an all-reduce, the plans and the byte counts: ``docs/processor.md`` (Context parallelism).
 """
 
 from __future__ import annotations
@@ -104,14 +81,12 @@ def _context_config(model: nn.Module | None):
 
 
 def context_shard(num_tokens: int, total: int, heads: int = 0) -> Shard | None:
-    """The shard an MHLA layer of the running transformer holds, or ``None`` when it holds all ``total`` tokens.
+    """This rank's shard for an MHLA layer of the running transformer, or ``None`` when it holds all ``total`` tokens.
 
-    Read from the running model's ``_parallel_config`` (set by diffusers' ``enable_parallelism``). Heads mode
-    (:func:`sharded_mhla_attention`) in Ulysses mode (``ulysses_degree > 1``, ``ring_degree == 1``) when the
-    degree divides the layer's ``heads``; the summary exchange otherwise (ring mode, or heads it cannot split).
+    Heads mode in Ulysses mode when the degree divides ``heads``; the summary exchange otherwise.
 
     Raises:
-        RuntimeError: the layer received a token count that is neither ``total`` nor this rank's shard of it.
+        RuntimeError: a token count that is neither ``total`` nor this rank's shard of it.
     """
     cp = _context_config(current_model())
     if cp is None or num_tokens == total:
@@ -183,20 +158,14 @@ def sharded_mhla_attention(
     feature_eps: float = 0.0,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """MHLA of this rank's queries over the whole sequence, from its shard of q, k, v.
-
-    ``shard.heads_mode`` (Ulysses, the degree divides the heads): all-to-alls of q, k, v to ``heads / P`` heads
-    of all tokens, :func:`~mhla_diffusers.mhla_attention` there (any backend), the output back (as diffusers'
-    Ulysses attention moves softmax's). Otherwise: the summary exchange (one all-reduce, torch operations).
+    """MHLA of this rank's queries over the whole sequence, from its shard of q, k, v (heads mode or summary exchange).
 
     Args:
-        q, k: ``[B, heads, n, d]``, v: ``[B, heads, n, dv]``: the shard's tokens (``n = shard.length``).
-        mixing: ``[M, M]``, layout: the :class:`BlockLayout` of all ``shard.total`` tokens.
-        shard: from :func:`context_shard`.
+        q, k: ``[B, heads, n, d]``, v: ``[B, heads, n, dv]`` (``n = shard.length``). mixing: ``[M, M]``.
+        layout: the :class:`BlockLayout` of all ``shard.total`` tokens. shard: from :func:`context_shard`.
         normalize, eps, feature_eps, backend: as :func:`~mhla_diffusers.mhla_attention`.
-        rotary: the RoPE of the shard's tokens (an :class:`~mhla_diffusers.ops.InterleavedRotary`: Wan's), or ``None``.
-        rotary_key: an object that is the same for every layer of one forward (Wan: its rotary tensor): in
-            heads mode the tables of all tokens are all-gathered once per forward, not once per layer.
+        rotary: the shard's RoPE (Wan's :class:`~mhla_diffusers.ops.InterleavedRotary`) or ``None``.
+        rotary_key: one object per forward, so heads mode all-gathers the tables once per forward.
 
     Returns:
         ``[B, heads, n, dv]`` in ``q``'s dtype: rows ``[offset, offset + n)`` of the single-process output.
@@ -287,25 +256,13 @@ def _mhla_self_attention(model: nn.Module, family) -> list[tuple[str, bool]]:
 
 
 def context_parallel_plan(model: nn.Module) -> dict:
-    """The context-parallel plan to pass to ``model.enable_parallelism(config=..., cp_plan=...)`` for an MHLA model.
+    """The ``cp_plan`` for ``model.enable_parallelism(config=..., cp_plan=...)`` of an MHLA model, per ``Family.context_parallel``.
 
-    Per family (``Family.context_parallel``, set in each module of :mod:`mhla_diffusers.families`):
-
-    * Wan (``WanTransformer3DModel``): the model's own ``_cp_plan`` (tokens split at ``blocks.0``, RoPE
-      tables with them, gathered after ``proj_out``); MHLA and softmax layers (hybrid) both run on shards.
-    * DiT: tokens split at ``transformer_blocks.0``, gathered after ``proj_out_2``. Every self-attention layer
-      must run MHLA (DiT's stock ``AttnProcessor2_0`` has no context parallelism): ``layers="all"``.
-    * SANA: each MHLA self-attention layer alone is split (its input) and gathered (after ``to_out.0``):
-      SANA's feed-forward is a 3x3 convolution over the token grid, which a token shard cannot run, and its
-      stock linear-attention layers (a hybrid's) know no context parallelism, so they run on all tokens.
-      Exact for inference; for training, the parameters outside the MHLA layers get each rank's full
-      gradient and those inside its share, so SANA training under context parallelism is not supported.
-
-    Build the plan after installing MHLA (``apply_mhla`` / ``set_attn_processor``).
+    Wan: its own ``_cp_plan``; DiT: the trunk ``transformer_blocks.0`` .. ``proj_out_2`` (all layers MHLA);
+    SANA: each MHLA layer alone (inference only). Build it after installing MHLA.
 
     Raises:
-        ValueError: a model that is not a supported transformer or has no plan, a model without any MHLA
-            layer, or (``"trunk"`` plans: DiT) softmax self-attention layers left.
+        ValueError: unsupported model or no plan, no MHLA layer, or softmax self-attention left in a trunk plan.
     """
     # function-level import: diffusers' parallel classes import torch.distributed's device mesh
     from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
@@ -358,9 +315,7 @@ def cpu_device_mesh() -> Iterator[None]:
 
 
 def _token_count_check(degree: int, anything: bool, planned: frozenset[str] = frozenset()):
-    """Model forward pre-hook: a token count the context-parallel degree cannot split is an error naming the fix;
-    so is a layer of the plan that no longer runs MHLA (``planned``: the self-attention layers that must, the
-    ``"trunk"`` / ``"layers"`` plans, whose stock attention would silently see only this rank's tokens)."""
+    """Forward pre-hook refusing unsplittable token counts and planned layers that no longer run MHLA."""
 
     def check(model, args, kwargs):
         # a processor installed after enable_parallelism (remove_mhla putting the stock one back, a new processor)
@@ -411,23 +366,17 @@ def _attention_backend(attn: nn.Module) -> str:
 
 
 def enable_context_parallel(model: nn.Module, config) -> None:
-    """Put an MHLA transformer under diffusers' context parallelism, checked.
+    """Put an MHLA transformer under diffusers' context parallelism, checked (``torch.distributed`` initialised).
 
-    ``model.enable_parallelism(config=config, cp_plan=context_parallel_plan(model))`` (inside
-    :func:`cpu_device_mesh`, which matters only without an accelerator), after checking what the
-    degree needs, and with a forward pre-hook that refuses token counts the degree cannot split.
-    ``torch.distributed`` must be initialised (``torchrun``: ``init_process_group("nccl")``, or ``"gloo"`` on CPUs).
+    Calls ``model.enable_parallelism`` with :func:`context_parallel_plan` inside :func:`cpu_device_mesh`, and
+    adds a pre-hook refusing token counts the degree cannot split.
 
     Args:
-        model: a WanTransformer3DModel, DiTTransformer2DModel or SanaTransformer2DModel with MHLA installed.
         config: diffusers' ``ContextParallelConfig`` (``ring_degree=P`` or ``ulysses_degree=P``).
 
     Raises:
-        ValueError: no plan for the model (:func:`context_parallel_plan`); Ulysses mode with softmax
-            self-attention layers on shards (a Wan hybrid) whose head count the Ulysses degree does not divide
-            (without ``ulysses_anything``); ring mode with softmax self-attention layers (a Wan hybrid) on an
-            attention backend that does not return the log-sum-exp (diffusers' default ``"native"``); a degree
-            larger than the world size.
+        ValueError: no plan; hybrid softmax layers whose heads the Ulysses degree does not divide, or in
+            ring mode on a backend without log-sum-exp; a degree above the world size.
         RuntimeError: torch.distributed not initialised.
     """
     if not (dist.is_available() and dist.is_initialized()):
@@ -469,9 +418,7 @@ def enable_context_parallel(model: nn.Module, config) -> None:
 
 # -- the output gather of uneven shards on gloo ------------------------------------------------------
 class _PaddedAllGather(torch.autograd.Function):
-    """Every rank's ``[..., n_r, ...]`` (along ``dim``) -> the concatenation in rank order, for ranks holding
-    different ``n_r``: each shard is padded to the longest, gathered, trimmed (gloo's all_gather needs equal
-    sizes; diffusers' gather of uneven shards sends them as they are). Backward: this rank's slice."""
+    """All-gather of uneven shards along ``dim`` (padded, gathered, trimmed); backward: this rank's slice."""
 
     @staticmethod
     def forward(ctx, tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -531,24 +478,9 @@ def communication_bytes(
 ) -> dict[str, float]:
     """Bytes one rank sends for ONE attention layer's forward under context parallelism over ``world`` ranks.
 
-    From the shapes (diffusers 0.42's algorithms; ``world`` divides ``tokens`` and ``heads``):
-
-    * ``"ring"``: diffusers' ring attention (``rotate_method="allgather"``) all-gathers K and V; a ring
-      all-gather sends ``(P - 1)`` shards: ``(P - 1) * 2 * B * (N / P) * heads * d * activation_bytes``.
-    * ``"ulysses"``: four all-to-alls (q, k, v in, the output back), each sending ``(P - 1) / P`` of a
-      ``[B, N / P, heads, d]`` shard: ``4 * (P - 1) / P * B * (N / P) * heads * d * activation_bytes``.
-    * ``"mhla_heads"``: MHLA in heads mode (Ulysses): the same four all-to-alls as ``"ulysses"``.
-    * ``"rope_gather"``: heads mode with RoPE (Wan), once per FORWARD (not per layer): the ring all-gather of
-      the float32 cos / sin tables, ``(P - 1) * (N / P) * d * 4``.
-    * ``"mhla_payload"``: the tensor MHLA all-reduces: ``B * heads * M * d * (d + 1) * 4`` (float32
-      summaries, z packed as the last column; ``d * d`` without the normaliser).
-    * ``"mhla"``: what a ring all-reduce sends of it per rank: ``2 * (P - 1) / P * mhla_payload``.
-    * ``"mhla_alltoall_min"``: a lower bound for the alternative (reduce-scatter / all-to-all of mixed
-      summaries to the ranks that need them), reached only if no two ranks' queries share a block:
-      ``(P - 1) / P * mhla_payload``.
-    * ``"mhla_alltoall"`` (only with ``layout``, the :class:`BlockLayout` of the ``tokens``): that alternative
-      on the real geometry: the busiest rank sends every other rank the mixed summaries of all blocks that
-      rank's queries touch (contiguous shards as :func:`shard_sizes` cuts them).
+    From the shapes (diffusers 0.42's algorithms; ``world`` divides ``tokens`` and ``heads``); keys
+    ``"ring"``, ``"ulysses"``, ``"mhla_heads"``, ``"rope_gather"``, ``"mhla_payload"``, ``"mhla"``,
+    ``"mhla_alltoall_min"`` and, with ``layout``, ``"mhla_alltoall"``. Formulas: ``docs/processor.md``.
 
     Raises:
         ValueError: non-positive sizes, ``world < 2``, a layout of another token or block count.

@@ -36,16 +36,12 @@ __all__ = [
 
 
 class MHLAProcessor(GridReader, nn.Module):
-    """Attention processor: MHLA on self-attention layers, the family's stock processor, unchanged, on
-    cross-attention (SANA ``SanaAttnProcessor2_0``, Wan ``WanAttnProcessor``, else ``AttnProcessor2_0``).
+    """Attention processor: MHLA (paper Sec. 3.2) on self-attention, the family's stock processor, unchanged, on cross-attention.
 
-    Install with ``mhla_diffusers.apply_mhla(transformer)`` or the one-liner
-    ``transformer.set_attn_processor(MHLAProcessor())`` (matrices then created at the first forward, or
-    by ``materialize_mhla``). One processor may serve many layers; each keeps its own state
-    (``<attn>.mhla_mixing``, ``<attn>.mhla_output_norm``). A layer that has a matrix keeps it, unless the
-    processor's explicit spec contradicts it (``ValueError``: ``remove_mhla`` first). With ``M = 1`` it
-    is plain linear attention. An ``nn.Module`` without parameters (as diffusers' IP-Adapter processors).
-    Arguments and the whole contract: :meth:`__init__` and ``docs/processor.md``.
+    Install with ``mhla_diffusers.apply_mhla(transformer)`` or ``transformer.set_attn_processor(MHLAProcessor())``
+    (matrices at the first forward, or ``materialize_mhla``). One processor may serve many layers; each
+    keeps its own ``mhla_mixing`` / ``mhla_output_norm``. ``M = 1`` is plain linear attention. An
+    ``nn.Module`` without parameters. The contract: ``docs/processor.md``.
     """
 
     _attention_backend = None  # set by diffusers' set_attention_backend; forwarded to the stock processors
@@ -61,23 +57,19 @@ class MHLAProcessor(GridReader, nn.Module):
         output_norm: bool | None = None,
         feature_eps: float = 0.0,
     ):
-        """
-        Args:
-            num_blocks: target ``M`` when ``block_grid`` is not given (``None``: the family's default,
-                Wan 105, else ``round(sqrt(N) / 2)``), split near-square over the native token grid.
-            block_grid: ``(bt, bh, bw)`` / ``(bh, bw)``, or a preset of the family (Wan ``"paper"`` =
-                ``(3, 5, 7)``, ``"authors"`` = ``(3, 5, 10)``); fixed per layer, stretched at other sizes.
-            normalize: divide by ``phi(q) . z~ + eps`` (the paper's form) or not (numerator only).
+        """Args:
+            num_blocks: target ``M`` without ``block_grid`` (``None``: family default, Wan 105, else ``round(sqrt(N) / 2)``).
+            block_grid: ``(bt, bh, bw)`` / ``(bh, bw)`` or a family preset; fixed per layer, stretched at other sizes.
+            normalize: divide by ``phi(q) . z~ + eps`` (the paper's form) or numerator only.
             eps: denominator epsilon (``None``: the family's, DiT / Wan 1e-6, SANA 1e-15).
             backend: ``"auto"`` or one of :func:`~mhla_diffusers.available_backends`.
-            family: ``"dit"``, ``"sana"``, ``"wan"``; only for attention modules called outside their
-                transformer (``None``: the running transformer's).
-            output_norm: a per-head RMSNorm on the attention output (``None``: Wan when ``normalize=False``).
-            feature_eps: ``phi(x) = ReLU(x) + feature_eps`` (the authors' Wan model: 1e-6).
+            family: for attention modules called outside their transformer (``None``: the running one's).
+            output_norm: per-head RMSNorm on the output (``None``: Wan when ``normalize=False``).
+            feature_eps: ``phi(x) = ReLU(x) + feature_eps``.
 
         Raises:
-            ValueError: bad ``num_blocks``, ``block_grid``, ``eps``, ``feature_eps`` or ``backend``; an unknown
-                preset; ``num_blocks`` contradicting ``block_grid``.
+            ValueError: bad ``num_blocks``, ``block_grid``, ``eps``, ``feature_eps`` or ``backend``; unknown preset;
+                ``num_blocks`` contradicting ``block_grid``.
         """
         super().__init__()
         settings = spec.check_settings(num_blocks, block_grid, normalize, eps, backend, feature_eps)
@@ -117,18 +109,13 @@ class MHLAProcessor(GridReader, nn.Module):
         rotary_emb=None,
         **kwargs,
     ) -> torch.Tensor:
-        """Run the layer: MHLA for self-attention, the stock processor for cross-attention.
-
-        Takes what the family's stock processor takes (legacy ``Attention`` keywords with ``temb``;
-        ``WanAttention``'s positional ``(attn, hidden_states, encoder_hidden_states, attention_mask,
-        rotary_emb)``); ``hidden_states`` ``[B, N, C]`` (legacy 4-D ``[B, C, H, W]`` too).
+        """Run the layer on ``hidden_states`` ``[B, N, C]`` (or legacy ``[B, C, H, W]``), taking what the stock processor takes.
 
         Returns:
             The layer output, shaped and typed as the stock processor's.
 
         Raises:
-            RuntimeError: the token grid is unknown or does not match ``N``; ``family`` contradicts the
-                running transformer; an unsupported transformer class.
+            RuntimeError: unknown or mismatched token grid; ``family`` contradicting the transformer; unsupported class.
             ValueError: an attention mask on self-attention; a rotary embedding for a family without RoPE.
             TypeError: an argument the stock processor would refuse.
         """

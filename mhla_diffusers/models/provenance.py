@@ -1,11 +1,7 @@
-"""Provenance of a model: was it loaded from a converted MHLA checkpoint, and did the trained mixing
-matrices come with it?
+"""Provenance of a model: loaded from a converted MHLA checkpoint, and did its mixing matrices come with it?
 
-diffusers' own ``from_pretrained`` of a converted folder runs the base model without MHLA (the
-matrices live in ``mhla.safetensors``, which diffusers does not read). :func:`warn_if_stock_loaded`
-says so wherever that model is about to be used as if it had them (installing MHLA afresh,
-generating, converting). The checkpoint format (``mhla_diffusers.checkpoint.format``) writes the
-folders and sets :data:`LOADING_CONVERTED` inside its own loaders; this module only reads folders.
+A stock ``from_pretrained`` of a converted folder runs without MHLA; :func:`warn_if_stock_loaded` says so
+where the model is used as if it had them. Only reads folders; our loaders set :data:`LOADING_CONVERTED`.
 """
 
 from __future__ import annotations

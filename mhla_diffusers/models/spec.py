@@ -132,12 +132,7 @@ def resolve_output_norm(processor, family=None) -> bool:
 
 
 def check_layer(processor, attn, reference_grid: Sequence[int] | None = None, family=None) -> None:
-    """Refuse a layer whose MHLA state contradicts ``processor``'s explicit settings.
-
-    A processor without ``num_blocks`` / ``block_grid`` / ``output_norm`` accepts any layer. With one,
-    the layer's mixing matrix must have the block grid a fresh install would give it on the model's
-    native token grid ``reference_grid`` (``None``: unknown; then ``num_blocks`` must equal the
-    matrix's number of blocks), and its output norm must be there exactly when asked.
+    """Refuse a layer whose MHLA state (block grid, output norm) contradicts ``processor``'s explicit settings.
 
     Raises:
         ValueError: naming both settings and the fix, ``mhla_diffusers.remove_mhla(model)`` first.

@@ -81,19 +81,12 @@ class TrainingParts:
     """Everything :func:`train` builds besides the optimizer: models, objective, teacher, options.
 
     Attributes:
-        family: the family's name (``"dit"`` / ``"sana"`` / ``"wan"``).
-        transformer: the model being trained (fp32, train mode, MHLA installed if asked).
-        vae: the frozen autoencoder.
-        noise_scheduler: class-conditional families: the ``DDPMScheduler`` (its config also defines the exported
-            sampler); flow families: the ``FlowMatchEulerDiscreteScheduler`` sigma table.
-        objective: the :class:`~mhla_diffusers.training.flow.Objective` trained.
-        pipeline: text families: the loaded pipeline (``encode_prompt``, export), else ``None``.
-        id2label: class-conditional families: the pretrained pipeline's labels (the dataset's replace them in :func:`train`).
-        mhla_applied: names of the attention modules converted by this run (``[]`` if none).
-        teacher: the frozen distillation teacher, or ``None``. text: ``model.text`` options.
-        null_condition: text families: the empty caption's encoding (caption dropout on cached data).
-        expert: the pipeline component trained (``"transformer"``; Wan 2.2 A14B: ``"transformer"`` or
-            ``"transformer_2"``, see :func:`select_expert`).
+        family: ``"dit"`` / ``"sana"`` / ``"wan"``. transformer: trained, fp32, train mode.
+        vae: frozen. noise_scheduler: ``DDPMScheduler`` (class families) or the flow sigma table.
+        objective: the :class:`~mhla_diffusers.training.flow.Objective`. pipeline: text families' loaded pipeline.
+        id2label: class families' pretrained labels. mhla_applied: modules converted by this run.
+        teacher: frozen teacher or ``None``. text: ``model.text``. null_condition: the empty caption's encoding.
+        expert: the component trained (:func:`select_expert`). Fields in full: ``docs/training.md`` (Recipes).
     """
 
     family: str
@@ -218,14 +211,11 @@ class ClassConditionalRecipe(_Recipe):
 def select_expert(pipe, expert: str | None, where="the pipeline") -> tuple[str, tuple[float, float] | None]:
     """``(component name, timestep range)`` of the transformer to fine-tune in ``pipe`` (``model.expert``).
 
-    Wan 2.2 A14B denoises with two experts, switched at ``boundary = boundary_ratio * num_train_timesteps``
-    (diffusers' ``WanPipeline``): ``transformer`` for timesteps ``t >= boundary`` (high noise),
-    ``transformer_2`` for ``t < boundary`` (low noise); each is trained on its own range. A pipeline with
-    one transformer trains it on every timestep (range ``None``).
+    Wan 2.2 A14B: ``transformer`` on ``t >= boundary_ratio * num_train_timesteps``, ``transformer_2`` below;
+    one transformer: range ``None`` (every timestep).
 
     Raises:
-        ValueError: a two-expert pipeline without ``expert``; ``expert`` naming a component the pipeline
-            does not have.
+        ValueError: a two-expert pipeline without ``expert``, or an ``expert`` the pipeline lacks.
     """
     present = pipeline_transformers(pipe)
     boundary_ratio = getattr(pipe, "config", {}).get("boundary_ratio")
@@ -242,12 +232,7 @@ def select_expert(pipe, expert: str | None, where="the pipeline") -> tuple[str, 
 
 
 def _expert_folder(path, expert: str):
-    """The folder of ``expert`` in a pipeline folder ``path`` (Wan 2.2: ``<path>/transformer_2`` teaches the
-    low-noise expert); ``path`` itself for the first transformer or a transformer folder.
-
-    Raises:
-        FileNotFoundError: a pipeline folder without that expert.
-    """
+    """``expert``'s folder in pipeline folder ``path`` (``path`` itself for the first transformer); ``FileNotFoundError``."""
     path = Path(path)
     if expert == "transformer" or not (path / "model_index.json").is_file():
         return path
@@ -390,21 +375,14 @@ def get_recipe(family: str) -> _Recipe:
 
 # -- models, data, optimizer -----------------------------------------------------------------------
 def build_models(config: dict) -> TrainingParts:
-    """Build what training needs from ``config`` (``model``, ``mhla``, ``objective``, ``distill``,
-    ``lora``, ``train.trainable``).
-
-    Order: load the family's models; copy the teacher (``distill.teacher: original``) before anything
-    changes the weights; apply MHLA (unless the checkpoint has it); cast to fp32; choose the trainable
-    set (:func:`set_trainable`: full, LoRA, attention-only or mixing-only).
+    """Build what training needs from ``config``: load, copy the teacher, apply MHLA, cast to fp32, set the trainable set.
 
     Returns:
-        :class:`TrainingParts` (the transformer in fp32 and train mode; vae / text encoder / teacher
-        frozen in eval mode).
+        :class:`TrainingParts` (the transformer fp32, train mode; vae / text encoder / teacher frozen, eval).
 
     Raises:
-        ValueError: a bad ``model.init`` / ``model.vae`` / ``model.noise_scheduler`` dict, a model
-            that does not fit its family, an ``objective.kind`` the family does not train, a teacher
-            of another family.
+        ValueError: a bad ``model.init`` / ``model.vae`` / ``model.noise_scheduler``, a model not fitting its
+            family, an ``objective.kind`` the family does not train, a teacher of another family.
         FileNotFoundError, MHLACheckpointError: from :func:`mhla_diffusers.load_mhla_pipeline`.
     """
     family = resolve_family(config)
@@ -438,19 +416,13 @@ def build_models(config: dict) -> TrainingParts:
 
 
 def resize_transformer(transformer: torch.nn.Module, sample_size: int) -> torch.nn.Module:
-    """The same model at another latent size ``sample_size`` (progressive-resolution training; families whose
-    training spec is ``resizable``: DiT).
+    """The same model at latent size ``sample_size`` (progressive resolution; ``resizable`` families: DiT).
 
-    DiT's positional embedding is the fixed 2D sincos table of ``PatchEmbed`` (a non-persistent
-    buffer, rebuilt for the new grid: diffusers spaces positions by ``sample_size / patch_size``, so
-    the new size sees positions ``0 .. sample_size / patch - 1``, beyond the old range, which the
-    continued training adapts to); every learned weight is carried over unchanged. ``DiTPipeline``
-    samples at ``config.sample_size``, which is why the model is rebuilt rather than run at another size.
-    Returns ``transformer`` itself when the size is already ``sample_size``.
+    The sincos positional table is rebuilt, every learned weight carried over; returns ``transformer`` itself
+    when the size is unchanged. Why rebuilt: ``docs/training.md`` (Recipes, DiT).
 
     Raises:
-        ValueError: the model has MHLA (its block grids are tied to the old token grid: convert after
-            resizing), or ``sample_size`` does not divide by the patch size.
+        ValueError: the model has MHLA (convert after resizing), or ``sample_size`` does not divide by the patch size.
     """
     if int(transformer.config.sample_size) == sample_size:
         return transformer
