@@ -416,7 +416,10 @@ def test_ddp_training_checkpoint_with_numpy_rng_state(files, tmp_path, capsys):
     code, err = run_main("conversion/convert.py", "--family", "wan", "--from", "authors", "--src", path, "--config",
                          files["config"], "--out", tmp_path / "out", capsys=capsys)
     assert code == 0, err
-    assert torch.serialization.get_safe_globals() == before
+    # our numpy allow-list is gone again; torch registers its own classes when a module of it is first
+    # imported (torch.distributed.tensor's DTensorSpec, ...), which depends on what ran before this test
+    added = [g for g in torch.serialization.get_safe_globals() if g not in before]
+    assert not [g for g in added if not getattr(g, "__module__", "").startswith("torch.")], added
     with pytest.raises(Exception, match="Weights only load failed"):
         torch.load(path, weights_only=True)
     mixing = load_mhla_pipeline(tmp_path / "out").transformer.blocks[1].attn1.mhla_mixing.weight
