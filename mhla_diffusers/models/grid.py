@@ -267,8 +267,9 @@ _finder = None  # the handle of the process-wide module pre-hook, registered onl
 
 
 def await_model(attn: nn.Module) -> None:
-    """``attn`` was given an :class:`~mhla_diffusers.MHLAProcessor` (diffusers' ``set_processor``): until
-    its transformer is hooked, one process-wide module pre-hook looks for it."""
+    """``attn`` was given an :class:`~mhla_diffusers.MHLAProcessor` (diffusers' ``set_processor``), or is a
+    processor copied or unpickled with its model: until that model is found (its first forward hooks it),
+    one process-wide module pre-hook looks for it."""
     global _finder
     _waiting.add(attn)
     if _finder is None:
@@ -287,7 +288,8 @@ def _model_found(model: nn.Module) -> None:
     if not _waiting:
         return
     _waiting.difference_update(list(model.modules()))
-    for attn in [a for a in _waiting if not isinstance(getattr(a, "processor", None), GridReader)]:
+    # a layer whose processor is no longer MHLA waits no more; a copied processor waits for its model
+    for attn in [a for a in _waiting if not isinstance(a, GridReader) and not isinstance(getattr(a, "processor", None), GridReader)]:
         _waiting.discard(attn)
     if not _waiting and _finder is not None:
         _finder.remove()
@@ -306,11 +308,6 @@ def _hook_first_forward(model: nn.Module, args) -> None:
         _enter(model, args)  # the model's own pre-hook was registered too late for this call
 
 
-@torch.compiler.disable
-def _settle(model: nn.Module) -> None:
-    _model_found(model)
-
-
 def _find_model(module: nn.Module, args) -> None:
     # Runs before every module call while a layer waits: the type check (a trace-time constant under
     # torch.compile: other modules stop here), then the model's mark, then the scan for an MHLAProcessor.
@@ -318,5 +315,5 @@ def _find_model(module: nn.Module, args) -> None:
         return
     if not has_grid_hooks(module) and _runs_mhla(module):
         _hook_first_forward(module, args)
-    else:  # hooked already, or stock: its layers wait no more
-        _settle(module)
+    elif not torch.compiler.is_compiling():  # hooked already, or stock: its layers wait no more (eagerly:
+        _model_found(module)  # a traced forward must not break its graph for this bookkeeping)

@@ -17,7 +17,7 @@ from torch import nn
 
 from mhla_diffusers.models import layer_state, lazy, spec
 from mhla_diffusers.models.families import GENERIC, attention_family, find_family, get_family
-from mhla_diffusers.models.grid import GridReader, current_model, grid_of_call
+from mhla_diffusers.models.grid import GridReader, await_model, current_model, grid_of_call
 from mhla_diffusers.models.layer_state import OutputRMSNorm
 from mhla_diffusers.models.lazy import materialize_mhla, pending_mhla_layers
 from mhla_diffusers.models.parallel import context_shard, sharded_mhla_attention
@@ -82,9 +82,10 @@ class MHLAProcessor(GridReader, nn.Module):
         self._told_block_grids: set = set()  # (reference grid, block grid) already warned about
         lazy.track_processor(self)
 
-    def __setstate__(self, state):  # unpickled or deep-copied: a live processor too
+    def __setstate__(self, state):  # unpickled or deep-copied (with its model): live, and waiting for that model
         super().__setstate__(state)
         lazy.track_processor(self)
+        await_model(self)
 
     def __repr__(self) -> str:
         grid = repr(self.block_grid_preset) if self.block_grid_preset is not None else self.block_grid

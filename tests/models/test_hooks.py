@@ -107,3 +107,24 @@ def test_registration_hook_lives_only_while_an_mhla_processor_does():
     gc.collect()
     after = len(_ours(module_hooks._global_module_registration_hooks))
     assert before <= 1 and (after == 0) == (lazy_module._live_processors == 0), (before, after)
+
+
+def test_copies_of_a_one_liner_model_before_its_first_forward_find_their_model_too():
+    import copy
+    import io
+    import warnings
+
+    model = tiny_sana(num_layers=2, sample_size=8)
+    model.set_attn_processor(MHLAProcessor())
+    twin = copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = _run(model)  # the original is found first: the copies still wait
+        assert len(_global_forward_hooks()) == 1
+        assert torch.equal(_run(twin), expected)
+        buffer.seek(0)
+        assert torch.equal(_run(torch.load(buffer, weights_only=False)), expected)
+    gc.collect()
+    assert _global_forward_hooks() == [] and grid_module.waiting_layers() == 0
