@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test margins bench clean
+.PHONY: venv demo test margins bench docs site clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -39,5 +39,13 @@ margins: venv
 bench: venv
 	$(BIN)/python benchmarks/bench_ops.py
 
+# The documentation site (mkdocs.yml): `make docs` serves it at http://127.0.0.1:8000 and rebuilds on edits;
+# `make site` builds it into site/, failing on any warning (a broken link or anchor, a docstring griffe cannot parse).
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
+site: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
+
 clean:
-	rm -rf $(VENV) demo_out
+	rm -rf $(VENV) demo_out site

@@ -468,7 +468,7 @@ def markdown(report: dict, args) -> str:
         f"- load average start / end: {', '.join(f'{x:.2f}' for x in info['loadavg_start'])} / "
         f"{', '.join(f'{x:.2f}' for x in info['loadavg_end'])}; transparent hugepages: {info.get('transparent_hugepage')}",
         "- times: median wall-clock ms over the timed runs (one warm-up first); fwd = forward under no_grad, "
-        "fwd+bwd = forward + backward to q, k, v. Peak: memory growth during one call (see benchmarks/README.md).",
+        "fwd+bwd = forward + backward to q, k, v. Peak: memory growth during one call (see docs/performance.md).",
         "",
     ]
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]

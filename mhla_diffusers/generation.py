@@ -331,7 +331,7 @@ def generate_videos(
             with one denoising model, no prompts, a bad frame count, steps or dtype.
         ValueError: from the pipeline, e.g. a size Wan does not take.
 
-    Sizes and family details: ``docs/families.md`` (Generation helpers).
+    Sizes and family details: ``docs/generation.md``.
     """
     prompts = [str(p) for p in prompts]
     if not prompts:

@@ -349,10 +349,11 @@ def load_authors_wan(
         src: their checkpoint file (:func:`read_authors_state_dict`) or the loaded object.
         config: a local diffusers Wan2.1-T2V-1.3B pipeline or transformer folder, or a Hub id.
         torch_dtype: base weights' dtype (``None``: the file's); MHLA parameters are float32.
-        state_dict_key, block_grid: see :func:`read_authors_state_dict`, :func:`install_authors_mhla`.
+        state_dict_key: see :func:`read_authors_state_dict`.
+        block_grid (tuple[int, int, int]): see :func:`install_authors_mhla`.
 
     Returns:
-        ``(pipeline or None, transformer)``, the transformer in eval mode with ``config._mhla_native_size``.
+        (tuple): ``(pipeline or None, transformer)``, the transformer in eval mode with ``config._mhla_native_size``.
 
     Raises:
         AuthorsCheckpointError: as the readers above; stock keys unknown, missing or mis-shaped; another family.
@@ -400,8 +401,10 @@ def import_authors_wan(
         The spec written to ``mhla_config.json`` plus ``"native_size"`` and ``"out"``.
 
     Raises:
-        As :func:`load_authors_wan`; ``ValueError`` when ``out`` would replace ``src``;
-        ``FileExistsError`` for a non-empty ``out`` without ``overwrite``.
+        ValueError: ``out`` would replace ``src``.
+        FileExistsError: a non-empty ``out`` without ``overwrite``.
+
+    Otherwise raises as :func:`load_authors_wan`.
     """
     src_path, out_path = Path(src).resolve(), Path(out).resolve()
     if src_path == out_path or src_path.is_relative_to(out_path):

@@ -3,7 +3,7 @@
 :mod:`.base` holds the :class:`Family` entry, its hooks and the registry; :mod:`.dit`, :mod:`.sana` and
 :mod:`.wan` each hold one family. The generic modules read these entries and never name a family.
 Adding a family: one file in ``families/``, one import line below, one ``TINY`` entry in
-``tests/helpers_families.py`` (see ``docs/families.md``).
+``tests/helpers_families.py`` (see ``docs/families/index.md``).
 """
 
 from mhla_diffusers.families.base import *  # noqa: F403  (the registry API and the hook classes)

@@ -2,7 +2,7 @@
 
 Generic modules ask the registry (:func:`family_of`, :func:`get_family`, :data:`FAMILIES`) and call
 the entry's fields and hooks instead of naming families. Imports only torch and diffusers, so every
-part of the package may import it. Fields and hooks in full: ``docs/families.md``.
+part of the package may import it. Fields and hooks in full: ``docs/families/index.md``.
 """
 
 from __future__ import annotations

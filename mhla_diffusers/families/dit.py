@@ -2,7 +2,7 @@
 
 The :data:`DIT` entry, its training specifics (DDPM epsilon, null class, from scratch), checkpoint
 quirks (``Transformer2DModel`` alias, ``id2label`` repair) and its ``"trunk"`` context-parallel plan.
-Details: ``docs/families.md``.
+Details: ``docs/families/index.md``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The :data:`SANA` entry (stock eps 1e-15, q/k norms across heads, fp16 output clip), Gemma-2 prompt
 encoding, flow-matching training and the ``"layers"`` context-parallel plan (the feed-forward's 3x3
-convolution mixes tokens). Details: ``docs/families.md``.
+convolution mixes tokens). Details: ``docs/families/index.md``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The :data:`WAN` entry (positional processor calls, q/k norms across heads, 3D RoPE after the feature
 map in the numerator only, default ``M = 105``, presets ``"paper"`` / ``"authors"``), native sizes, Wan
 2.2's two experts, UMT5 prompt encoding, image-to-video, training and the model's own context-parallel
-plan. Details: ``docs/families.md``.
+plan. Details: ``docs/families/index.md``.
 """
 
 from __future__ import annotations

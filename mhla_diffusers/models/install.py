@@ -71,10 +71,17 @@ def apply_mhla(
         layers: ``"all"``, ``"hybrid"`` (stock on 0, 3, 6, ...), indices, or ``"auto"`` (most sensitive keep stock).
         num_blocks: target ``M`` (``None``: family default, Wan 105, else ``round(sqrt(N) / 2)``).
         block_grid: ``(bt, bh, bw)`` or a family preset; overrides ``num_blocks``.
-        normalize, eps, backend, output_norm, feature_eps: see :class:`MHLAProcessor`.
-        init: ``"locality"`` (paper) or ``"uniform"``. mixing_clamp: clamp to ``[0, 1]`` (default) or not.
-        keep_softmax, max_attention_cost, calibration, sensitivity: ``layers="auto"`` only: ``K`` stock
-            layers or a cost budget ``0 < F <= 1``; scores measured on ``calibration`` or given.
+        normalize: see :class:`MHLAProcessor`.
+        eps: see :class:`MHLAProcessor`.
+        backend: see :class:`MHLAProcessor`.
+        init: ``"locality"`` (paper) or ``"uniform"``.
+        output_norm: see :class:`MHLAProcessor`.
+        feature_eps: see :class:`MHLAProcessor`.
+        mixing_clamp: clamp to ``[0, 1]`` (default) or not.
+        keep_softmax: ``layers="auto"`` only: ``K`` stock layers.
+        max_attention_cost: ``layers="auto"`` only: a cost budget ``0 < F <= 1``.
+        calibration: ``layers="auto"`` only: the inputs the scores are measured on.
+        sensitivity (LayerSensitivity | Mapping | Sequence): ``layers="auto"`` only: the scores, given.
 
     Returns:
         Names of the converted attention modules.

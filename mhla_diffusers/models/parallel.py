@@ -372,7 +372,7 @@ def enable_context_parallel(model: nn.Module, config) -> None:
     adds a pre-hook refusing token counts the degree cannot split.
 
     Args:
-        config: diffusers' ``ContextParallelConfig`` (``ring_degree=P`` or ``ulysses_degree=P``).
+        config (ContextParallelConfig): diffusers' ``ContextParallelConfig`` (``ring_degree=P`` or ``ulysses_degree=P``).
 
     Raises:
         ValueError: no plan; hybrid softmax layers whose heads the Ulysses degree does not divide, or in

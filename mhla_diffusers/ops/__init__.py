@@ -59,7 +59,9 @@ def mhla_attention(
     ``docs/operator.md``.
 
     Args:
-        q, k: ``[B, heads, N, d]``; v: ``[B, heads, N, d_v]``; fp16, bf16, fp32 or fp64, one device.
+        q: ``[B, heads, N, d]``.
+        k: ``[B, heads, N, d]``.
+        v: ``[B, heads, N, d_v]``; q, k, v: fp16, bf16, fp32 or fp64, one device.
         mixing: ``[M, M]`` (rows = query blocks), used as given (no clamping).
         layout: :class:`~mhla_diffusers.BlockLayout` with ``N`` tokens.
         backend: ``"auto"`` or one of :func:`available_backends`.

@@ -2,7 +2,7 @@
 
 Imports triton only at the first call. Runs on CUDA tensors, or on CPU under ``TRITON_INTERPRET=1``
 (tests). ``"auto"`` picks it only with ``MHLA_AUTO_TRITON=1`` and a working driver: the kernels
-have not yet run on a GPU here (``benchmarks/TRITON.md``). See ``docs/operator.md``, "The Triton backend".
+have not yet run on a GPU here (``docs/triton.md``). See ``docs/operator.md``, "The Triton backend".
 """
 
 from __future__ import annotations
