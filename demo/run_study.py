@@ -49,13 +49,16 @@ VARIANTS = {  # name -> conversion arguments (None: the softmax control)
     "mhla_hybrid": {"layers": "hybrid"},
     "mhla_auto": {"layers": "auto"},
     "linear": {"layers": "all", "block_grid": (1, 1, 1)},
+    "mhla_auto1": {"layers": "auto", "keep_softmax": 1},  # the automatic hybrid keeping ONE softmax layer
 }
+DEFAULT_VARIANTS = ["softmax", "mhla_all", "mhla_hybrid", "mhla_auto", "linear"]
 LABELS = {
     "softmax": "softmax (control)",
     "mhla_all": "MHLA, all layers",
     "mhla_hybrid": "MHLA hybrid, softmax on 0, 3",
     "mhla_auto": "MHLA hybrid, auto",
     "linear": "plain linear (M = 1)",
+    "mhla_auto1": "MHLA hybrid, auto, 1 softmax layer",
 }
 
 
@@ -63,7 +66,10 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="study_out", help="output folder (replaced if it exists)")
     p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES), help="token counts to study")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0],
+                   help="training seeds (noise, timesteps, dropout, crops); the held-out set is the same for all. "
+                        "Seed 0 is the config's own seeds; the report gives mean, std and range over seeds")
     p.add_argument("--config", default=str(CONFIG), help="the fine-tuning config (recipe, data, held-out set)")
     p.add_argument("--distill-steps", type=int, default=30, help="label-free distillation steps per student")
     p.add_argument("--distill-lr", type=float, default=2e-4, help="distillation learning rate (fine-tuning: the config's)")
@@ -102,7 +108,8 @@ def convert_variant(name: str, size: dict, out: Path, args) -> tuple[Path, dict 
         options["num_blocks"] = args.num_blocks or size["num_blocks"]
     if options["layers"] == "auto":
         pipe = load_mhla_pipeline(size["base"])
-        options.update(keep_softmax=args.keep_softmax, calibration=calibration_batches(pipe, args.calibration_samples))
+        options.setdefault("keep_softmax", args.keep_softmax)
+        options.update(calibration=calibration_batches(pipe, args.calibration_samples))
     spec = convert_checkpoint(size["base"], out, family="dit", **options)
     return out, spec, time.perf_counter() - t0
 
@@ -116,18 +123,19 @@ def study_size(tokens: str, args, out: Path) -> dict:
     from mhla_diffusers.training import retrofit
 
     size = SIZES[tokens]
-    overrides = size["overrides"] + [f"eval.samples={args.val_samples}"]
     results = {}
-    for name in args.variants:
-        done = out / "results" / f"{tokens}_{name}.json"
+    for seed, name in [(seed, name) for seed in args.seeds for name in args.variants]:
+        key = name if seed == 0 else f"{name}_seed{seed}"
+        done = out / "results" / f"{tokens}_{key}.json"
+        overrides = size["overrides"] + [f"eval.samples={args.val_samples}"] + seed_overrides(seed)
         if done.is_file():
-            results[name] = json.loads(done.read_text())
-            print(f"[study] {tokens} tokens: {name}: reusing {done}", flush=True)
+            results[key] = json.loads(done.read_text())
+            print(f"[study] {tokens} tokens: {key}: reusing {done}", flush=True)
             continue
-        print(f"[study] {tokens} tokens: {name}", flush=True)
+        print(f"[study] {tokens} tokens: {key}", flush=True)
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        start, spec, t_convert = convert_variant(name, size, out / "checkpoints" / f"{tokens}_{name}", args)
-        r = retrofit(args.config, start, size["base"], out / "runs" / f"{tokens}_{name}", distill_steps=args.distill_steps,
+        start, spec, t_convert = convert_variant(name, size, out / "checkpoints" / f"{tokens}_{key}", args)
+        r = retrofit(args.config, start, size["base"], out / "runs" / f"{tokens}_{key}", distill_steps=args.distill_steps,
                      distill_lr=args.distill_lr,
                      finetune_steps=args.distill_steps + args.finetune_steps if spec is None else args.finetune_steps,
                      overrides=overrides)
@@ -135,18 +143,24 @@ def study_size(tokens: str, args, out: Path) -> dict:
         diag = None
         if not args.quick:
             diag = diagnose_pipeline(pipe, num_samples=1, timesteps=(500,), num_blocks=args.num_blocks or size["num_blocks"])
-            plot_rank_entropy(diag["layers"], out / f"rank_entropy_{tokens}_{name}.png")
+            plot_rank_entropy(diag["layers"], out / f"rank_entropy_{tokens}_{key}.png")
         t1 = time.perf_counter()
         images = generate_class_images(r["final_dir"], list(range(10)), steps=args.sample_steps, guidance_scale=4.0, seed=0, pipe=pipe)
-        save_grid(images, out / f"samples_{tokens}_{name}.png", rows=2)
+        save_grid(images, out / f"samples_{tokens}_{key}.png", rows=2)
         layers = None if spec is None else spec["layers"]
-        results[name] = {"label": LABELS[name], "mhla_layers": layers, "selection": None if spec is None else spec.get("selection"),
+        results[key] = {"label": LABELS[name] + ("" if seed == 0 else f", seed {seed}"), "variant": name, "seed": seed,
+                        "mhla_layers": layers, "selection": None if spec is None else spec.get("selection"),
                          "convert_s": round(t_convert, 1), "generate_s": round(time.perf_counter() - t1, 1), **r,
                          "diagnostics": None if diag is None else _layer_summary(diag),
                          "total_wall_s": round(time.perf_counter() - wall0, 1), "total_cpu_s": round(time.process_time() - cpu0, 1)}
-        atomic_write_json(done, results[name])
+        atomic_write_json(done, results[key])
         del pipe
     return results
+
+
+def seed_overrides(seed: int) -> list[str]:
+    """Seed 0: the config as it is (the committed single-seed study); seed s: other training draws and crops."""
+    return [] if seed == 0 else [f"train.seed={seed}", f"data.seed={seed + 1}"]
 
 
 def _layer_summary(diag: dict) -> list[dict]:
@@ -157,13 +171,36 @@ def _layer_summary(diag: dict) -> list[dict]:
 
 
 def gap_closed(results: dict) -> dict:
-    """Fraction of the plain-linear-to-softmax gap each model closes, on the final held-out loss."""
-    if "softmax" not in results or "linear" not in results:
-        return {}
-    lo, hi = results["softmax"]["heldout_loss"]["finetune"], results["linear"]["heldout_loss"]["finetune"]
-    if lo is None or hi is None or hi == lo:
-        return {}
-    return {name: round((hi - r["heldout_loss"]["finetune"]) / (hi - lo), 3) for name, r in results.items()}
+    """Fraction of the plain-linear-to-softmax gap each model closes, on the final held-out loss, against the
+    control and plain linear attention of the same seed."""
+    gaps = {}
+    for key, r in results.items():
+        suffix = "" if r.get("seed", 0) == 0 else f"_seed{r['seed']}"
+        control, linear = results.get("softmax" + suffix), results.get("linear" + suffix)
+        if control is None or linear is None:
+            continue
+        lo, hi = control["heldout_loss"]["finetune"], linear["heldout_loss"]["finetune"]
+        if lo is not None and hi is not None and hi != lo:
+            gaps[key] = round((hi - r["heldout_loss"]["finetune"]) / (hi - lo), 3)
+    return gaps
+
+
+def over_seeds(results: dict, gaps: dict) -> dict:
+    """Per variant: the fine-tuned held-out loss and the gap closed over seeds (mean, std, min, max, n)."""
+    import statistics
+
+    def stats(values):
+        values = [v for v in values if v is not None]
+        if not values:
+            return None
+        return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+                "min": min(values), "max": max(values), "n": len(values)}
+
+    variants = dict.fromkeys(r.get("variant", key) for key, r in results.items())
+    return {name: {"label": LABELS.get(name, name),
+                   "loss": stats([r["heldout_loss"]["finetune"] for r in results.values() if r.get("variant") == name]),
+                   "gap": stats([gaps.get(k) for k, r in results.items() if r.get("variant") == name])}
+            for name in variants}
 
 
 def main(argv=None) -> int:
@@ -181,7 +218,7 @@ def main(argv=None) -> int:
         print(f"run_study.py: no pretrained base for {missing} tokens (see demo/base_dit*/README.md)", file=sys.stderr)
         return 2
     out = Path(args.out)
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "sizes", "variants")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "sizes", "variants", "seeds")}
     if args.resume and (out / "settings.json").is_file() and json.loads((out / "settings.json").read_text()) != settings:
         print(f"run_study.py: --resume with other settings than {out / 'settings.json'}; use a new --out", file=sys.stderr)
         return 2
@@ -194,7 +231,9 @@ def main(argv=None) -> int:
     for tokens in args.sizes:
         results = study_size(tokens, args, out)
         wall = sum(r.get("total_wall_s", 0.0) for r in results.values())  # of the runs that made them (--resume)
-        sizes[tokens] = {"results": results, "gap_closed": gap_closed(results), "wall_time_s": round(wall, 1)}
+        gaps = gap_closed(results)
+        sizes[tokens] = {"results": results, "gap_closed": gaps, "over_seeds": over_seeds(results, gaps),
+                         "wall_time_s": round(wall, 1)}
     report = {
         "wall_time_s": round(sum(s["wall_time_s"] for s in sizes.values()), 1),
         "this_run_wall_time_s": round(time.perf_counter() - t_start, 1),
@@ -258,8 +297,24 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['label']} | {kept} | {h['conversion']:.4f} | {h['distill']:.4f} | **{h['finetune']:.4f}** | "
                          f"{gap.get(name, float('nan')):.0%} | {r.get('total_cpu_s', '-')} ({r.get('total_wall_s', '-')}) |")
         lines.append("")
+        lines += _seeds_table(block.get("over_seeds", {}), report["settings"].get("seeds", [0]))
         lines += _diagnostics_table(block["results"])
     return "\n".join(lines) + "\n"
+
+
+def _seeds_table(summary: dict, seeds: list[int]) -> list[str]:
+    if len(seeds) < 2:
+        return []
+    out = [f"Over seeds {', '.join(map(str, seeds))} (mean ± std, range in brackets):", "",
+           "| model | fine-tuned held-out loss | gap closed |", "|---|---|---|"]
+    for s in summary.values():
+        loss, gap = s["loss"], s["gap"]
+        if loss is None:
+            continue
+        gap_text = "-" if gap is None else f"{gap['mean']:.0%} ± {gap['std']:.0%} ({gap['min']:.0%} to {gap['max']:.0%})"
+        out.append(f"| {s['label']} | {loss['mean']:.4f} ± {loss['std']:.4f} ({loss['min']:.4f} to {loss['max']:.4f}) | "
+                   f"{gap_text} |")
+    return out + [""]
 
 
 def _diagnostics_table(results: dict) -> list[str]:
