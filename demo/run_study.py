@@ -196,10 +196,10 @@ def over_seeds(results: dict, gaps: dict) -> dict:
         return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
                 "min": min(values), "max": max(values), "n": len(values)}
 
-    variants = dict.fromkeys(r.get("variant", key) for key, r in results.items())
+    variants = dict.fromkeys(r.get("variant", key) for key, r in results.items())  # results of older runs: key = name
     return {name: {"label": LABELS.get(name, name),
-                   "loss": stats([r["heldout_loss"]["finetune"] for r in results.values() if r.get("variant") == name]),
-                   "gap": stats([gaps.get(k) for k, r in results.items() if r.get("variant") == name])}
+                   "loss": stats([r["heldout_loss"]["finetune"] for k, r in results.items() if r.get("variant", k) == name]),
+                   "gap": stats([gaps.get(k) for k, r in results.items() if r.get("variant", k) == name])}
             for name in variants}
 
 
