@@ -173,39 +173,6 @@ def main(argv=None) -> int:
     norm.add_argument("--no-output-norm", dest="output_norm", action="store_false", help="no output RMSNorm")
     parser.add_argument("--eps", type=float, default=None, help="denominator epsilon (default: family default)")
     parser.add_argument(
-        "--mixing-init", default=None, metavar="NAME",
-        help="start of the mixing matrices: a MixingMatrix init name (default locality, the paper's; uniform; ...) or "
-        "authors_constant (the authors' Wan start: mixing matrix and output-norm weight at 1e-6)",
-    )
-    parser.add_argument(
-        "--feature-eps", type=float, default=None, help="phi = ReLU(x) ** p + feature_eps (default 0; the authors' Wan 1e-6)"
-    )
-    parser.add_argument(
-        "--feature-power", type=float, default=None, metavar="P", help="phi = ReLU(x) ** P (default 1: ReLU; P > 0)"
-    )
-    parser.add_argument(
-        "--no-mixing-clamp", action="store_true",
-        help="use the mixing matrices as stored, not clamped to [0, 1] (the authors' Wan run)",
-    )
-    parser.add_argument(
-        "--rope", choices=("after", "before", "none"), default=None,
-        help="wan: where RoPE goes: after the feature map, numerator only (default) | before it (q, k rotated, then "
-        "phi) | none; families without RoPE take none only",
-    )
-    parser.add_argument(
-        "--gate", choices=("neutral", "authors"), default=None,
-        help="an output gate from the layer's input tokens: neutral (out * 2 sigmoid(Wx + b), zero start: the output "
-        "unchanged) | authors (out * SiLU(Wx + b), nn.Linear's init); default none",
-    )
-    parser.add_argument(
-        "--lepe", action="store_true",
-        help="LePE: a depthwise 3x3 (wan: 3x3x3) convolution of the values over the token grid, added to the output",
-    )
-    parser.add_argument(
-        "--lepe-init", choices=("zeros", "authors"), default=None,
-        help="--lepe: zeros (default: the output without LePE at the start) | authors (PyTorch's conv init)",
-    )
-    parser.add_argument(
         "--dtype", choices=sorted(DTYPES), default="keep", help="dtype of the written base weights (keep: as stored)"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
@@ -215,9 +182,6 @@ def main(argv=None) -> int:
         return _import_authors(args)
     if args.state_dict_key is not None:
         print("convert.py: --state-dict-key only applies with --from authors", file=sys.stderr)
-        return 2
-    if args.lepe_init is not None and not args.lepe:
-        print("convert.py: --lepe-init only applies with --lepe", file=sys.stderr)
         return 2
 
     import torch
@@ -247,7 +211,6 @@ def main(argv=None) -> int:
             layers_2=args.layers_2,
             calibration_latent_size=args.calibration_latent_size,
             device=args.device,
-            **_options(args),
         )
     except AlreadyConvertedError as err:
         print(f"convert.py: {err}", file=sys.stderr)
@@ -257,20 +220,6 @@ def main(argv=None) -> int:
         return 2
     print(json.dumps(spec, indent=2))
     return 0
-
-
-def _options(args) -> dict:
-    """The per-layer options given on the command line, as convert_checkpoint keywords (defaults left out)."""
-    options = {
-        "init": args.mixing_init, "feature_eps": args.feature_eps, "feature_power": args.feature_power, "rope": args.rope,
-        "gate": args.gate, "lepe_init": args.lepe_init,
-    }
-    options = {key: value for key, value in options.items() if value is not None}
-    if args.lepe:
-        options["lepe"] = True
-    if args.no_mixing_clamp:
-        options["mixing_clamp"] = False
-    return options
 
 
 def _import_authors(args) -> int:
@@ -286,9 +235,6 @@ def _import_authors(args) -> int:
                                                        args.calibration_latent_size)),
         "--device": args.device is not None,
         "--layers-2": args.layers_2 is not None,
-        "--mixing-init / --feature-eps / --feature-power / --no-mixing-clamp / --rope / --gate / --lepe / --lepe-init": bool(
-            _options(args)
-        ),
     }
     fixed = [flag for flag, on in given.items() if on]
     problem = None

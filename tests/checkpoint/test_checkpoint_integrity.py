@@ -219,9 +219,9 @@ def test_settings_are_recorded_beside_the_weights(saved):
     assert recorded == {
         "family": "dit", "model_class": "DiTTransformer2DModel", "num_layers": 3, "layers": [1, 2],
         "block_grid": [1, 2, 2], "num_blocks": 4, "normalize": True, "eps": config["eps"], "output_norm": False,
-        "feature_eps": 0.0, "mixing_clamp": True, "lepe": False, "gate": None, "rope": None, "feature_power": 1.0,
+        "feature_eps": 0.0, "mixing_clamp": True,
     }
-    assert config["format_version"] == 2
+    assert config["format_version"] == 1
 
 
 @pytest.mark.parametrize(
