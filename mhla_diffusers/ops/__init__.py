@@ -25,6 +25,7 @@ from mhla_diffusers.ops.backends import (
 )
 from mhla_diffusers.ops.layout import BlockLayout
 from mhla_diffusers.ops.naive import implied_attention, mhla_attention_reference
+from mhla_diffusers.ops.positional import DENOMINATORS, check_equal_blocks, positional_denominator
 from mhla_diffusers.ops.rotary import InterleavedRotary
 from mhla_diffusers.ops.torch_ops import compute_dtype
 
@@ -49,13 +50,16 @@ def mhla_attention(
     feature_map: str | None = "relu",
     rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
     feature_eps: float = 0.0,
+    feature_power: float = 1.0,
+    denominator: str = "paper",
 ) -> torch.Tensor:
     """Multi-Head Linear Attention over the blocks of ``layout`` (MHLA paper, Sec. 3.2).
 
     With ``S_b = phi(K_b)^T V_b``, ``z_b = sum_{t in b} phi(k_t)``, ``S~ = Mc S``, ``z~ = Mc z``, a query in
     block ``i`` gets ``phi(q) S~_i / (phi(q) . z~_i + eps)`` (the numerator alone if not ``normalize``);
-    with ``rotary = R`` the numerator uses ``R phi(.)``. ``phi`` is ReLU (``feature_map="relu"``) or the
-    identity (``None``), plus ``feature_eps``. Accumulates in fp32 (fp64 for fp64 inputs). See
+    with ``rotary = R`` the numerator uses ``R phi(.)``. ``phi`` is ``ReLU(x) ** feature_power``
+    (``feature_map="relu"``; the power map of the authors' code for ``feature_power != 1``) or the identity
+    (``None``), plus ``feature_eps``. Accumulates in fp32 (fp64 for fp64 inputs). See
     ``docs/operator.md``.
 
     Args:
@@ -66,6 +70,14 @@ def mhla_attention(
         layout: :class:`~mhla_diffusers.BlockLayout` with ``N`` tokens.
         backend: ``"auto"`` or one of :func:`available_backends`.
         rotary: ``None``, an :class:`InterleavedRotary`, or a callable ``[B, heads, N, d] -> same``.
+        feature_eps: a constant ``>= 0`` added to every feature.
+        feature_power: ``p > 0`` of ``phi = ReLU(x) ** p`` (``feature_map="relu"`` only). Features with
+            ``feature_eps`` or ``p != 1`` are computed here, in the accumulation dtype, and every backend gets
+            them as ready features, so all backends support both.
+        denominator: ``"paper"`` (``phi(q) . z~_i``) or ``"authors_dit"``: the normaliser of the authors' DiT
+            layer, ``sum_j Mc[i, j] phi(q[j, l]) . z_j`` for the query at position ``l`` of block ``i``
+            (:mod:`~mhla_diffusers.ops.positional`; blocks of equal size; computed in torch beside any backend's
+            numerator).
 
     Returns:
         ``[B, heads, N, d_v]`` in ``q.dtype``, differentiable in q, k, v and ``mixing``.
@@ -73,7 +85,9 @@ def mhla_attention(
     Raises:
         TypeError: ``layout`` is not a ``BlockLayout``.
         ValueError: mismatched shapes, layout or mixing; non-float dtypes; mixed devices; ``eps < 0``;
-            an unknown backend or feature map; a bad ``feature_eps``; a shape-changing ``rotary``.
+            an unknown backend or feature map; a bad ``feature_eps`` or ``feature_power`` (or ``p != 1`` without
+            ``feature_map="relu"``); a shape-changing ``rotary``; an unknown ``denominator``, ``"authors_dit"``
+            without ``normalize`` or on blocks of unequal size.
     """
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a mhla_diffusers.BlockLayout; got {type(layout).__name__}")
@@ -105,9 +119,15 @@ def mhla_attention(
         raise ValueError(f"eps must be >= 0; got {eps}")
     if feature_map not in ("relu", None):
         raise ValueError(f'feature_map must be "relu" (phi = ReLU) or None (q, k are features already); got {feature_map!r}')
-    if feature_eps:
-        return _with_feature_eps(
-            q, k, v, mixing, layout, feature_eps,
+    _check_features(feature_eps, feature_power, feature_map)
+    if denominator != "paper":
+        return _authors_dit_attention(
+            q, k, v, mixing, layout, feature_eps, feature_power, denominator,
+            normalize=normalize, eps=eps, backend=backend, feature_map=feature_map, rotary=rotary,
+        )
+    if feature_eps or feature_power != 1:
+        return _with_features(
+            q, k, v, mixing, layout, feature_eps, feature_power,
             normalize=normalize, eps=eps, backend=backend, feature_map=feature_map, rotary=rotary,
         )
     name = resolve_backend(backend, q.device)
@@ -123,16 +143,48 @@ def mhla_attention(
     return _rotary_attention(fn, q, k, v, mixing, layout, rotary, normalize=normalize, eps=eps, feature_map=feature_map)
 
 
-def _with_feature_eps(q, k, v, mixing, layout, feature_eps, *, feature_map, **kwargs):
-    """MHLA with ``phi(x) = feature_map(x) + feature_eps``, the features computed here in the accumulation dtype."""
+def _check_features(feature_eps, feature_power, feature_map) -> None:
+    """Raises ``ValueError``: a bad ``feature_eps`` or ``feature_power``, or ``feature_power != 1`` without ReLU."""
     if isinstance(feature_eps, bool) or not isinstance(feature_eps, (int, float)) or not 0 <= feature_eps < float("inf"):
         raise ValueError(f"feature_eps must be a finite number >= 0; got {feature_eps!r}")
+    if isinstance(feature_power, bool) or not isinstance(feature_power, (int, float)) or not 0 < feature_power < float("inf"):
+        raise ValueError(f"feature_power must be a finite number > 0 (phi = ReLU(x) ** p); got {feature_power!r}")
+    if feature_power != 1 and feature_map != "relu":
+        raise ValueError(f'feature_power={feature_power} needs feature_map="relu" (phi = ReLU(x) ** p); got {feature_map!r}')
+
+
+def _with_features(q, k, v, mixing, layout, feature_eps, feature_power, *, feature_map, **kwargs):
+    """MHLA with ``phi(x) = ReLU(x) ** feature_power + feature_eps`` (identity for ``feature_map=None``), the
+    features computed here in the accumulation dtype and handed to the backend as ready features."""
+    phi_q, phi_k = _features(q, k, feature_map, feature_eps, feature_power)
+    out = mhla_attention(phi_q, phi_k, v, mixing, layout, feature_map=None, **kwargs)
+    return out.to(q.dtype)
+
+
+def _features(q, k, feature_map, feature_eps, feature_power):
+    """``phi(q), phi(k)`` in the accumulation dtype: ``ReLU(x) ** feature_power + feature_eps`` (``x + eps`` without ReLU)."""
     acc = compute_dtype(q.dtype)
     phi_q, phi_k = q.to(acc), k.to(acc)
     if feature_map == "relu":
         phi_q, phi_k = torch.relu(phi_q), torch.relu(phi_k)
-    out = mhla_attention(phi_q + feature_eps, phi_k + feature_eps, v, mixing, layout, feature_map=None, **kwargs)
-    return out.to(q.dtype)
+    if feature_power != 1:
+        phi_q, phi_k = phi_q ** feature_power, phi_k ** feature_power
+    return phi_q + feature_eps, phi_k + feature_eps
+
+
+def _authors_dit_attention(q, k, v, mixing, layout, feature_eps, feature_power, denominator, *, normalize, eps, backend,
+                           feature_map, rotary):
+    """The paper's numerator over the backend divided by the authors' DiT normaliser (ops/positional.py)."""
+    if denominator not in DENOMINATORS:
+        raise ValueError(f"denominator must be one of {', '.join(map(repr, DENOMINATORS))}; got {denominator!r}")
+    if not normalize:
+        raise ValueError(f'denominator="{denominator}" is a normaliser: it needs normalize=True (normalize=False has none)')
+    check_equal_blocks(layout)
+    phi_q, phi_k = _features(q, k, feature_map, feature_eps, feature_power)
+    num = mhla_attention(phi_q, phi_k, v, mixing, layout, normalize=False, eps=eps, backend=backend, feature_map=None,
+                         rotary=rotary)
+    den = positional_denominator(phi_q, phi_k, mixing, layout)
+    return (num / (den + eps)).to(q.dtype)
 
 
 def _rotary_attention(fn, q, k, v, mixing, layout, rotary, *, normalize, eps, feature_map):

@@ -13,34 +13,88 @@ from torch import nn
 
 from mhla_diffusers.ops.layout import BlockLayout, normalize_grid
 
-__all__ = ["mixing_init", "MixingMatrix", "clamp_mixing_", "mixing_parameters"]
+__all__ = ["MIXING_INITS", "mixing_init", "MixingMatrix", "clamp_mixing_", "mixing_parameters"]
 
 
-def mixing_init(layout: BlockLayout | Iterable[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The paper's locality-biased initial mixing matrix ``[M, M]`` (CPU), rows summing to 1 (Sec. 3.3).
+MIXING_INITS = ("locality", "uniform", "cos", "exp", "gaussian", "local")
+"""The mixing-matrix starts :class:`MixingMatrix` knows (``docs/operator.md``, "The mixing matrix")."""
 
-    ``Mc0[i, j] = 1 - dist(i, j) / max_k dist(i, k)`` over block centres, then each row normalised
-    (the paper's rows, not the authors' code's columns). ``layout``: a :class:`BlockLayout` or a block grid.
+
+def mixing_init(
+    layout: BlockLayout | Iterable[int],
+    dtype: torch.dtype = torch.float32,
+    kind: str = "locality",
+    *,
+    exp_scale: float = 3.0,
+    local_radius: float = 1.5,
+) -> torch.Tensor:
+    """An initial mixing matrix ``[M, M]`` (CPU, rows = query blocks) built from block-centre distances.
+
+    With ``d[i, j]`` the distance between the centres of blocks ``i`` and ``j`` in block units:
+
+    - ``"locality"`` (the paper's, Sec. 3.3): ``1 - d[i, j] / max_k d[i, k]``;
+    - ``"uniform"``: all ones (plain linear attention, every block reads every summary);
+    - ``"cos"``: ``cos(pi / 4 * d / max d)``; ``"exp"``: ``exp(-d / exp_scale)``;
+    - ``"gaussian"``: ``exp(-d^2 / (2 sigma^2))``, ``sigma = max d / 3``, not normalised;
+    - ``"local"``: ``1`` where ``d <= local_radius`` (a block and its 8 / 26 neighbours at 1.5), else ``0``.
+
+    ``locality``, ``cos``, ``exp`` and ``local`` are then normalised so that each row sums to 1 (the paper's
+    convention; the authors' code normalises columns of the same symmetric matrix). ``cos``, ``exp``,
+    ``gaussian`` and ``local`` are the distance transforms of the authors' ``BlockDistanceConv``
+    (DAGroup-PKU/MHLA, ``mhla_dit/mhla/mhla.py``), written from their formulas. With normalised
+    attention (the default) a row's scale cancels, so only the shape of each row matters there.
+
+    Args:
+        layout: a :class:`BlockLayout` or a block grid (1 to 3 ints).
+        dtype: of the result.
+        kind: one of :data:`MIXING_INITS`.
+        exp_scale: ``"exp"``'s length scale in blocks (> 0).
+        local_radius: ``"local"``'s radius in blocks (>= 0; 0 keeps only the diagonal).
+
+    Raises:
+        ValueError: an unknown ``kind``; a bad ``exp_scale`` or ``local_radius``.
     """
+    if kind not in MIXING_INITS:
+        raise ValueError(f"init must be one of {', '.join(map(repr, MIXING_INITS))}; got {kind!r}")
+    if not exp_scale > 0 or not local_radius >= 0:
+        raise ValueError(f"exp_scale must be > 0 and local_radius >= 0; got {exp_scale!r}, {local_radius!r}")
     if isinstance(layout, BlockLayout):
         block_grid = layout.block_grid
     else:
         block_grid = normalize_grid(tuple(layout), "block_grid")
     m = block_grid[0] * block_grid[1] * block_grid[2]
+    if kind == "uniform":
+        return torch.ones(m, m, dtype=dtype)
     if m == 1:
         return torch.ones(1, 1, dtype=dtype)
-    centres = BlockLayout(block_grid, block_grid).block_centres  # one token per block
+    centres = BlockLayout(block_grid, block_grid).block_centres  # one token per block: block units
     dist = torch.cdist(centres, centres)
-    init = 1.0 - dist / dist.max(dim=1, keepdim=True).values
-    init = init / init.sum(dim=1, keepdim=True)
+    init = _distance_transform(dist, kind, exp_scale, local_radius)
+    if kind != "gaussian":
+        init = init / init.sum(dim=1, keepdim=True)
     return init.to(dtype)
+
+
+def _distance_transform(dist: torch.Tensor, kind: str, exp_scale: float, local_radius: float) -> torch.Tensor:
+    """The unnormalised weight of each block pair ``[M, M]`` from their distances (see :func:`mixing_init`)."""
+    if kind == "locality":
+        return 1.0 - dist / dist.max(dim=1, keepdim=True).values
+    if kind == "cos":
+        return torch.cos(dist / dist.max() * (torch.pi / 4))
+    if kind == "exp":
+        return torch.exp(-dist / exp_scale)
+    if kind == "gaussian":
+        sigma = dist.max() / 3
+        return torch.exp(-dist.square() / (2 * sigma.square()))
+    return (dist <= local_radius + 1e-9).to(dist.dtype)  # "local" (the margin keeps d == radius in despite rounding)
 
 
 class MixingMatrix(nn.Module):
     """Per-layer MHLA state: the mixing matrix ``weight`` ``[M, M]`` of ``block_grid``.
 
-    Installed as ``<attention module>.mhla_mixing``. ``init``: ``"locality"`` (the paper's) or
-    ``"uniform"`` (all ones: plain linear attention); ``clamp=False`` uses the matrix as stored (the
+    Installed as ``<attention module>.mhla_mixing``. ``init``: one of :data:`MIXING_INITS` (see
+    :func:`mixing_init`; ``"locality"``, the paper's, by default; ``"uniform"`` is plain linear attention);
+    ``clamp=False`` uses the matrix as stored (the
     authors' Wan model, trained unclamped). ``seen_grids`` and ``verified`` are bookkeeping, not state.
     """
 
@@ -48,14 +102,7 @@ class MixingMatrix(nn.Module):
         super().__init__()
         self.block_grid = normalize_grid(tuple(block_grid), "block_grid")
         self.clamp = bool(clamp)
-        if init == "locality":
-            weight = mixing_init(self.block_grid)
-        elif init == "uniform":
-            m = self.num_blocks
-            weight = torch.ones(m, m)
-        else:
-            raise ValueError(f"init must be 'locality' or 'uniform'; got {init!r}")
-        self.weight = nn.Parameter(weight)
+        self.weight = nn.Parameter(mixing_init(self.block_grid, kind=init))
         self.seen_grids: dict[int, set[tuple[int, int, int]]] = {}
         self.verified = False
 

@@ -16,6 +16,7 @@ from mhla_diffusers.ops.layout import BlockLayout
 
 __all__ = [
     "mhla_attention_reference",
+    "positional_denominator_reference",
     "implied_attention",
     "mhla_attention_blockwise",
     "blockwise_parts",
@@ -33,6 +34,7 @@ def implied_attention(
     feature_map: str | None = "relu",
     rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
     feature_eps: float = 0.0,
+    feature_power: float = 1.0,
 ) -> torch.Tensor:
     """The unnormalised implied attention matrix ``A`` ``[B, heads, N, N]`` of q, k ``[B, heads, N, d]``.
 
@@ -41,7 +43,8 @@ def implied_attention(
     """
     dtype = dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
     idx = layout.block_index.to(q.device)
-    phi_q, phi_k = _features(q, dtype, feature_map) + feature_eps, _features(k, dtype, feature_map) + feature_eps
+    phi_q = _features(q, dtype, feature_map, feature_power) + feature_eps
+    phi_k = _features(k, dtype, feature_map, feature_power) + feature_eps
     if rotary is not None:
         phi_q, phi_k = rotary(phi_q), rotary(phi_k)
     scores = phi_q @ phi_k.transpose(-1, -2)
@@ -62,23 +65,66 @@ def mhla_attention_reference(
     feature_map: str | None = "relu",
     rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
     feature_eps: float = 0.0,
+    feature_power: float = 1.0,
+    denominator: str = "paper",
 ) -> torch.Tensor:
     """Dense MHLA ``[B, heads, N, d_v]``, computed and returned in ``dtype`` (fp64 by default).
 
     Arguments as :func:`~mhla_diffusers.ops.mhla_attention`; differentiable in q, k, v and mixing.
+    ``denominator="authors_dit"``: :func:`positional_denominator_reference`.
 
     Raises:
-        ValueError: on shape mismatch.
+        ValueError: on shape mismatch; blocks of unequal size for ``"authors_dit"``.
     """
     _check(q, k, v, mixing, layout)
-    attn = implied_attention(q, k, mixing, layout, dtype=dtype, feature_map=feature_map, rotary=rotary, feature_eps=feature_eps)
+    features = dict(feature_map=feature_map, feature_eps=feature_eps, feature_power=feature_power)
+    attn = implied_attention(q, k, mixing, layout, dtype=dtype, rotary=rotary, **features)
     out = attn @ v.to(dtype)
+    if normalize and denominator == "authors_dit":
+        return out / (positional_denominator_reference(q, k, mixing, layout, dtype=dtype, **features) + eps)
     if normalize:
-        den_attn = attn if rotary is None else implied_attention(
-            q, k, mixing, layout, dtype=dtype, feature_map=feature_map, feature_eps=feature_eps
-        )
+        den_attn = attn if rotary is None else implied_attention(q, k, mixing, layout, dtype=dtype, **features)
         out = out / (den_attn.sum(dim=-1, keepdim=True) + eps)
     return out
+
+
+def positional_denominator_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mixing: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    dtype: torch.dtype = torch.float64,
+    feature_map: str | None = "relu",
+    feature_eps: float = 0.0,
+    feature_power: float = 1.0,
+) -> torch.Tensor:
+    """The authors' DiT normaliser ``[B, heads, N, 1]`` without eps, by tables built token by token.
+
+    For token ``i`` at position ``l`` (in token order) of block ``b``: ``sum_j Mc[b, j] phi(q[j-th block's token
+    l]) . z_j``, ``z_j`` the block's feature sum (ops/positional.py). Shares no code with the fast form.
+
+    Raises:
+        ValueError: blocks of unequal size.
+    """
+    members: list[list[int]] = [[] for _ in range(layout.num_blocks)]
+    position = []
+    for token, block in enumerate(layout.block_index.tolist()):
+        position.append(len(members[block]))
+        members[block].append(token)
+    if len({len(m) for m in members}) != 1:
+        raise ValueError(f"the authors' DiT normaliser needs blocks of equal size; {layout} has unequal ones")
+    block_of = layout.block_index.tolist()
+    # partner[i, j]: the token at i's position in block j
+    partner = torch.tensor([[members[j][position[i]] for j in range(layout.num_blocks)] for i in range(layout.num_tokens)])
+    phi_q = _features(q, dtype, feature_map, feature_power) + feature_eps
+    phi_k = _features(k, dtype, feature_map, feature_power) + feature_eps
+    one_hot = torch.zeros(layout.num_tokens, layout.num_blocks, dtype=dtype)
+    one_hot[torch.arange(layout.num_tokens), torch.tensor(block_of)] = 1.0
+    z = torch.einsum("tm,bhtd->bhmd", one_hot, phi_k)  # [B, heads, M, d]
+    weights = mixing.to(dtype)[torch.tensor(block_of)]  # [N, M]: Mc[b(i), j]
+    products = torch.einsum("bhijd,bhjd->bhij", phi_q[:, :, partner], z)  # phi(q[partner(i, j)]) . z_j
+    return (products * weights).sum(dim=-1, keepdim=True)
 
 
 def blockwise_parts(
@@ -92,6 +138,7 @@ def blockwise_parts(
     feature_map: str | None = "relu",
     rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
     feature_eps: float = 0.0,
+    feature_power: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MHLA's numerator ``[B, heads, N, d_v]`` and denominator ``phi(q) . z~_i + eps`` ``[B, heads, N, 1]``.
 
@@ -103,7 +150,7 @@ def blockwise_parts(
     """
     _check(q, k, v, mixing, layout)
     idx = layout.block_index.to(q.device)
-    pq, pk = _features(q, q.dtype, feature_map), _features(k, k.dtype, feature_map)
+    pq, pk = _features(q, q.dtype, feature_map, feature_power), _features(k, k.dtype, feature_map, feature_power)
     if feature_eps:
         pq, pk = pq + feature_eps, pk + feature_eps
     rq, rk = (rotary(pq), rotary(pk)) if rotary is not None else (pq, pk)
@@ -132,18 +179,24 @@ def mhla_attention_blockwise(
     feature_map: str | None = "relu",
     rotary: Callable[[torch.Tensor], torch.Tensor] | None = None,
     feature_eps: float = 0.0,
+    feature_power: float = 1.0,
 ) -> torch.Tensor:
     """MHLA ``[B, heads, N, d_v]`` as ``num / den`` of :func:`blockwise_parts` (``num`` if not ``normalize``); raises as it does."""
     num, den = blockwise_parts(q, k, v, mixing, layout, eps=eps, feature_map=feature_map, rotary=rotary,
-                               feature_eps=feature_eps)
+                               feature_eps=feature_eps, feature_power=feature_power)
     return num / den if normalize else num
 
 
-def _features(x: torch.Tensor, dtype: torch.dtype, feature_map: str | None) -> torch.Tensor:
+def _features(x: torch.Tensor, dtype: torch.dtype, feature_map: str | None, power: float = 1.0) -> torch.Tensor:
+    """``ReLU(x) ** power`` (``"relu"``) or ``x`` (``None``) in ``dtype``."""
     if feature_map not in ("relu", None):
         raise ValueError(f'feature_map must be "relu" or None; got {feature_map!r}')
+    if power != 1 and feature_map != "relu":
+        raise ValueError(f'feature_power={power} needs feature_map="relu"; got {feature_map!r}')
     x = x.to(dtype)
-    return torch.relu(x) if feature_map == "relu" else x
+    if feature_map != "relu":
+        return x
+    return torch.relu(x) if power == 1 else torch.relu(x) ** power
 
 
 def _check(q, k, v, mixing, layout):

@@ -57,7 +57,7 @@ def _case(name, **kw):
     base = dict(
         name=name, grid=(7, 9), block_grid=(2, 3), batch=1, heads=2, d=16, dv=None, dtype="float32", kv_dtype=None,
         mix_dtype=None, normalize=True, feature_map=True, mixing="rand", memory="contiguous", eps=1e-6, inputs="randn",
-        requires="qkvm", split=None, rotary=False, oracle="dense",
+        requires="qkvm", split=None, rotary=False, oracle="dense", feature_eps=0.0, feature_power=1.0,
     )
     unknown = set(kw) - set(base)
     assert not unknown, unknown
@@ -147,6 +147,11 @@ def cases() -> list[dict]:
     out.append(_case("rotary-fused-grad-k-only-fp32", requires="k", **fused))
     out.append(_case("rotary-fused-grad-v-and-mixing-fp32", requires="vm", **fused))
     out.append(_case("rotary-fused-fp16-72", d=72, dtype="float16", **fused))
+    # Features computed in front of the kernels: phi = ReLU(x) ** p + feature_eps (uneven 3D layout, RoPE fused).
+    out.append(_case("features-power2-eps-fp64", dtype="float64", feature_power=2.0, feature_eps=1e-3, grid=(3, 5, 7),
+                     block_grid=(2, 2, 3)))
+    out.append(_case("features-power-half-nonorm-fp32", feature_power=0.5, normalize=False))
+    out.append(_case("features-power2-rotary-fused-fp64", dtype="float64", feature_power=2.0, feature_eps=1e-3, **fused))
     names = [c["name"] for c in out]
     assert len(names) == len(set(names)), "duplicate case names"
     return out
@@ -221,7 +226,8 @@ def run_case(c, torch, ops, layout_cls):
     q, k, v, mixing = _inputs(c, layout, torch)
     fm = "relu" if c["feature_map"] else None
     rotary = _rotation(layout.num_tokens, c["d"], torch, c["rotary"]) if c["rotary"] else None
-    kw = dict(normalize=c["normalize"], eps=c["eps"], feature_map=fm, rotary=rotary)
+    features = dict(feature_eps=c["feature_eps"], feature_power=c["feature_power"])
+    kw = dict(normalize=c["normalize"], eps=c["eps"], feature_map=fm, rotary=rotary, **features)
     grad_out = torch.randn(*q.shape[:3], c["dv"], dtype=torch.float64).to(q.dtype)
     if c["memory"] == "bnhd":
         grad_out = grad_out.transpose(1, 2).contiguous().transpose(1, 2)
@@ -258,7 +264,7 @@ def run_case(c, torch, ops, layout_cls):
     scales = [None] * 4
     if c["normalize"]:
         leaves = [t.detach().double().requires_grad_(f) for t, f in zip((q, k, v, mixing), flags)]
-        num, den = ops.naive.blockwise_parts(*leaves, layout, eps=c["eps"], feature_map=fm, rotary=rotary)
+        num, den = ops.naive.blockwise_parts(*leaves, layout, eps=c["eps"], feature_map=fm, rotary=rotary, **features)
         wanted = [t for t, f in zip(leaves, flags) if f]
         g = grad_out.double()
         first = torch.autograd.grad(num / den.detach(), wanted, g, retain_graph=True, allow_unused=True)
