@@ -108,7 +108,8 @@ def add_lora(
 
 def mhla_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The parameters MHLA adds to a model: every parameter of an ``mhla_*`` submodule of an
-    attention layer (the mixing matrices ``mhla_mixing``, Wan's output norms ``mhla_output_norm``)."""
+    attention layer (the mixing matrices ``mhla_mixing``, the output norms ``mhla_output_norm``, the output
+    gates ``mhla_gate``, the LePE convolutions ``mhla_lepe``)."""
     return [p for name, p in model.named_parameters() if ".mhla_" in f".{name}"]
 
 

@@ -37,6 +37,7 @@ from mhla_diffusers.checkpoint.format import (
 from mhla_diffusers.families import FAMILIES, family_of, get_family
 from mhla_diffusers.models.install import apply_mhla, mhla_spec, record_selection
 from mhla_diffusers.models.provenance import is_hub_id
+from mhla_diffusers.models.spec import check_lepe_init, check_mixing_init, check_settings
 from mhla_diffusers.selection.calibration import calibration_inputs, clip_timestep_range
 
 __all__ = ["convert_checkpoint", "AlreadyConvertedError"]
@@ -314,6 +315,14 @@ def convert_checkpoint(
     layers_2: str | Sequence[int] | None = None,
     calibration_latent_size: Sequence[int] | None = None,
     device: str | torch.device | None = None,
+    init: str = "locality",
+    feature_eps: float = 0.0,
+    mixing_clamp: bool = True,
+    feature_power: float = 1.0,
+    rope: str | None = None,
+    gate: bool | str | None = None,
+    lepe: bool = False,
+    lepe_init: str = "zeros",
 ) -> dict:
     """Load a pretrained checkpoint, install MHLA, write it as a converted checkpoint at ``out``.
 
@@ -324,6 +333,9 @@ def convert_checkpoint(
         family: expected family (``"dit"``, ``"sana"``, ``"wan"``), checked when given.
         layers, num_blocks, block_grid, normalize, eps, output_norm, keep_softmax, max_attention_cost,
             calibration, sensitivity: see :func:`~mhla_diffusers.apply_mhla`.
+        init, feature_eps, mixing_clamp, feature_power, rope, gate, lepe, lepe_init: the per-layer options of
+            :func:`~mhla_diffusers.apply_mhla` (mixing-matrix start, features, clamp, RoPE placement, output gate,
+            LePE), for every converted transformer.
         layers_2: Wan 2.2's ``transformer_2`` selection (``None``: ``layers``; ``"none"``: stock).
         calibration_samples, calibration_seed, calibration_latent_size, calibration_embeddings, device:
             ``layers="auto"`` with calibration made here (:func:`~mhla_diffusers.calibration_inputs`).
@@ -346,6 +358,9 @@ def convert_checkpoint(
     )
     device = _check_device(device)
     layers = _check_request(src, out, family, layers, layers_2)
+    options = dict(init=init, feature_eps=feature_eps, mixing_clamp=mixing_clamp, feature_power=feature_power, rope=rope,
+                   gate=gate, lepe=lepe, lepe_init=lepe_init)
+    _check_options(num_blocks, block_grid, normalize, eps, **options)
     pipe, transformer = _load_source(str(src), torch_dtype, None if config is None else str(config), family)
     model = pipe.transformer if pipe is not None else transformer
     found = family_of(model if model is not None else pipe.transformer_2)
@@ -358,7 +373,8 @@ def convert_checkpoint(
         raise ValueError(f"layers='none' (--layers none) leaves the only transformer of {src} stock: nothing to convert")
     layers_2 = layers if layers_2 is None else layers_2
     _check_auto_settings(layers, layers_2 if second is not None else None, sensitivity)
-    settings = dict(num_blocks=num_blocks, block_grid=block_grid, normalize=normalize, eps=eps, output_norm=output_norm)
+    settings = dict(num_blocks=num_blocks, block_grid=block_grid, normalize=normalize, eps=eps, output_norm=output_norm,
+                    **options)
     auto = dict(keep_softmax=keep_softmax, max_attention_cost=max_attention_cost, calibration=calibration, sensitivity=sensitivity,
                 samples=calibration_samples, seed=calibration_seed, embeddings=calibration_embeddings,
                 latent_size=calibration_latent_size, device=device)
@@ -375,6 +391,19 @@ def convert_checkpoint(
     else:
         save_mhla_transformer(model, out, overwrite=overwrite)
     return {**spec, "out": str(out)}
+
+
+def _check_options(num_blocks, block_grid, normalize, eps, *, init, feature_eps, mixing_clamp, feature_power, rope, gate, lepe,
+                   lepe_init) -> None:
+    """The MHLA settings checked before anything is loaded (``ValueError`` naming the bad one); family-specific rules
+    (``rope`` without RoPE, a preset the family lacks) are checked when the model is known."""
+    check_settings(num_blocks, block_grid, normalize, eps, "auto", feature_eps, feature_power=feature_power, rope=rope,
+                   gate=gate, lepe=lepe)
+    check_mixing_init(init)
+    check_lepe_init(lepe_init)
+    for name, value in (("mixing_clamp", mixing_clamp), ("lepe", lepe)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False; got {value!r}")
 
 
 def _check_auto_settings(layers, layers_2, sensitivity) -> None:

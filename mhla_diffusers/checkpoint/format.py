@@ -47,6 +47,7 @@ from mhla_diffusers.checkpoint.spec import (
     METADATA_KEY,
     MHLA_CONFIG_NAME,
     MHLA_WEIGHTS_NAME,
+    READABLE_VERSIONS,
     TRANSFORMER_COMPONENTS,
     check_config_against_weights,
     checked_settings,

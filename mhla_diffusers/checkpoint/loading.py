@@ -180,6 +180,13 @@ def _install_from_config(transformer: nn.Module, config: dict, folder: Path) -> 
             output_norm=bool(config.get("output_norm", False)),
             feature_eps=float(config.get("feature_eps", 0.0)),
             mixing_clamp=bool(config.get("mixing_clamp", True)),
+            # format version 2 (absent in version 1: off)
+            feature_power=float(config.get("feature_power", 1.0)),
+            rope=config.get("rope"),
+            gate=config.get("gate") or False,
+            lepe=bool(config.get("lepe", False)),
+            input_norm=bool(config.get("input_norm", False)),
+            denominator=config.get("denominator", "paper"),
         )
     except (ValueError, TypeError) as err:  # layers, block grid or settings that do not fit this model
         raise MHLACheckpointError(f"{folder / MHLA_CONFIG_NAME} does not fit the base model: {err}") from err

@@ -20,16 +20,24 @@ from mhla_diffusers.checkpoint.safetensors_file import is_int as _is_int
 from mhla_diffusers.families import FAMILIES, self_attention_modules, transformer_components
 from mhla_diffusers.models.processor import MHLAProcessor
 from mhla_diffusers.models.provenance import MHLA_CONFIG_NAME
+from mhla_diffusers.models.spec import DENOMINATORS, GATE_FORMS, ROPE_MODES
 
 __all__ = [
-    "MHLA_CONFIG_NAME", "MHLA_WEIGHTS_NAME", "FORMAT_VERSION", "TRANSFORMER_COMPONENTS", "transformer_folder", "read_mhla_config",
+    "MHLA_CONFIG_NAME", "MHLA_WEIGHTS_NAME", "FORMAT_VERSION", "READABLE_VERSIONS", "TRANSFORMER_COMPONENTS", "transformer_folder",
+    "read_mhla_config",
 ]
 
 
 MHLA_WEIGHTS_NAME = "mhla.safetensors"
 
 
-FORMAT_VERSION = 1
+# 2: the per-layer options lepe, gate, rope, feature_power, input_norm, denominator (absent: off, as every version-1
+# checkpoint).
+FORMAT_VERSION = 2
+# The versions this mhla_diffusers reads (a version-1 folder loads with the version-2 options off).
+READABLE_VERSIONS = (1, 2)
+# The keys each version added to mhla_config.json (and to the header's recorded settings).
+ADDED_IN = {2: ("lepe", "gate", "rope", "feature_power", "input_norm", "denominator")}
 
 
 # The pipeline components that are transformers MHLA may be installed on (families.transformer_components: Wan 2.2
@@ -42,21 +50,27 @@ TRANSFORMER_COMPONENTS = transformer_components()
 # a run-time choice, every backend gives the same numbers. Absent keys take the values of ABSENT.
 CHECKED_KEYS = (
     "family", "model_class", "num_layers", "layers", "block_grid", "num_blocks", "normalize", "eps", "output_norm",
-    "feature_eps", "mixing_clamp",
+    "feature_eps", "mixing_clamp", "lepe", "gate", "rope", "feature_power", "input_norm", "denominator",
 )
 
 
 METADATA_KEY = "mhla_config"
 
 
-# The value a checked key has when a config leaves it out (settings added after format version 1 began).
-ABSENT = {"output_norm": False, "feature_eps": 0.0, "mixing_clamp": True}
+# The value a checked key has when a config leaves it out (settings added after format version 1 began): the
+# setting off, as every checkpoint written before the key existed computes. rope None: the family's (Wan: "after").
+ABSENT = {
+    "output_norm": False, "feature_eps": 0.0, "mixing_clamp": True, "lepe": False, "gate": None, "rope": None,
+    "feature_power": 1.0, "input_norm": False, "denominator": "paper",
+}
 
 
 def checked_settings(config: dict) -> dict:
     """The :data:`CHECKED_KEYS` of ``config`` (absent ones at their :data:`ABSENT` value; a 2-D block grid as
     ``[1, H, W]``): what the weights' header records."""
     settings = {key: config.get(key, ABSENT.get(key)) for key in CHECKED_KEYS}
+    if settings["rope"] == "after":  # the default, written as absent
+        settings["rope"] = None
     grid = settings["block_grid"]
     if isinstance(grid, list) and len(grid) < 3:  # (H, W) = (1, H, W), as apply_mhla reads it
         settings["block_grid"] = [1] * (3 - len(grid)) + grid
@@ -124,10 +138,20 @@ def read_mhla_config(path: str | os.PathLike) -> dict | None:
     except (OSError, json.JSONDecodeError) as err:
         raise MHLACheckpointError(f"cannot read {config_file}: {err}") from err
     version = config.get("format_version")
-    if version != FORMAT_VERSION:
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
         raise MHLACheckpointError(
-            f"{config_file} has format_version {version!r}; this mhla_diffusers reads version {FORMAT_VERSION}"
+            f"{config_file} has format_version {version!r}; this mhla_diffusers reads versions "
+            f"{', '.join(str(v) for v in READABLE_VERSIONS)} (a newer version was written by a newer mhla_diffusers: "
+            "upgrade it)"
         )
+    for added, keys in ADDED_IN.items():
+        newer = [key for key in keys if key in config]
+        if version < added and newer:
+            raise MHLACheckpointError(
+                f"{config_file} has format_version {version}, which has no {', '.join(repr(k) for k in newer)} (added in "
+                f"version {added}): the config was edited. Restore the original config; to use these options, convert "
+                "again from the base model"
+            )
     for key in ("family", "model_class", "num_layers", "layers", "block_grid", "normalize", "eps"):
         if key not in config:
             raise MHLACheckpointError(f"{config_file} lacks the key {key!r}")
@@ -174,6 +198,18 @@ def _validate_config(config: dict, config_file: Path) -> None:
         raise bad("feature_eps", "a finite number >= 0")
     if "mixing_clamp" in config and not isinstance(config["mixing_clamp"], bool):
         raise bad("mixing_clamp", "true or false")
+    for key in ("lepe", "input_norm"):
+        if key in config and not isinstance(config[key], bool):
+            raise bad(key, "true or false")
+    if "denominator" in config and config["denominator"] not in DENOMINATORS:
+        raise bad("denominator", f"one of {list(DENOMINATORS)} (absent: the paper's)")
+    if "gate" in config and config["gate"] is not None and config["gate"] not in GATE_FORMS:
+        raise bad("gate", f"one of {list(GATE_FORMS)} (absent: no output gate)")
+    if "rope" in config and config["rope"] is not None and config["rope"] not in ROPE_MODES:
+        raise bad("rope", f"one of {list(ROPE_MODES)} (absent: the family's)")
+    power = config.get("feature_power", 1.0)
+    if isinstance(power, bool) or not isinstance(power, (int, float)) or not 0 < power < float("inf"):
+        raise bad("feature_power", "a finite number > 0")
     if "backend" in config and not isinstance(config["backend"], str):
         raise bad("backend", "a backend name")
     selection = config.get("selection")
@@ -210,7 +246,17 @@ def check_config_against_weights(config: dict, folder: Path) -> None:
             f"{folder / MHLA_CONFIG_NAME} has no weights_sha256, but {MHLA_WEIGHTS_NAME} was written in the current "
             "format, which always records it: the config was edited. Restore the original config"
         )
+    version = metadata.get("mhla_format_version")
+    if version is not None and version != str(config.get("format_version")):
+        raise MHLACheckpointError(
+            f"{folder / MHLA_CONFIG_NAME} has format_version {config.get('format_version')!r} but {MHLA_WEIGHTS_NAME} was "
+            f"written in version {version}: the config was edited or belongs to other weights. Restore the original config"
+        )
     given = checked_settings(config)
+    # a key the header lacks was written before it existed, so at its ABSENT value (the setting off)
+    recorded = {**{key: ABSENT[key] for key in ABSENT if key not in recorded}, **recorded}
+    if recorded.get("rope") == "after":
+        recorded["rope"] = None
     differ = [key for key in CHECKED_KEYS if key in recorded and given[key] != recorded[key]]
     if differ:
         details = "; ".join(f"{key}: {given[key]!r} in {MHLA_CONFIG_NAME}, {recorded[key]!r} in the weights" for key in differ)

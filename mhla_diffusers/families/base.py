@@ -163,6 +163,9 @@ class Family(FamilyAttention):
     empty_blocks: bool = False
     #: ``normalize=False``, ``output_norm=None`` adds a per-head output RMSNorm (the authors' Wan).
     output_norm_without_normalize: bool = False
+    #: kernel of the LePE depthwise convolution (``lepe=True``) over the token grid: ``(3, 3)`` (Conv2d over
+    #: ``(H, W)``, each frame alone) for image families, ``(3, 3, 3)`` (Conv3d over ``(T, H, W)``) for video ones.
+    lepe_kernel: tuple[int, ...] = (3, 3)
     #: ``"softmax"`` or ``"linear"``: the stock cost model, for automatic hybrid selection.
     stock_attention: str = "softmax"
     #: ``"class"`` (``class_labels`` ``[B]`` long) or ``"text"`` (states from :attr:`encode_prompts`).
@@ -206,6 +209,8 @@ class Family(FamilyAttention):
             raise ValueError(f"processor_call must be 'keywords' or 'positional'; got {self.processor_call!r}")
         if self.stock_attention not in ("softmax", "linear") or self.conditioning not in ("class", "text"):
             raise ValueError(f"bad stock_attention {self.stock_attention!r} or conditioning {self.conditioning!r}")
+        if len(self.lepe_kernel) not in (2, 3) or not all(isinstance(k, int) and k >= 1 and k % 2 for k in self.lepe_kernel):
+            raise ValueError(f"lepe_kernel must be 2 or 3 odd positive integers; got {self.lepe_kernel!r}")
         if self.noise not in ("ddpm", "flow"):
             raise ValueError(f"noise must be 'ddpm' or 'flow'; got {self.noise!r}")
         if self.context_parallel not in (None, "model", "trunk", "layers") or (self.context_parallel == "trunk") != (

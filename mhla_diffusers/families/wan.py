@@ -231,6 +231,7 @@ WAN = register_family(Family(
     block_grid_presets=(("paper", (3, 5, 7)), ("authors", AUTHORS_BLOCK_GRID)),
     empty_blocks=True,
     output_norm_without_normalize=True,
+    lepe_kernel=(3, 3, 3),  # LePE: a 3 x 3 x 3 depthwise Conv3d over (T, H, W), as the authors' video layer
     conditioning="text",
     noise="flow",
     encode_prompts=_encode_wan,

@@ -13,6 +13,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from torch import nn
 
 from mhla_diffusers.families import attention_modules, family_of, self_attention_modules
+from mhla_diffusers.models import spec
 from mhla_diffusers.models.installer import (
     idle_mhla_layers,
     install_mhla,
@@ -56,6 +57,13 @@ def apply_mhla(
     output_norm: bool | None = None,
     feature_eps: float = 0.0,
     mixing_clamp: bool = True,
+    feature_power: float = 1.0,
+    rope: str | None = None,
+    gate: bool | str | None = None,
+    lepe: bool = False,
+    lepe_init: str = "zeros",
+    input_norm: bool = False,
+    denominator: str = "paper",
     keep_softmax: int | None = None,
     max_attention_cost: float | None = None,
     calibration: Iterable[Mapping[str, Any]] | None = None,
@@ -64,7 +72,8 @@ def apply_mhla(
     """Replace self-attention with MHLA (paper Sec. 3.2) on the selected layers of a diffusers transformer.
 
     Creates each selected layer's mixing matrix now (fp32, the layer's device, locality init, key
-    ``<attention path>.mhla_mixing.weight``) and installs one shared :class:`MHLAProcessor` plus the grid hooks.
+    ``<attention path>.mhla_mixing.weight``; with ``gate`` / ``lepe`` also ``mhla_gate`` / ``mhla_lepe``) and
+    installs one shared :class:`MHLAProcessor` plus the grid hooks.
 
     Args:
         transformer: a ``DiTTransformer2DModel``, ``SanaTransformer2DModel`` or ``WanTransformer3DModel``.
@@ -74,10 +83,18 @@ def apply_mhla(
         normalize: see :class:`MHLAProcessor`.
         eps: see :class:`MHLAProcessor`.
         backend: see :class:`MHLAProcessor`.
-        init: ``"locality"`` (paper) or ``"uniform"``.
+        init: the mixing matrix's start: a name of :class:`~mhla_diffusers.MixingMatrix` (``"locality"``, the
+            paper's; ``"uniform"``, ...) or ``"authors_constant"`` (matrix and output-norm weight at 1e-6).
         output_norm: see :class:`MHLAProcessor`.
         feature_eps: see :class:`MHLAProcessor`.
         mixing_clamp: clamp to ``[0, 1]`` (default) or not.
+        feature_power: see :class:`MHLAProcessor` (``phi = ReLU(x) ** p``).
+        rope: see :class:`MHLAProcessor` (``"after"`` / ``"before"`` / ``"none"``; Wan).
+        gate: see :class:`MHLAProcessor` (``"neutral"`` / ``True``, ``"authors"``; ``None`` / ``False``: none).
+        lepe: a LePE depthwise convolution on the values (see :class:`MHLAProcessor`).
+        lepe_init: ``"zeros"`` (the output without LePE at the start) or ``"authors"`` (PyTorch's conv init).
+        input_norm: a LayerNorm on the layer's input tokens (the authors' DiT layer; for their imported weights).
+        denominator: see :class:`MHLAProcessor` (``"paper"`` or the authors' DiT layer's ``"authors_dit"``).
         keep_softmax: ``layers="auto"`` only: ``K`` stock layers.
         max_attention_cost: ``layers="auto"`` only: a cost budget ``0 < F <= 1``.
         calibration: ``layers="auto"`` only: the inputs the scores are measured on.
@@ -94,6 +111,11 @@ def apply_mhla(
     """
     family = family_of(transformer)
     modules = self_attention_modules(transformer, family)
+    # bad settings are refused before anything is measured or installed
+    spec.check_settings(num_blocks, block_grid, normalize, eps, backend, feature_eps, feature_power=feature_power, rope=rope,
+                        gate=gate, lepe=lepe, input_norm=input_norm, denominator=denominator)
+    spec.check_mixing_init(init)
+    spec.check_lepe_init(lepe_init)
     auto = {"keep_softmax": keep_softmax, "max_attention_cost": max_attention_cost, "calibration": calibration,
             "sensitivity": sensitivity}
     selection = None
@@ -106,7 +128,8 @@ def apply_mhla(
         chosen = select_layers(len(modules), layers)
     names = install_mhla(
         transformer, chosen, num_blocks=num_blocks, block_grid=block_grid, normalize=normalize, eps=eps, backend=backend,
-        init=init, output_norm=output_norm, feature_eps=feature_eps, mixing_clamp=mixing_clamp,
+        init=init, output_norm=output_norm, feature_eps=feature_eps, mixing_clamp=mixing_clamp, feature_power=feature_power,
+        rope=rope, gate=gate, lepe=lepe, lepe_init=lepe_init, input_norm=input_norm, denominator=denominator,
     )
     if selection is not None:
         record_selection(transformer, selection)

@@ -11,6 +11,7 @@ from typing import Mapping, Sequence
 
 from torch import nn
 
+from mhla_diffusers.models import spec as settings_spec
 from mhla_diffusers.models.families import attention_modules, family_of, self_attention_modules, stock_processor
 from mhla_diffusers.models.grid import install_grid_hooks, remove_grid_hooks
 from mhla_diffusers.models.lazy import forget_first_forward, pending_mhla_layers, remove_load_hook
@@ -41,6 +42,13 @@ def install_mhla(
     output_norm: bool | None = None,
     feature_eps: float = 0.0,
     mixing_clamp: bool = True,
+    feature_power: float = 1.0,
+    rope: str | None = None,
+    gate: bool | str | None = False,
+    lepe: bool = False,
+    lepe_init: str = "zeros",
+    input_norm: bool = False,
+    denominator: str = "paper",
 ) -> list[str]:
     """MHLA on the self-attention layers of index ``layers``: :func:`~mhla_diffusers.apply_mhla` once the layers are known.
 
@@ -54,14 +62,21 @@ def install_mhla(
     modules = self_attention_modules(transformer, family)
     chosen = list(layers)
     reference = family.reference_grid(transformer.config)
+    settings_spec.check_mixing_init(init)
+    settings_spec.check_lepe_init(lepe_init)
+    for name, value in (("lepe", lepe), ("input_norm", input_norm)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False; got {value!r}")
     processor = _resolved_processor(family, reference, num_blocks=num_blocks, block_grid=block_grid, normalize=normalize,
-                                    eps=eps, backend=backend, output_norm=output_norm, feature_eps=feature_eps)
+                                    eps=eps, backend=backend, output_norm=output_norm, feature_eps=feature_eps,
+                                    feature_power=feature_power, rope=rope, gate=gate, lepe=lepe, input_norm=input_norm,
+                                    denominator=denominator)
     _refuse_installed(transformer, [modules[i] for i in chosen])
     warn_fresh_mixing(transformer)
     names = []
     for i in chosen:
         name, attn = modules[i]
-        mixing = processor.attach(attn, reference, init=init, family=family)
+        mixing = processor.attach(attn, reference, init=init, family=family, lepe_init=lepe_init)
         mixing.clamp = bool(mixing_clamp)
         attn.set_processor(processor)
         names.append(name)
@@ -70,11 +85,18 @@ def install_mhla(
 
 
 def _resolved_processor(family, reference, *, eps, **settings) -> MHLAProcessor:
-    """The processor :func:`install_mhla` installs, block grid and output norm resolved on ``reference``."""
+    """The processor :func:`install_mhla` installs, block grid, output norm, gate and LePE resolved on ``reference``
+    (``rope="none"`` on a family without RoPE: the default, nothing to rotate)."""
     processor = MHLAProcessor(eps=family.default_eps if eps is None else eps, family=family, **settings)
+    settings_spec.check_family_settings(processor, family)
     resolved = processor.resolve_block_grid(reference, family)
     processor.block_grid, processor.block_grid_preset = resolved, None
     processor.output_norm = processor.resolve_output_norm(family)
+    processor.gate = settings_spec.resolve_gate(processor) or False
+    processor.lepe = settings_spec.resolve_lepe(processor)
+    processor.input_norm = settings_spec.resolve_input_norm(processor)
+    if family.rotary is None:
+        processor.rope = None
     for axis, (n, b) in enumerate(zip(reference, resolved)):
         if b > n:
             raise ValueError(
@@ -111,7 +133,8 @@ def record_selection(transformer: nn.Module, selection: dict) -> None:
 
 
 def remove_mhla(transformer: nn.Module) -> list[str]:
-    """Undo :func:`apply_mhla` / MHLA processors: stock processors back, mixing matrices removed.
+    """Undo :func:`apply_mhla` / MHLA processors: stock processors back, mixing matrices (and output norms, gates,
+    LePE convolutions) removed.
 
     Returns the names of the attention modules that had MHLA.
     """
@@ -119,7 +142,7 @@ def remove_mhla(transformer: nn.Module) -> list[str]:
     removed = []
     for key, attn in attention_modules(transformer).items():
         had = getattr(attn, "mhla_mixing", None) is not None
-        for name in [n for n in attn._modules if n.startswith("mhla_")]:  # mixing matrix, output norm
+        for name in [n for n in attn._modules if n.startswith("mhla_")]:  # mixing matrix, output norm, gate, LePE
             delattr(attn, name)
         if isinstance(attn.processor, MHLAProcessor):
             attn.set_processor(stock_processor(family, key[: -len(".processor")]))
@@ -203,8 +226,10 @@ def mhla_spec(transformer: nn.Module) -> dict | None:
     """The MHLA settings of a model as written to ``mhla_config.json``, or ``None`` without MHLA.
 
     Keys: family, model_class, num_layers, layers, block_grid, num_blocks, normalize, eps, backend; and
-    only when not the default: ``output_norm``, ``feature_eps``, ``mixing_clamp``, ``selection``. Pending
-    one-liner layers count as MHLA; idle ones do not. Keys in full: ``docs/processor.md`` (``mhla_spec``).
+    only when not the default: ``output_norm``, ``feature_eps``, ``feature_power``, ``mixing_clamp``, ``rope``,
+    ``gate``, ``lepe``, ``input_norm``, ``denominator``, ``selection``. Pending one-liner layers count as MHLA; idle
+    ones do not. Keys in full:
+    ``docs/processor.md`` (``mhla_spec``).
 
     Raises:
         ValueError: the MHLA layers disagree on settings, or a processor's block spec contradicts its matrix.
@@ -223,6 +248,9 @@ def mhla_spec(transformer: nn.Module) -> dict | None:
             reference = reference or family.reference_grid(transformer.config)
             block_grid = tuple(proc.resolve_block_grid(reference, family))
             output_norm = getattr(attn, "mhla_output_norm", None) is not None or proc.resolve_output_norm(family)
+            gate = settings_spec.resolve_gate(proc)
+            lepe = settings_spec.resolve_lepe(proc)
+            input_norm = settings_spec.resolve_input_norm(proc)
         else:
             if not isinstance(proc, MHLAProcessor):
                 continue  # runs another processor: its matrix is idle, the layer computes that processor's attention
@@ -230,20 +258,38 @@ def mhla_spec(transformer: nn.Module) -> dict | None:
             proc.check_layer(attn, reference, family)  # a processor whose explicit spec the matrix contradicts
             block_grid = mixing.block_grid
             output_norm = getattr(attn, "mhla_output_norm", None) is not None
+            gate = getattr(getattr(attn, "mhla_gate", None), "form", None)
+            lepe = getattr(attn, "mhla_lepe", None) is not None
+            input_norm = getattr(attn, "mhla_input_norm", None) is not None
         layers.append(i)
         eps = family.default_eps if proc.eps is None else proc.eps
         clamp = True if mixing is None else mixing.clamp
-        specs.add((tuple(block_grid), proc.normalize, eps, proc.backend, output_norm, proc.feature_eps, clamp))
+        rope = proc.rope if family.rotary is not None and proc.rope in ("before", "none") else None
+        specs.add((tuple(block_grid), proc.normalize, eps, proc.backend, output_norm, proc.feature_eps, clamp,
+                   proc.feature_power, rope or "", gate or "", lepe, input_norm, proc.denominator))
     if not layers:
         return None
     if len(specs) > 1:
         raise ValueError(f"MHLA layers use different settings {sorted(specs)}; one checkpoint config holds one setting")
-    block_grid, normalize, eps, backend, output_norm, feature_eps, clamp = specs.pop()
+    (block_grid, normalize, eps, backend, output_norm, feature_eps, clamp, feature_power, rope, gate, lepe, input_norm,
+     denominator) = specs.pop()
     extra = {"output_norm": True} if output_norm else {}  # absent = no output norm (format version 1)
     if feature_eps:  # absent = 0 (phi = ReLU), as in checkpoints written before it existed
         extra["feature_eps"] = feature_eps
+    if feature_power != 1.0:  # absent = 1 (phi = ReLU), format version 2
+        extra["feature_power"] = feature_power
     if not clamp:  # absent = clamped to [0, 1]
         extra["mixing_clamp"] = False
+    if rope:  # absent = the family's ("after" where it has RoPE), format version 2
+        extra["rope"] = rope
+    if gate:  # absent = no output gate, format version 2
+        extra["gate"] = gate
+    if lepe:  # absent = no LePE, format version 2
+        extra["lepe"] = True
+    if input_norm:  # absent = none, format version 2 (the authors' DiT layer)
+        extra["input_norm"] = True
+    if denominator != "paper":  # absent = the paper's, format version 2
+        extra["denominator"] = denominator
     selection = transformer.__dict__.get(_SELECTION)
     if selection is not None and selection.get("softmax_layers") == [i for i in range(len(modules)) if i not in layers]:
         extra["selection"] = selection  # absent: chosen by a fixed rule or by hand

@@ -140,6 +140,7 @@ class _PendingMixingLoader:
         block_grid = spec.explicit_block_grid(processor, None, family)
         if block_grid is not None:
             create_layer_state(processor, attn, block_grid, family, "locality", layer_requires_grad(attn))
+            attn.mhla_mixing.verified = False  # made without the model: its first forward checks it against its family
             return
         if not any(_PENDING_LOAD in msg for msg in error_msgs):  # one message, not one per layer
             error_msgs.append(
@@ -213,9 +214,11 @@ def pending_mhla_layers(model: nn.Module) -> list[str]:
 
 
 def materialize_mhla(transformer: nn.Module) -> list[str]:
-    """Create now the mixing matrices (and output norms) the first forward would create for :func:`pending_mhla_layers`.
+    """Create now the mixing matrices (and output norms, gates, LePE) the first forward would create for
+    :func:`pending_mhla_layers`.
 
-    Same block grid, locality init, fp32, ``requires_grad`` as the projection weights. Call it right after
+    Same block grid, locality init (gate and LePE at their neutral starts), fp32, ``requires_grad`` as the
+    projection weights. Call it right after
     diffusers' ``set_attn_processor(MHLAProcessor())``, before an optimizer, EMA, state dict, compile or export.
 
     Returns:

@@ -156,6 +156,7 @@ def sharded_mhla_attention(
     rotary: InterleavedRotary | None = None,
     rotary_key: object = None,
     feature_eps: float = 0.0,
+    feature_power: float = 1.0,
     backend: str = "auto",
 ) -> torch.Tensor:
     """MHLA of this rank's queries over the whole sequence, from its shard of q, k, v (heads mode or summary exchange).
@@ -163,23 +164,31 @@ def sharded_mhla_attention(
     Args:
         q, k: ``[B, heads, n, d]``, v: ``[B, heads, n, dv]`` (``n = shard.length``). mixing: ``[M, M]``.
         layout: the :class:`BlockLayout` of all ``shard.total`` tokens. shard: from :func:`context_shard`.
-        normalize, eps, feature_eps, backend: as :func:`~mhla_diffusers.mhla_attention`.
+        normalize, eps, feature_eps, feature_power, backend: as :func:`~mhla_diffusers.mhla_attention`.
         rotary: the shard's RoPE (Wan's :class:`~mhla_diffusers.ops.InterleavedRotary`) or ``None``.
         rotary_key: one object per forward, so heads mode all-gathers the tables once per forward.
 
     Returns:
         ``[B, heads, n, dv]`` in ``q``'s dtype: rows ``[offset, offset + n)`` of the single-process output.
     """
+    power = {} if feature_power == 1.0 else {"feature_power": feature_power}  # p = 1: the plain ReLU path
     if shard.heads_mode:
         to_heads = [_to_heads(x, shard) for x in (q, k, v)]
         full = None if rotary is None else _full_rotary(rotary, rotary_key, shard)
         out = mhla_attention(
-            *to_heads, mixing, layout, normalize=normalize, eps=eps, rotary=full, feature_eps=feature_eps, backend=backend
+            *to_heads, mixing, layout, normalize=normalize, eps=eps, rotary=full, feature_eps=feature_eps, backend=backend,
+            **power,
         )
         return _to_tokens(out, shard)
-    kwargs = dict(offset=shard.offset, normalize=normalize, rotary=rotary, feature_eps=feature_eps)
+    dtype = q.dtype
+    features = {}
+    if power:  # phi = ReLU(x) ** p + feature_eps, computed here in the accumulation dtype (the shard ops take features)
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        q, k = (torch.relu(x.to(acc)) ** feature_power + feature_eps for x in (q, k))
+        features, feature_eps = {"feature_map": None}, 0.0
+    kwargs = dict(offset=shard.offset, normalize=normalize, rotary=rotary, feature_eps=feature_eps, **features)
     summaries = _all_reduce(shard_summaries(k, v, layout, **kwargs), shard.group)
-    return shard_attention(q, summaries, mixing, layout, eps=eps, **kwargs)
+    return shard_attention(q, summaries, mixing, layout, eps=eps, **kwargs).to(dtype)
 
 
 def _all_to_all(flat: torch.Tensor, output_sizes: list[int], input_sizes: list[int], group) -> torch.Tensor:
@@ -351,6 +360,16 @@ def _token_count_check(degree: int, anything: bool, planned: frozenset[str] = fr
     return check
 
 
+def _has_lepe(attn: nn.Module) -> bool:
+    """The layer runs MHLA with a LePE convolution, or will (a pending one-liner layer whose processor asks for one)."""
+    processor = getattr(attn, "processor", None)
+    if not isinstance(processor, GridReader):
+        return False
+    if getattr(attn, "mhla_lepe", None) is not None:
+        return True
+    return getattr(attn, "mhla_mixing", None) is None and bool(getattr(processor, "lepe", None))
+
+
 # diffusers 0.42 backends whose attention refuses return_lse=True (ring attention needs it); "native" is the default
 _NO_LSE_BACKENDS = frozenset({"native", "_native_efficient", "_native_math", "_native_npu", "_native_xla", "xformers"})
 
@@ -375,10 +394,27 @@ def enable_context_parallel(model: nn.Module, config) -> None:
         config (ContextParallelConfig): diffusers' ``ContextParallelConfig`` (``ring_degree=P`` or ``ulysses_degree=P``).
 
     Raises:
-        ValueError: no plan; hybrid softmax layers whose heads the Ulysses degree does not divide, or in
-            ring mode on a backend without log-sum-exp; a degree above the world size.
+        ValueError: no plan; an MHLA layer with LePE (its convolution needs neighbouring tokens other ranks hold);
+            hybrid softmax layers whose heads the Ulysses degree does not divide, or in ring mode on a backend
+            without log-sum-exp; a degree above the world size.
         RuntimeError: torch.distributed not initialised.
     """
+    lepe = [name for name, attn in self_attention_modules(model, family_of(model)) if _has_lepe(attn)]
+    if lepe:
+        raise ValueError(
+            f"{lepe} have a LePE convolution (lepe=True), which needs each token's neighbours on the token grid, but under "
+            "context parallelism a rank holds only its share of the tokens: LePE is not supported under context "
+            "parallelism; run this model in one process, or convert without lepe"
+        )
+    positional = [name for name, attn in self_attention_modules(model, family_of(model))
+                  if isinstance(getattr(attn, "processor", None), GridReader)
+                  and getattr(attn.processor, "denominator", "paper") != "paper"]
+    if positional:
+        raise ValueError(
+            f"{positional} use the authors' DiT normaliser (denominator='authors_dit'), which pairs each query with the "
+            "queries at its position in every other block, but under context parallelism a rank holds only its share of "
+            "the tokens: not supported under context parallelism; run this model in one process"
+        )
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("context parallelism needs torch.distributed initialised (run under torchrun, then init_process_group)")
     plan = context_parallel_plan(model)

@@ -18,7 +18,7 @@ from torch import nn
 from mhla_diffusers.models import layer_state, lazy, spec
 from mhla_diffusers.models.families import GENERIC, attention_family, find_family, get_family
 from mhla_diffusers.models.grid import GridReader, await_model, current_model, grid_of_call
-from mhla_diffusers.models.layer_state import OutputRMSNorm
+from mhla_diffusers.models.layer_state import LePE, OutputGate, OutputRMSNorm
 from mhla_diffusers.models.lazy import materialize_mhla, pending_mhla_layers
 from mhla_diffusers.models.parallel import context_shard, sharded_mhla_attention
 from mhla_diffusers.ops import mhla_attention
@@ -28,6 +28,8 @@ from mhla_diffusers.ops.mixing import MixingMatrix
 __all__ = [
     "MHLAProcessor",
     "OutputRMSNorm",
+    "OutputGate",
+    "LePE",
     "get_layout",
     "occupied_layout",
     "pending_mhla_layers",
@@ -40,11 +42,13 @@ class MHLAProcessor(GridReader, nn.Module):
 
     Install with ``mhla_diffusers.apply_mhla(transformer)`` or ``transformer.set_attn_processor(MHLAProcessor())``
     (matrices at the first forward, or ``materialize_mhla``). One processor may serve many layers; each
-    keeps its own ``mhla_mixing`` / ``mhla_output_norm``. ``M = 1`` is plain linear attention. An
-    ``nn.Module`` without parameters. The contract: ``docs/processor.md``.
+    keeps its own ``mhla_mixing`` / ``mhla_output_norm`` / ``mhla_gate`` / ``mhla_lepe``. ``M = 1`` is plain
+    linear attention. An ``nn.Module`` without parameters. The contract: ``docs/processor.md``.
     """
 
     _attention_backend = None  # set by diffusers' set_attention_backend; forwarded to the stock processors
+    # the settings added with checkpoint format 2, at their defaults for processors pickled before they existed
+    feature_power, rope, gate, lepe, input_norm, denominator = 1.0, None, None, None, None, "paper"
 
     def __init__(
         self,
@@ -56,6 +60,13 @@ class MHLAProcessor(GridReader, nn.Module):
         family: str | None = None,
         output_norm: bool | None = None,
         feature_eps: float = 0.0,
+        *,
+        feature_power: float = 1.0,
+        rope: str | None = None,
+        gate: bool | str | None = None,
+        lepe: bool | None = None,
+        input_norm: bool | None = None,
+        denominator: str = "paper",
     ):
         """Args:
             num_blocks: target ``M`` without ``block_grid`` (``None``: family default, Wan 105, else ``round(sqrt(N) / 2)``).
@@ -65,17 +76,34 @@ class MHLAProcessor(GridReader, nn.Module):
             backend: ``"auto"`` or one of :func:`~mhla_diffusers.available_backends`.
             family: for attention modules called outside their transformer (``None``: the running one's).
             output_norm: per-head RMSNorm on the output (``None``: Wan when ``normalize=False``).
-            feature_eps: ``phi(x) = ReLU(x) + feature_eps``.
+            feature_eps: ``phi(x) = ReLU(x) ** feature_power + feature_eps``.
+            feature_power: ``p`` of ``phi = ReLU(x) ** p`` (1: ReLU).
+            rope: families with RoPE (Wan): ``"after"`` the feature map, numerator only (``None``: the default),
+                ``"before"`` it (q, k rotated, then phi), ``"none"``; a family without RoPE takes ``None`` / ``"none"``.
+            gate: output gate from the layer's input tokens: ``"neutral"`` (``True``; ``out * 2 sigmoid(W x + b)``,
+                zero start) or ``"authors"`` (``out * SiLU(W x + b)``); ``False``: none; ``None``: the layer's (none fresh).
+            lepe: a depthwise convolution of the values over the token grid added to the output (``None``: the layer's).
+            input_norm: a LayerNorm (``mhla_input_norm``) on the tokens entering q, k, v, gate and LePE, as the
+                authors' DiT layer has (``None``: the layer's; none at a fresh install). For imported weights.
+            denominator: ``"paper"`` (``phi(q) . z~``) or ``"authors_dit"``, the authors' DiT layer's normaliser
+                (:mod:`~mhla_diffusers.ops.positional`; needs the normaliser and blocks of equal size).
 
         Raises:
-            ValueError: bad ``num_blocks``, ``block_grid``, ``eps``, ``feature_eps`` or ``backend``; unknown preset;
-                ``num_blocks`` contradicting ``block_grid``.
+            ValueError: bad ``num_blocks``, ``block_grid``, ``eps``, ``feature_eps``, ``feature_power``, ``rope``,
+                ``gate``, ``lepe``, ``input_norm``, ``denominator`` or ``backend``; unknown preset; ``num_blocks``
+                contradicting ``block_grid``.
         """
         super().__init__()
-        settings = spec.check_settings(num_blocks, block_grid, normalize, eps, backend, feature_eps)
+        settings = spec.check_settings(
+            num_blocks, block_grid, normalize, eps, backend, feature_eps, feature_power=feature_power, rope=rope,
+            gate=gate, lepe=lepe, input_norm=input_norm, denominator=denominator,
+        )
         self.num_blocks, self.block_grid = settings["num_blocks"], settings["block_grid"]
         self.block_grid_preset, self.normalize = settings["block_grid_preset"], settings["normalize"]
         self.eps, self.backend, self.feature_eps = settings["eps"], settings["backend"], settings["feature_eps"]
+        self.feature_power, self.rope = settings["feature_power"], settings["rope"]
+        self.gate, self.lepe = settings["gate"], settings["lepe"]
+        self.input_norm, self.denominator = settings["input_norm"], settings["denominator"]
         self.family = None if family is None else get_family(family)
         self.output_norm = None if output_norm is None else bool(output_norm)
         self._stock: dict[str, object] = {}
@@ -94,6 +122,12 @@ class MHLAProcessor(GridReader, nn.Module):
             f"normalize={self.normalize}, eps={self.eps}, backend={self.backend!r}"
             + ("" if self.output_norm is None else f", output_norm={self.output_norm}")
             + ("" if not self.feature_eps else f", feature_eps={self.feature_eps}")
+            + ("" if self.feature_power == 1.0 else f", feature_power={self.feature_power}")
+            + ("" if self.rope is None else f", rope={self.rope!r}")
+            + ("" if self.gate is None else f", gate={self.gate!r}")
+            + ("" if self.lepe is None else f", lepe={self.lepe}")
+            + ("" if self.input_norm is None else f", input_norm={self.input_norm}")
+            + ("" if self.denominator == "paper" else f", denominator={self.denominator!r}")
             + ("" if self.family is None else f", family={self.family.name!r}")
             + ")"
         )
@@ -131,14 +165,32 @@ class MHLAProcessor(GridReader, nn.Module):
             raise ValueError("MHLA self-attention takes no attention mask; remove MHLA from this layer or drop the mask")
 
         tokens, call = family.tokens(attn, hidden_states, temb)  # [B, N, C]
+        tokens = self._input_norm(attn, tokens)  # the authors' DiT layer normalises its input first
         mixing = self._mixing(attn)  # before any computation: refused outside a supported transformer
         grid = grid_of_call(mixing, tokens.shape[1])
         shard = self._shard(attn, tokens.shape[1], grid)  # None unless under context parallelism
         query, key, value = family.project(attn, tokens)  # [B, heads, N, d]
-        rotary = family.feature_rotary(rotary_emb)  # Wan: RoPE after the feature map, numerator only
+        query, key, rotary = self._rope(family, query, key, rotary_emb)  # Wan: RoPE after the feature map by default
         layout, weight = family.blocks(mixing, grid)  # the layer's M x M matrix on this call's blocks
         hidden_states = self._mhla(attn, query, key, value, weight, layout, family, shard, rotary, rotary_emb)
+        hidden_states = self._gate_and_lepe(attn, hidden_states, tokens, value, grid)
         return family.finish(attn, hidden_states, call, query.dtype)
+
+    @staticmethod
+    def _input_norm(attn, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` through the layer's ``mhla_input_norm`` (a LayerNorm, computed in fp32), if it has one."""
+        norm = getattr(attn, "mhla_input_norm", None)
+        return tokens if norm is None else norm(tokens)
+
+    def _rope(self, family, query, key, rotary_emb):
+        """``(query, key, rotary)``: ``rope="after"`` (default) gives the map rotating ``phi(q)``, ``phi(k)`` in the
+        numerator; ``"before"`` rotates q and k now (no rotary for the operator); ``"none"`` drops the RoPE."""
+        if self.rope == "none":
+            return query, key, None
+        rotary = family.feature_rotary(rotary_emb)
+        if rotary is not None and self.rope == "before":
+            return rotary(query), rotary(key), None
+        return query, key, rotary
 
     def _mhla(self, attn, query, key, value, weight, layout, family, shard, rotary, rotary_emb) -> torch.Tensor:
         """``[B, heads, N, dv]``: MHLA (paper Eq. 6-7) on this call's blocks, then the output norm if any."""
@@ -146,7 +198,9 @@ class MHLAProcessor(GridReader, nn.Module):
         if norm is not None and query.dtype in (torch.float16, torch.bfloat16):
             query = query.float()  # the un-normalised numerator can exceed the float16 range: keep it in fp32
         options = dict(normalize=self.normalize, eps=family.default_eps if self.eps is None else self.eps,
-                       feature_eps=self.feature_eps, backend=self.backend)
+                       feature_eps=self.feature_eps, feature_power=self.feature_power, backend=self.backend)
+        if self.denominator != "paper":  # the keyword only where set: the sharded path has the paper's alone
+            options["denominator"] = self.denominator
         if rotary is not None:
             options["rotary"] = rotary
         if shard is None:
@@ -154,6 +208,17 @@ class MHLAProcessor(GridReader, nn.Module):
         else:  # this rank's tokens: one exchange over the context-parallel group (models/parallel.py)
             out = sharded_mhla_attention(query, key, value, weight, layout, shard, rotary_key=rotary_emb, **options)
         return out if norm is None else norm(out)
+
+    @staticmethod
+    def _gate_and_lepe(attn, out, tokens, value, grid) -> torch.Tensor:
+        """The authors' order after the output norm: ``out * gate(x)`` (``mhla_gate``), then ``+ lepe(v)`` (``mhla_lepe``)."""
+        gate = getattr(attn, "mhla_gate", None)
+        if gate is not None:
+            out = gate(out, tokens)
+        lepe = getattr(attn, "mhla_lepe", None)
+        if lepe is not None:
+            out = out + lepe(value, grid)
+        return out
 
     # -- what a call needs, looked up -------------------------------------------------------------
     def _family(self, attn):
@@ -184,8 +249,7 @@ class MHLAProcessor(GridReader, nn.Module):
                 mixing.verified = True
         return mixing
 
-    @staticmethod
-    def _shard(attn, num_tokens: int, grid: tuple[int, int, int]):
+    def _shard(self, attn, num_tokens: int, grid: tuple[int, int, int]):
         """This rank's shard under context parallelism, ``None`` when the call holds every token of the grid."""
         total = math.prod(grid)
         if num_tokens == total:
@@ -195,6 +259,18 @@ class MHLAProcessor(GridReader, nn.Module):
             raise RuntimeError(
                 f"the token grid {grid} of this forward has {total} tokens but the "
                 f"self-attention received {num_tokens}; MHLA only supports layers that attend over the latent grid"
+            )
+        if getattr(attn, "mhla_lepe", None) is not None:
+            raise RuntimeError(
+                f"this MHLA layer has a LePE convolution (lepe=True), which needs each token's neighbours on the token "
+                f"grid, but under context parallelism it holds only this rank's {num_tokens} of the {total} tokens: "
+                "LePE is not supported under context parallelism; run this model in one process, or convert without lepe"
+            )
+        if self.denominator != "paper":
+            raise RuntimeError(
+                f"denominator={self.denominator!r} pairs each query with the queries at its position in every other "
+                f"block, but under context parallelism this rank holds only {num_tokens} of the {total} tokens: not "
+                "supported under context parallelism; run this model in one process"
             )
         return shard
 
@@ -232,9 +308,10 @@ class MHLAProcessor(GridReader, nn.Module):
         spec.check_layer(self, attn, reference_grid, family)
 
     def attach(self, attn: nn.Module, reference_grid: Sequence[int], init: str = "locality", family=None,
-               requires_grad: bool = True) -> MixingMatrix:
-        """:func:`~mhla_diffusers.models.layer_state.attach`: the layer's matrix, created or checked."""
-        return layer_state.attach(self, attn, reference_grid, init=init, family=family, requires_grad=requires_grad)
+               requires_grad: bool = True, lepe_init: str = "zeros") -> MixingMatrix:
+        """:func:`~mhla_diffusers.models.layer_state.attach`: the layer's matrix (and gate, LePE), created or checked."""
+        return layer_state.attach(self, attn, reference_grid, init=init, family=family, requires_grad=requires_grad,
+                                  lepe_init=lepe_init)
 
 
 @torch.compiler.disable  # first call under torch.compile: built outside the graph, then read from the cache

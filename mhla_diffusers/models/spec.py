@@ -1,5 +1,6 @@
 """What an :class:`~mhla_diffusers.MHLAProcessor` asks of a layer: its settings, checked at construction,
-and the block grid and output norm they give a layer of a model whose native token grid is known.
+and the block grid, output norm, output gate and LePE they give a layer of a model whose native token
+grid is known.
 
 Install-time only: nothing here runs on a forward once the layer's state exists and is checked.
 """
@@ -12,21 +13,101 @@ from typing import Sequence
 
 import torch
 
-from mhla_diffusers.models.families import block_grid_preset_names
+from mhla_diffusers.models.families import FAMILIES, block_grid_preset_names
 from mhla_diffusers.ops import available_backends
 from mhla_diffusers.ops.layout import choose_block_grid, normalize_grid
+from mhla_diffusers.ops.mixing import MixingMatrix
+from mhla_diffusers.ops.positional import DENOMINATORS
 
-__all__ = ["check_settings", "resolve_block_grid", "explicit_block_grid", "resolve_output_norm", "check_layer"]
+__all__ = [
+    "GATE_FORMS", "ROPE_MODES", "LEPE_INITS", "AUTHORS_CONSTANT", "AUTHORS_CONSTANT_VALUE",
+    "check_settings", "check_mixing_init", "check_lepe_init", "check_family_settings", "resolve_block_grid",
+    "explicit_block_grid", "resolve_output_norm", "resolve_gate", "resolve_lepe", "resolve_input_norm", "check_layer",
+    "DENOMINATORS",
+]
+
+# The output gate's forms: "neutral" multiplies by 2 sigmoid(W x + b) (W = 0, b = 0 at the start: exactly the
+# output without gate), "authors" by SiLU(W x + b) (nn.Linear's default init: the authors' g_fn(g(x))).
+GATE_FORMS = ("neutral", "authors")
+# Where RoPE goes in a family with RoPE (Wan): "after" the feature map, numerator only (the default, the authors'
+# rope_after), "before" it (q and k rotated, then phi; numerator and denominator on those features), or "none".
+ROPE_MODES = ("after", "before", "none")
+# LePE's start: "zeros" (weight and bias zero: the output without LePE) or "authors" (PyTorch's default conv init).
+LEPE_INITS = ("zeros", "authors")
+# The mixing init that starts as the authors' Wan run did (their MHLA_Video_Uni built with fixed_weight_value =
+# 1e-6): the mixing matrix and, where the layer has one, the output RMSNorm's weight constant at 1e-6.
+AUTHORS_CONSTANT = "authors_constant"
+AUTHORS_CONSTANT_VALUE = 1e-6
 
 
-def check_settings(num_blocks, block_grid, normalize: bool, eps, backend: str, feature_eps) -> dict:
-    """The processor's settings, checked and normalised: ``num_blocks``, ``block_grid`` (a tuple or
-    ``None``), ``block_grid_preset`` (a name or ``None``), ``normalize``, ``eps``, ``backend``,
-    ``feature_eps`` (see :class:`~mhla_diffusers.MHLAProcessor` for their meaning).
+def check_mixing_init(init) -> str:
+    """``init`` if it names a mixing-matrix start: one :class:`~mhla_diffusers.ops.mixing.MixingMatrix` knows
+    (ops/mixing.py is the one list: asked by building a 2-block matrix) or :data:`AUTHORS_CONSTANT`.
 
     Raises:
-        ValueError: bad ``num_blocks``, ``block_grid``, ``eps``, ``feature_eps`` or ``backend``; an
-            unknown preset name; ``num_blocks`` contradicting ``block_grid``; ``eps=0`` with the normaliser.
+        ValueError: another name, with MixingMatrix's own list of the names it knows.
+    """
+    if init == AUTHORS_CONSTANT:
+        return init
+    try:
+        MixingMatrix((1, 1, 2), init=init)
+    except ValueError as err:
+        raise ValueError(
+            f"unknown mixing-matrix init {init!r}: {err} (mhla_diffusers.ops.mixing.MixingMatrix); or "
+            f"{AUTHORS_CONSTANT!r}, the authors' Wan start (mixing matrix and output-norm weight at "
+            f"{AUTHORS_CONSTANT_VALUE:g})"
+        ) from None
+    return init
+
+
+def check_lepe_init(lepe_init) -> str:
+    """``lepe_init`` if it is one of :data:`LEPE_INITS`; else ``ValueError`` naming them."""
+    if isinstance(lepe_init, str) and lepe_init in LEPE_INITS:
+        return lepe_init
+    raise ValueError(
+        f"lepe_init must be one of {list(LEPE_INITS)} ('zeros': weight and bias 0, the output without LePE at the "
+        f"start; 'authors': PyTorch's default conv init); got {lepe_init!r}"
+    )
+
+
+def _check_gate(gate):
+    """``None`` (the layer's), ``False`` (none) or a form of :data:`GATE_FORMS` (``True``: ``"neutral"``)."""
+    if gate is None or gate is False:
+        return gate
+    if gate is True:
+        return "neutral"
+    if isinstance(gate, str) and gate in GATE_FORMS:
+        return gate
+    raise ValueError(
+        f"gate must be one of {list(GATE_FORMS)} ('neutral': out * 2 sigmoid(W x + b), W = b = 0 at the start; "
+        f"'authors': out * SiLU(W x + b), nn.Linear's init), True ('neutral'), False or None (no gate); got {gate!r}"
+    )
+
+
+def _check_power(feature_power) -> float:
+    if (
+        isinstance(feature_power, bool) or not isinstance(feature_power, (int, float))
+        or not 0 < feature_power < math.inf
+    ):
+        raise ValueError(f"feature_power must be a finite number > 0 (phi = ReLU(x) ** p; 1 = ReLU); got {feature_power!r}")
+    return float(feature_power)
+
+
+def check_settings(
+    num_blocks, block_grid, normalize: bool, eps, backend: str, feature_eps, *, feature_power=1.0, rope=None,
+    gate=None, lepe=None, input_norm=None, denominator="paper",
+) -> dict:
+    """The processor's settings, checked and normalised: ``num_blocks``, ``block_grid`` (a tuple or
+    ``None``), ``block_grid_preset`` (a name or ``None``), ``normalize``, ``eps``, ``backend``,
+    ``feature_eps``, ``feature_power``, ``rope`` (``None`` or one of :data:`ROPE_MODES`), ``gate`` (``None``,
+    ``False`` or one of :data:`GATE_FORMS`), ``lepe`` and ``input_norm`` (``None`` or a bool), ``denominator``
+    (one of :data:`DENOMINATORS`); see :class:`~mhla_diffusers.MHLAProcessor` for their meaning.
+
+    Raises:
+        ValueError: bad ``num_blocks``, ``block_grid``, ``eps``, ``feature_eps``, ``feature_power``, ``rope``,
+            ``gate``, ``lepe``, ``input_norm``, ``denominator`` (or ``"authors_dit"`` without the normaliser) or
+            ``backend``; an unknown preset name; ``num_blocks`` contradicting
+            ``block_grid``; ``eps=0`` with the normaliser.
     """
     if num_blocks is not None and (isinstance(num_blocks, bool) or int(num_blocks) != num_blocks or num_blocks < 1):
         raise ValueError(f"num_blocks must be a positive integer or None; got {num_blocks!r}")
@@ -56,9 +137,41 @@ def check_settings(num_blocks, block_grid, normalize: bool, eps, backend: str, f
         raise ValueError(f"unknown backend {backend!r}; choose 'auto' or one of {available_backends()}")
     if isinstance(feature_eps, bool) or not isinstance(feature_eps, (int, float)) or not 0 <= feature_eps < math.inf:
         raise ValueError(f"feature_eps must be a finite number >= 0; got {feature_eps!r}")
+    if rope is not None and not (isinstance(rope, str) and rope in ROPE_MODES):
+        raise ValueError(
+            f"rope must be one of {list(ROPE_MODES)} or None (the family's: 'after' where it has RoPE); got {rope!r}"
+        )
+    for name, value in (("lepe", lepe), ("input_norm", input_norm)):
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{name} must be True, False or None (the layer's: none at a fresh install); got {value!r}")
+    if not (isinstance(denominator, str) and denominator in DENOMINATORS):
+        raise ValueError(f"denominator must be one of {list(DENOMINATORS)} ('authors_dit': the authors' DiT layer's); "
+                         f"got {denominator!r}")
+    if denominator != "paper" and not normalize:
+        raise ValueError(f"denominator={denominator!r} is a normaliser: it needs normalize=True")
     return dict(
         num_blocks=None if num_blocks is None else int(num_blocks), block_grid=block_grid, block_grid_preset=preset,
         normalize=bool(normalize), eps=eps, backend=backend, feature_eps=float(feature_eps),
+        feature_power=_check_power(feature_power), rope=rope, gate=_check_gate(gate), lepe=lepe, input_norm=input_norm,
+        denominator=denominator,
+    )
+
+
+def check_family_settings(processor, family) -> None:
+    """Refuse settings the family cannot run: ``rope="after"`` / ``"before"`` given for a family without RoPE
+    (``"none"`` is accepted there: nothing to rotate). ``family=None`` (unknown): nothing is checked.
+
+    Raises:
+        ValueError: naming the family and the fix.
+    """
+    rope = getattr(processor, "rope", None)
+    if family is None or getattr(family, "rotary", None) is not None or rope not in ("after", "before"):
+        return
+    name = getattr(family, "title", "") or "this"
+    with_rope = ", ".join(f.title for f in FAMILIES.values() if f.rotary is not None) or "none"
+    raise ValueError(
+        f"rope={rope!r} places RoPE in the attention, but the {name} family has no RoPE (families with RoPE: "
+        f"{with_rope}); leave rope unset (or rope='none')"
     )
 
 
@@ -131,13 +244,30 @@ def resolve_output_norm(processor, family=None) -> bool:
     return bool(family is not None and family.output_norm_without_normalize and not processor.normalize)
 
 
+def resolve_gate(processor) -> str | None:
+    """The gate form layers installed by ``processor`` get (:data:`GATE_FORMS`), or ``None`` for no gate."""
+    return processor.gate or None
+
+
+def resolve_lepe(processor) -> bool:
+    """Whether layers installed by ``processor`` get a LePE convolution (``lepe=None``: no, as a fresh install)."""
+    return bool(processor.lepe)
+
+
+def resolve_input_norm(processor) -> bool:
+    """Whether layers installed by ``processor`` get an input LayerNorm (``input_norm=None``: no, as a fresh install)."""
+    return bool(getattr(processor, "input_norm", None))
+
+
 def check_layer(processor, attn, reference_grid: Sequence[int] | None = None, family=None) -> None:
-    """Refuse a layer whose MHLA state (block grid, output norm) contradicts ``processor``'s explicit settings.
+    """Refuse a layer whose MHLA state (block grid, output norm, gate, LePE) contradicts ``processor``'s
+    explicit settings, or settings its family cannot run (:func:`check_family_settings`).
 
     Raises:
         ValueError: naming both settings and the fix, ``mhla_diffusers.remove_mhla(model)`` first.
     """
     family = family or processor.family
+    check_family_settings(processor, family)
     mixing = getattr(attn, "mhla_mixing", None)
     if mixing is None:
         return
@@ -158,6 +288,27 @@ def check_layer(processor, attn, reference_grid: Sequence[int] | None = None, fa
         raise ValueError(
             f"this layer {'has' if has_norm else 'has no'} MHLA output norm but the processor asks for "
             f"output_norm={processor.output_norm}; call mhla_diffusers.remove_mhla(model) first to change it"
+        )
+    gate = getattr(attn, "mhla_gate", None)
+    has_gate = None if gate is None else gate.form
+    if processor.gate is not None and has_gate != (processor.gate or None):
+        now = f"an output gate of the form {has_gate!r}" if has_gate else "no output gate"
+        raise ValueError(
+            f"this layer has {now} but the processor asks for gate={processor.gate!r}; call "
+            "mhla_diffusers.remove_mhla(model) first to change it (or use an MHLAProcessor without gate= to run the layer's)"
+        )
+    has_norm_in = getattr(attn, "mhla_input_norm", None) is not None
+    if getattr(processor, "input_norm", None) is not None and has_norm_in != processor.input_norm:
+        raise ValueError(
+            f"this layer {'has' if has_norm_in else 'has no'} MHLA input LayerNorm but the processor asks for "
+            f"input_norm={processor.input_norm}; call mhla_diffusers.remove_mhla(model) first to change it (or use an "
+            "MHLAProcessor without input_norm= to run the layer's)"
+        )
+    has_lepe = getattr(attn, "mhla_lepe", None) is not None
+    if processor.lepe is not None and has_lepe != processor.lepe:
+        raise ValueError(
+            f"this layer {'has' if has_lepe else 'has no'} LePE convolution but the processor asks for lepe={processor.lepe}; "
+            "call mhla_diffusers.remove_mhla(model) first to change it (or use an MHLAProcessor without lepe= to run the layer's)"
         )
 
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Mapping
 import yaml
 
 from mhla_diffusers.families import FAMILIES
+from mhla_diffusers.models.spec import GATE_FORMS, LEPE_INITS, ROPE_MODES, check_mixing_init
 from mhla_diffusers.training.distill import CONDITIONS, TRANSFER_LAYERS
 from mhla_diffusers.training.flow import LOSS_WEIGHTING, OBJECTIVES, TIMESTEP_SAMPLING
 
@@ -172,6 +173,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
 _FREE_SECTIONS = {("model", "init"), ("model", "vae"), ("model", "noise_scheduler"), ("mhla",)}
 _MHLA_KEYS = {
     "layers", "num_blocks", "block_grid", "normalize", "eps", "backend", "init", "output_norm", "feature_eps", "mixing_clamp",
+    "feature_power", "rope", "gate", "lepe", "lepe_init",
 }
 
 
@@ -384,6 +386,13 @@ _MHLA_RULES: dict[str, Choice | Integer | Number | Boolean] = {
     "feature_eps": Number(lambda v: 0.0 <= v < float("inf"), "a finite number >= 0"),
     # the mixing matrices used clamped to [0, 1] (the paper) or as stored (false: the authors' Wan model)
     "mixing_clamp": Boolean(),
+    # phi = ReLU(x) ** feature_power (1: ReLU)
+    "feature_power": Number(lambda v: 0.0 < v < float("inf"), "a finite number > 0"),
+    # families with RoPE (Wan): after the feature map (default) | before it | none; null: the family's
+    "rope": Choice(ROPE_MODES, nullable=True),
+    # a LePE depthwise convolution on the values, and its start
+    "lepe": Boolean(),
+    "lepe_init": Choice(LEPE_INITS),
 }
 
 
@@ -457,6 +466,16 @@ def _check_mhla(mh: Any) -> None:
     for key, rule in _MHLA_RULES.items():
         if key in mh:
             mh[key] = rule.check(f"mhla.{key}", mh[key])
+    gate = mh.get("gate")
+    if not (gate is None or isinstance(gate, bool) or (isinstance(gate, str) and gate in GATE_FORMS)):
+        raise ValueError(
+            f"mhla.gate must be one of {list(GATE_FORMS)}, true ('neutral'), false or null (no gate); got {mh['gate']!r}"
+        )
+    if "init" in mh:
+        try:
+            check_mixing_init(mh["init"])
+        except ValueError as err:
+            raise ValueError(f"mhla.init: {err}") from None
     if mh.get("layers") == "auto":
         raise ValueError(
             "mhla.layers=auto is not available in the trainer (the selection needs calibration inputs and keep_softmax / "

@@ -37,6 +37,7 @@ from mhla_diffusers import (
     save_mhla_pipeline,
     save_mhla_transformer,
 )
+from mhla_diffusers.checkpoint.format import FORMAT_VERSION
 
 GEN = dict(class_labels=[1], num_inference_steps=2, output_type="np")
 
@@ -238,7 +239,8 @@ def test_base_folder_is_plain_diffusers(saved):
     got = plain.state_dict()
     assert sorted(got) == sorted(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
     config = read_mhla_config(folder)
-    assert config["format_version"] == 1 and config["layers"] == [1, 2, 4, 5] and config["block_grid"] == [1, 2, 2]
+    assert config["format_version"] == FORMAT_VERSION == 2
+    assert config["layers"] == [1, 2, 4, 5] and config["block_grid"] == [1, 2, 2]
 
 
 def test_warning_capture_works(tmp_path):
@@ -351,7 +353,8 @@ def test_mismatched_weights(saved, tmp_path, kwargs, match, legacy_match):
 @pytest.mark.parametrize(
     "edit, match",
     [
-        (lambda c: c.update(format_version=2), "format_version 2"),
+        (lambda c: c.update(format_version=3), "format_version 3"),
+        (lambda c: c.update(format_version=True), "format_version True"),
         (lambda c: c.pop("format_version"), "format_version None"),
         (lambda c: c.pop("block_grid"), "block_grid"),
         (lambda c: c.update(model_class="SanaTransformer2DModel"), "SanaTransformer2DModel"),

@@ -219,9 +219,10 @@ def test_settings_are_recorded_beside_the_weights(saved):
     assert recorded == {
         "family": "dit", "model_class": "DiTTransformer2DModel", "num_layers": 3, "layers": [1, 2],
         "block_grid": [1, 2, 2], "num_blocks": 4, "normalize": True, "eps": config["eps"], "output_norm": False,
-        "feature_eps": 0.0, "mixing_clamp": True,
+        "feature_eps": 0.0, "mixing_clamp": True, "lepe": False, "gate": None, "rope": None, "feature_power": 1.0,
+        "input_norm": False, "denominator": "paper",
     }
-    assert config["format_version"] == 1
+    assert config["format_version"] == 2
 
 
 @pytest.mark.parametrize(
@@ -236,6 +237,7 @@ def test_settings_are_recorded_beside_the_weights(saved):
         (dict(eps=1e-3), "eps"),
         (dict(output_norm=True), "output_norm"),
         (dict(block_grid=[2, 1, 2]), "block_grid"),  # same M, other layout (on the time axis)
+        (dict(denominator="authors_dit"), "denominator"),
     ],
 )
 def test_edited_settings_are_refused(saved, tmp_path, changes, match):

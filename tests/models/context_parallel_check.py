@@ -9,6 +9,7 @@ measured exchange bytes and what the formulas say. Usage: ``context_parallel_che
 
 from __future__ import annotations
 
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -26,7 +27,11 @@ from helpers_wan import tiny_wan, wan_inputs  # noqa: E402
 import mhla_diffusers  # noqa: E402
 from mhla_diffusers.families import FAMILIES  # noqa: E402
 from mhla_diffusers.models.parallel import communication_bytes, cpu_device_mesh, record_exchanges  # noqa: E402
+from mhla_diffusers.ops import mhla_attention  # noqa: E402
 from mhla_diffusers.ops.naive import relative_error  # noqa: E402
+
+# phi = ReLU(x) ** p in the layer-option cases: 2 where the operator has feature_power (ops/), else 1
+POWER = 2.0 if "feature_power" in inspect.signature(mhla_attention).parameters else 1.0
 
 
 def _config(mode: str, world: int, anything: bool = False):
@@ -39,7 +44,7 @@ def _config(mode: str, world: int, anything: bool = False):
 
 def _trained(model) -> list[tuple[str, torch.Tensor]]:
     """The parameters a training step is checked on: q, k, v projections and mixing matrices of the MHLA layers."""
-    names = ("to_q.weight", "to_k.weight", "to_v.weight", "mhla_mixing.weight")
+    names = ("to_q.weight", "to_k.weight", "to_v.weight", "mhla_mixing.weight", "mhla_gate.weight")
     return [(n, p) for n, p in model.named_parameters() if n.endswith(names) and "attn1" in n]
 
 
@@ -261,6 +266,58 @@ def case_processor_changed_after_enable(world: int) -> dict:
     return {"output": wan_error, "error": dit_error}
 
 
+@torch.no_grad()
+def _random_gates_(model) -> None:
+    g = torch.Generator().manual_seed(5)
+    for name, p in model.named_parameters():
+        if ".mhla_gate." in name:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def case_wan_options_ring(world: int) -> dict:
+    """Wan with the authors' layer options under the summary exchange (ring): RoPE before the feature map, the
+    authors' gate (its input: this rank's tokens), numerator only + output norm, feature_eps, feature_power (POWER);
+    a training step."""
+    model = tiny_wan(num_layers=2, heads=2, head_dim=12)
+    mhla_diffusers.apply_mhla(model, layers="all", block_grid=(2, 2, 3), rope="before", gate="authors", normalize=False,
+                              feature_eps=1e-3, feature_power=POWER)
+    randomize_mixing_(model, low=0.0, high=1.0)
+    _random_gates_(model)  # the same on every rank (nn.Linear's init draws from the global RNG, which ranks advance apart)
+    inputs = wan_inputs(batch=2, frames=3, size=(8, 12))  # 3 x 4 x 6 = 72 tokens
+    return {**_compare(model, _wan_call(inputs), _config("ring", world), train=True), "power": POWER}
+
+
+def case_wan_options_ulysses(world: int) -> dict:
+    """The same options in heads mode (Ulysses: all-to-alls to heads / P heads of all tokens): no RoPE, the neutral
+    gate (trained weights), feature_power; a training step."""
+    model = tiny_wan(num_layers=2, heads=6, head_dim=8)
+    mhla_diffusers.apply_mhla(model, layers="all", block_grid=(2, 2, 2), rope="none", gate="neutral", feature_power=POWER)
+    randomize_mixing_(model, low=0.0, high=1.0)
+    _random_gates_(model)
+    inputs = wan_inputs(batch=1, frames=2, size=(12, 12))  # 2 x 6 x 6 = 72 tokens
+    return {**_compare(model, _wan_call(inputs), _config("ulysses", world), train=True), "power": POWER}
+
+
+def case_lepe_refused(world: int) -> dict:
+    """LePE needs grid neighbours other ranks hold: enable_context_parallel refuses it, and under diffusers' own
+    enable_parallelism the layer refuses at its first call (every rank alike, before any collective)."""
+    model = tiny_wan(num_layers=1, heads=2, head_dim=12)
+    mhla_diffusers.apply_mhla(model, layers="all", block_grid=(1, 2, 2), lepe=True)
+    errors = {"enable": None, "call": None}
+    try:
+        mhla_diffusers.enable_context_parallel(model, _config("ring", world))
+    except ValueError as err:
+        errors["enable"] = str(err)
+    with cpu_device_mesh():
+        model.enable_parallelism(config=_config("ring", world))
+    try:
+        with torch.no_grad():
+            model(**wan_inputs(batch=1, frames=2, size=(8, 12)), return_dict=False)  # 2 x 4 x 6 = 48 tokens
+    except RuntimeError as err:
+        errors["call"] = str(err)
+    return errors
+
+
 def _contract_case(family: str):
     """The family contract (tests/models/test_family_contract.py): the family's tiny model (helpers_families.TINY)
     with MHLA on every layer by apply_mhla, ring mode, forward: the single-process output."""
@@ -280,7 +337,7 @@ def _contract_case(family: str):
 CASES = [
     case_wan_oneliner_ring, case_wan_hybrid_ulysses, case_wan_uneven_numerator, case_wan_uneven_ulysses, case_wan_indivisible_refused,
     case_ulysses_heads_refused, case_sana_oneliner_ring, case_dit_ulysses, case_wan_pipeline_generate, case_processor_changed_after_enable,
-    case_hybrid_ring_native_refused,
+    case_hybrid_ring_native_refused, case_wan_options_ring, case_wan_options_ulysses, case_lepe_refused,
 ] + [_contract_case(name) for name, family in FAMILIES.items() if family.context_parallel is not None]
 
 

@@ -219,3 +219,18 @@ def test_generate_cli_without_torchrun(tmp_path, capsys):
     code, err = run_main("pipelines/generate.py", "--checkpoint", str(tmp_path / "none"), "--prompt", "a cat",
                          "--context-parallel", "ring", "--out", str(tmp_path / "x.png"), capsys=capsys)
     assert code == 2 and "torchrun --nproc_per_node" in err
+
+
+def test_wan_layer_options_under_context_parallelism(results):
+    """RoPE before phi / none, the authors' and the neutral gate, numerator only + output norm, feature_eps and
+    feature_power: outputs and gradients (the gate's included) exact in ring (summary) and Ulysses (heads) mode."""
+    for name in ("case_wan_options_ring", "case_wan_options_ulysses"):
+        case = _case(results, name)
+        _check_exact(case)
+        assert any(n.endswith("mhla_gate.weight") for n in case["grads"]), name
+
+
+def test_lepe_is_refused_under_context_parallelism(results):
+    case = _case(results, "case_lepe_refused")
+    assert "['blocks.0.attn1'] have a LePE convolution" in case["enable"]
+    assert "LePE is not supported under context parallelism" in case["call"]

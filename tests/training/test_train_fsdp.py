@@ -224,14 +224,15 @@ def test_posterior_draws_are_the_global_batch_sliced():
 
 
 def test_train_help_names_the_families_and_loaders_the_readme_names(capsys):
-    """finetune/train.py --help: Wan 2.1 and 2.2; every mhla_diffusers name it gives is one the README gives."""
+    """finetune/train.py --help: Wan 2.1 and 2.2; every mhla_diffusers name it gives is one its page (docs/training.md)
+    gives."""
     import re
 
     with pytest.raises(SystemExit):
         load_script("finetune/train.py").parse_args(["--help"])
     text = capsys.readouterr().out
     assert "Wan (2.1; 2.2" in text and "fsdp.yaml: FSDP2" in text
-    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "docs" / "training.md").read_text()
     names = set(re.findall(r"mhla_diffusers(?:\.\w+)+", text))
-    assert names and all(n.rsplit(".", 1)[-1] in readme for n in names), names
+    assert names and all(n.rsplit(".", 1)[-1] in page for n in names), names
     assert "load_mhla_pipeline_with_lora" not in text
