@@ -15,6 +15,8 @@ r"""Retrofit a pretrained diffusers checkpoint with MHLA.
         --layers-2 all
     python conversion/convert.py --family wan --from authors --src MHLA/model.safetensors \
         --config ./Wan2.1-T2V-1.3B-Diffusers --out wan-mhla-authors
+    python conversion/convert.py --family dit --from authors --src results/DiT-S-2/checkpoints/epoch-0079.pt \
+        --state-dict-key ema --config ./DiT-S-2-diffusers --out dit-mhla-authors
 
 A Wan 2.2 A14B pipeline (two experts: transformer for high noise, transformer_2 for low noise) has both
 converted with the same settings; --layers-2 gives transformer_2 its own layer selection (none: keep it stock;
@@ -22,9 +24,12 @@ converted with the same settings; --layers-2 gives transformer_2 its own layer s
 scored on calibration at its own timesteps (transformer: t >= boundary_ratio x 1000, transformer_2: below).
 
 --from authors imports the authors' released Wan MHLA weights (DAGroup-PKU/MHLA): layers, blocks,
-normaliser, feature epsilon, output norm are theirs, read from the file (mhla_diffusers.checkpoint.authors);
---layers, --num-blocks, --no-normalize, --output-norm and --eps do not apply there.
-Their DDP training checkpoint (.pth, numpy RNG state beside the weights) is read with torch.load(weights_only=True).
+normaliser, feature epsilon, output norm, gate and LePE are theirs, read from the file (mhla_diffusers.checkpoint.authors);
+--layers, --num-blocks, --no-normalize, --output-norm and --eps do not apply there. With --family dit it imports
+a DiT trained with their mhla_dit code (their MHLA4DiT layers: input LayerNorm, LePE, their normaliser;
+mhla_diffusers.checkpoint.authors_dit) into diffusers' DiT; --block-grid does not apply either.
+Their training checkpoints (.pth / .pt, numpy RNG state or the run's argparse arguments beside the weights) are
+read with torch.load(weights_only=True).
 
 Writes the base checkpoint + transformer/mhla_config.json + transformer/mhla.safetensors
 (see mhla_diffusers.checkpoint.format). Exit code 2 for bad input (a damaged or truncated source file included),
@@ -99,7 +104,8 @@ def main(argv=None) -> int:
         choices=("diffusers", "authors"),
         default="diffusers",
         help="diffusers: retrofit a pretrained model (default); authors: import the MHLA authors' released Wan "
-        "weights (--family wan, --src their checkpoint file, --config a diffusers Wan2.1-T2V-1.3B folder or Hub id)",
+        "weights (--family wan, --src their checkpoint file, --config a diffusers Wan2.1-T2V-1.3B folder or Hub id) or "
+        "a DiT of their mhla_dit code (--family dit, --config a diffusers DiT folder of the same architecture)",
     )
     parser.add_argument(
         "--state-dict-key", default=None, help="--from authors: the entry of a nested training checkpoint to import"
@@ -173,6 +179,39 @@ def main(argv=None) -> int:
     norm.add_argument("--no-output-norm", dest="output_norm", action="store_false", help="no output RMSNorm")
     parser.add_argument("--eps", type=float, default=None, help="denominator epsilon (default: family default)")
     parser.add_argument(
+        "--mixing-init", default=None, metavar="NAME",
+        help="start of the mixing matrices: a MixingMatrix init name (default locality, the paper's; uniform; ...) or "
+        "authors_constant (the authors' Wan start: mixing matrix and output-norm weight at 1e-6)",
+    )
+    parser.add_argument(
+        "--feature-eps", type=float, default=None, help="phi = ReLU(x) ** p + feature_eps (default 0; the authors' Wan 1e-6)"
+    )
+    parser.add_argument(
+        "--feature-power", type=float, default=None, metavar="P", help="phi = ReLU(x) ** P (default 1: ReLU; P > 0)"
+    )
+    parser.add_argument(
+        "--no-mixing-clamp", action="store_true",
+        help="use the mixing matrices as stored, not clamped to [0, 1] (the authors' Wan run)",
+    )
+    parser.add_argument(
+        "--rope", choices=("after", "before", "none"), default=None,
+        help="wan: where RoPE goes: after the feature map, numerator only (default) | before it (q, k rotated, then "
+        "phi) | none; families without RoPE take none only",
+    )
+    parser.add_argument(
+        "--gate", choices=("neutral", "authors"), default=None,
+        help="an output gate from the layer's input tokens: neutral (out * 2 sigmoid(Wx + b), zero start: the output "
+        "unchanged) | authors (out * SiLU(Wx + b), nn.Linear's init); default none",
+    )
+    parser.add_argument(
+        "--lepe", action="store_true",
+        help="LePE: a depthwise 3x3 (wan: 3x3x3) convolution of the values over the token grid, added to the output",
+    )
+    parser.add_argument(
+        "--lepe-init", choices=("zeros", "authors"), default=None,
+        help="--lepe: zeros (default: the output without LePE at the start) | authors (PyTorch's conv init)",
+    )
+    parser.add_argument(
         "--dtype", choices=sorted(DTYPES), default="keep", help="dtype of the written base weights (keep: as stored)"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
@@ -182,6 +221,9 @@ def main(argv=None) -> int:
         return _import_authors(args)
     if args.state_dict_key is not None:
         print("convert.py: --state-dict-key only applies with --from authors", file=sys.stderr)
+        return 2
+    if args.lepe_init is not None and not args.lepe:
+        print("convert.py: --lepe-init only applies with --lepe", file=sys.stderr)
         return 2
 
     import torch
@@ -211,6 +253,7 @@ def main(argv=None) -> int:
             layers_2=args.layers_2,
             calibration_latent_size=args.calibration_latent_size,
             device=args.device,
+            **_options(args),
         )
     except AlreadyConvertedError as err:
         print(f"convert.py: {err}", file=sys.stderr)
@@ -220,6 +263,20 @@ def main(argv=None) -> int:
         return 2
     print(json.dumps(spec, indent=2))
     return 0
+
+
+def _options(args) -> dict:
+    """The per-layer options given on the command line, as convert_checkpoint keywords (defaults left out)."""
+    options = {
+        "init": args.mixing_init, "feature_eps": args.feature_eps, "feature_power": args.feature_power, "rope": args.rope,
+        "gate": args.gate, "lepe_init": args.lepe_init,
+    }
+    options = {key: value for key, value in options.items() if value is not None}
+    if args.lepe:
+        options["lepe"] = True
+    if args.no_mixing_clamp:
+        options["mixing_clamp"] = False
+    return options
 
 
 def _import_authors(args) -> int:
@@ -235,23 +292,38 @@ def _import_authors(args) -> int:
                                                        args.calibration_latent_size)),
         "--device": args.device is not None,
         "--layers-2": args.layers_2 is not None,
+        "--mixing-init / --feature-eps / --feature-power / --no-mixing-clamp / --rope / --gate / --lepe / --lepe-init": bool(
+            _options(args)
+        ),
     }
+    if args.family == "dit":
+        given["--block-grid"] = args.block_grid is not None
     fixed = [flag for flag, on in given.items() if on]
     problem = None
-    if args.family != "wan":
-        problem = f"--from authors imports the authors' Wan2.1 MHLA model: use --family wan (got {args.family!r})"
+    if args.family not in ("wan", "dit"):
+        problem = (f"--from authors imports the authors' Wan2.1 MHLA model (--family wan) or a DiT of their mhla_dit code "
+                   f"(--family dit); got {args.family!r}")
     elif fixed:
         problem = (
-            f"{', '.join(fixed)} cannot be set with --from authors: the MHLA layers, normaliser (off), output norm (on) "
-            "and feature epsilon are those of the authors' model, read from the file"
+            f"{', '.join(fixed)} cannot be set with --from authors: the MHLA layers, blocks, normaliser, output norm, "
+            "feature epsilon and the authors' modules are those of their model, read from the file"
         )
     elif args.config is None:
-        problem = "--from authors needs --config: a diffusers Wan2.1-T2V-1.3B pipeline folder, transformer folder or Hub id"
+        problem = ("--from authors needs --config: a diffusers Wan2.1-T2V-1.3B pipeline folder, transformer folder or Hub id"
+                   if args.family == "wan" else "--from authors --family dit needs --config: a diffusers DiT pipeline or "
+                   "transformer folder (or Hub id) of the same architecture")
     if problem is not None:
         print(f"convert.py: {problem}", file=sys.stderr)
         return 2
 
     import torch
+
+    dtype = None if DTYPES[args.dtype] is None else getattr(torch, DTYPES[args.dtype])
+    if args.family == "dit":
+        from mhla_diffusers.checkpoint.authors_dit import import_authors_dit
+
+        return _report(import_authors_dit, args.src, args.out, config=args.config, torch_dtype=dtype,
+                       overwrite=args.overwrite, state_dict_key=args.state_dict_key)
 
     from mhla_diffusers.checkpoint.authors import AUTHORS_BLOCK_GRID, import_authors_wan
 
@@ -260,12 +332,14 @@ def _import_authors(args) -> int:
         print(f"convert.py: --from authors takes --block-grid as bt,bh,bw (default 3,5,10); got {args.block_grid!r}",
               file=sys.stderr)
         return 2
-    dtype = None if DTYPES[args.dtype] is None else getattr(torch, DTYPES[args.dtype])
+    return _report(import_authors_wan, args.src, args.out, config=args.config, torch_dtype=dtype, overwrite=args.overwrite,
+                   state_dict_key=args.state_dict_key, block_grid=tuple(block_grid))
+
+
+def _report(importer, *args, **kwargs) -> int:
+    """Run an importer; print its spec (exit 0) or its error (exit 2)."""
     try:
-        spec = import_authors_wan(
-            args.src, args.out, config=args.config, torch_dtype=dtype, overwrite=args.overwrite,
-            state_dict_key=args.state_dict_key, block_grid=tuple(block_grid),
-        )
+        spec = importer(*args, **kwargs)
     except (ValueError, FileNotFoundError, FileExistsError) as err:
         print(f"convert.py: {err}", file=sys.stderr)
         return 2

@@ -59,6 +59,8 @@ _EXPORTS = {
     "save_mhla_transformer": "mhla_diffusers.checkpoint.format",
     "import_authors_wan": "mhla_diffusers.checkpoint.authors",
     "load_authors_wan": "mhla_diffusers.checkpoint.authors",
+    "import_authors_dit": "mhla_diffusers.checkpoint.authors_dit",
+    "load_authors_dit": "mhla_diffusers.checkpoint.authors_dit",
     # the demo's parameter-free autoencoder: a demo / training helper, kept at its module path
     # because saved pipelines name it there (model_index.json: ["mhla_diffusers.autoencoder", ...])
     "SpaceToDepthAutoencoder": "mhla_diffusers.autoencoder",
@@ -84,6 +86,7 @@ def __dir__() -> list[str]:
 if _TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from mhla_diffusers.autoencoder import SpaceToDepthAutoencoder
     from mhla_diffusers.checkpoint.authors import import_authors_wan, load_authors_wan
+    from mhla_diffusers.checkpoint.authors_dit import import_authors_dit, load_authors_dit
     from mhla_diffusers.checkpoint.format import (
         MHLACheckpointError,
         load_mhla_pipeline,

@@ -6,7 +6,9 @@ layer as: stock q/k/v/o and q/k norms (renamed by diffusers' converter), ``featu
 (``ReLU(x) + 1e-6``), ``normalize=False`` (numerator only, RoPE on the features), block grid
 ``(3, 5, 10)`` (``M = 150``) with ``W = block_attn.conv.weight[:, :, 0, 0]`` unclamped
 (``mixing_clamp=False``), and their ``g_norm`` as our per-head :class:`~mhla_diffusers.OutputRMSNorm`.
-Gate and LePE weights are refused. The MHLA layers are those whose weights the file holds; the native
+Checkpoints of their gated / LePE variant (``is_gated``: ``g_norm(out) * SiLU(g(x))``; ``is_lepe``: a 3 x 3 x 3
+depthwise ``Conv3d`` of v added before ``o``) map onto our ``gate="authors"`` and ``lepe`` with their weights.
+The MHLA layers are those whose weights the file holds; the native
 size 480 x 800 px, 81 frames is recorded as ``config._mhla_native_size``. Differences left are rounding.
 
 The mapping in full, with the reasons: ``docs/checkpoints.md`` (the authors' importer).
@@ -41,6 +43,9 @@ __all__ = [
     "install_authors_mhla",
     "load_authors_wan",
     "import_authors_wan",
+    "unwrap_state_dict",
+    "strip_wrapper_prefix",
+    "storage_dtype",
 ]
 
 # AUTHORS_BLOCK_GRID (3, 5, 10), AUTHORS_NATIVE_SIZE (480 x 800 px, 81 frames): the Wan family's (families/wan.py);
@@ -49,8 +54,9 @@ AUTHORS_FEATURE_EPS = 1e-6
 
 # Key prefixes of wrapped models (DDP, torch.compile, FSDP, ComfyUI-style files), stripped when every key has one.
 _WRAPPER_PREFIXES = ("module.", "model.", "_orig_mod.", "_fsdp_wrapped_module.", "diffusion_model.")
-_MHLA_KEY = re.compile(r"^blocks\.(\d+)\.self_attn\.(block_attn\.conv\.weight|g_norm\.weight)$")
-_VARIANT_KEY = re.compile(r"^blocks\.(\d+)\.self_attn\.(g|lepe)\.")
+_MHLA_KEY = re.compile(r"^blocks\.(\d+)\.self_attn\.(block_attn\.conv\.weight|g_norm\.weight|(?:g|lepe)\.(?:weight|bias))$")
+# their optional modules, each present on a layer with both of its keys or not at all
+_OPTIONAL = {"gate": ("g.weight", "g.bias"), "lepe": ("lepe.weight", "lepe.bias")}
 _LISTED = 12  # keys named in an error message
 
 
@@ -88,7 +94,7 @@ def read_authors_state_dict(path: str | os.PathLike, state_dict_key: str | None 
         obj = _torch_load_weights(path)
     else:
         raise AuthorsCheckpointError(f"{path}: expected a .safetensors, .pth, .pt, .bin or .ckpt file")
-    return _strip_wrapper_prefix(_unwrap(obj, state_dict_key, path))
+    return strip_wrapper_prefix(unwrap_state_dict(obj, state_dict_key, path))
 
 
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -114,9 +120,14 @@ _EXTRACT = (
 
 
 def _torch_load_weights(path: str | os.PathLike):
-    """``torch.load(weights_only=True)`` on the CPU, numpy RNG-state types allowed for this call only; else AuthorsCheckpointError."""
+    """``torch.load(weights_only=True)`` on the CPU, numpy RNG-state types and ``argparse.Namespace`` (the run's
+    arguments their DiT ``train.py`` saves beside the weights; a plain attribute holder) allowed for this call only;
+    else AuthorsCheckpointError."""
+    import argparse
+
     path = Path(path)
-    ours = [g for g in _numpy_rng_globals() if g not in torch.serialization.get_safe_globals()]
+    extra = [*_numpy_rng_globals(), argparse.Namespace]
+    ours = [g for g in extra if g not in torch.serialization.get_safe_globals()]
     try:
         with torch.serialization.safe_globals(ours):
             return torch.load(str(path), map_location="cpu", weights_only=True)
@@ -150,7 +161,7 @@ def _is_tensor_dict(obj) -> bool:
     return isinstance(obj, Mapping) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
 
 
-def _unwrap(obj, key: str | None, path: Path) -> dict[str, torch.Tensor]:
+def unwrap_state_dict(obj, key: str | None, path: Path) -> dict[str, torch.Tensor]:
     """The dict of tensors inside a loaded checkpoint object (see :func:`read_authors_state_dict`)."""
     if not isinstance(obj, Mapping):
         raise AuthorsCheckpointError(f"{path} holds a {type(obj).__name__}, not a state dict")
@@ -177,7 +188,7 @@ def _unwrap(obj, key: str | None, path: Path) -> dict[str, torch.Tensor]:
     )
 
 
-def _strip_wrapper_prefix(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def strip_wrapper_prefix(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` without a wrapper prefix that every key carries (repeatedly: ``module.model.`` too)."""
     changed = True
     while changed and state:
@@ -196,17 +207,9 @@ def split_authors_state_dict(
 
     Returns:
         ``(stock, mhla)``: ``stock`` every other key (their names); ``mhla``
-        ``{layer: {"block_attn.conv.weight": [M, M, 1, 1], "g_norm.weight": [head_dim]}}`` (unchecked).
-
-    Raises:
-        AuthorsCheckpointError: gate (``self_attn.g``) or LePE (``self_attn.lepe``) weights.
+        ``{layer: {"block_attn.conv.weight": [M, M, 1, 1], "g_norm.weight": [head_dim]}}`` (unchecked), with
+        ``"g.weight"``, ``"g.bias"`` (gated variant) and ``"lepe.weight"``, ``"lepe.bias"`` (LePE) where the file has them.
     """
-    variants = [k for k in state if _VARIANT_KEY.match(k)]
-    if variants:
-        raise AuthorsCheckpointError(
-            f"the file holds output-gate / LePE weights {_listed(variants)}: an MHLA variant the released Wan model does "
-            "not use (its config never enables them) and this importer does not map; nothing was written"
-        )
     stock, mhla = {}, {}
     for key, value in state.items():
         match = _MHLA_KEY.match(key)
@@ -259,7 +262,7 @@ def _check_stock_keys(converted: dict, original: dict[str, str], empty, src) -> 
         )
 
 
-def _storage_dtype(state: Mapping[str, torch.Tensor]) -> torch.dtype:
+def storage_dtype(state: Mapping[str, torch.Tensor]) -> torch.dtype:
     """The floating dtype holding most parameter values of ``state`` (float32 if none)."""
     counts: dict[torch.dtype, int] = {}
     for t in state.values():
@@ -275,7 +278,8 @@ def install_authors_mhla(
 
     ``apply_mhla`` on the layers of ``mhla`` (numerator only, per-head output RMSNorm,
     ``feature_eps=1e-6``, unclamped); mixing ``<- block_attn.conv.weight[:, :, 0, 0]``, output norm
-    ``<- g_norm.weight`` on every head, float32.
+    ``<- g_norm.weight`` on every head, float32. Their gated variant: ``gate="authors"`` (``SiLU``),
+    ``mhla_gate <- g``; their LePE: ``lepe=True`` (3 x 3 x 3), ``mhla_lepe <- lepe``.
 
     Args:
         mhla: as :func:`split_authors_state_dict` returns it.
@@ -286,7 +290,8 @@ def install_authors_mhla(
 
     Raises:
         AuthorsCheckpointError: no MHLA layer, an unknown layer index, one key of the two only, a mixing
-            matrix not ``[M, M, 1, 1]`` (or differing between layers), a norm not ``[head_dim]``, non-finite values.
+            matrix not ``[M, M, 1, 1]`` (or differing between layers), a norm not ``[head_dim]``, non-finite values;
+            gate / LePE weights on some MHLA layers only, with one key of two, or mis-shaped.
     """
     family = family_of(transformer)
     if family is not WAN:
@@ -323,16 +328,61 @@ def install_authors_mhla(
             if not torch.isfinite(mhla[i][name]).all():
                 raise AuthorsCheckpointError(f"blocks.{i}.self_attn.{name} holds NaN or infinite values")
     layers = sorted(mhla)
+    options = _authors_variant(mhla, heads * head_dim)
     apply_mhla(
         transformer, layers, block_grid=tuple(block_grid), normalize=False, output_norm=True,
-        feature_eps=AUTHORS_FEATURE_EPS, mixing_clamp=False,
+        feature_eps=AUTHORS_FEATURE_EPS, mixing_clamp=False, gate="authors" if options["gate"] else None,
+        lepe=options["lepe"], lepe_init="authors",
     )
     with torch.no_grad():
         for i in layers:
             attn = modules[i][1]
             attn.mhla_mixing.weight.copy_(mhla[i]["block_attn.conv.weight"][:, :, 0, 0].float())
             attn.mhla_output_norm.weight.copy_(mhla[i]["g_norm.weight"].float().expand(heads, head_dim))
+            for module, (weight, bias) in ((getattr(attn, "mhla_gate", None), _OPTIONAL["gate"]),
+                                           (getattr(attn, "mhla_lepe", None), _OPTIONAL["lepe"])):
+                if module is not None:
+                    module.weight.copy_(mhla[i][weight].float())
+                    module.bias.copy_(mhla[i][bias].float())
     return layers
+
+
+def _authors_variant(mhla: Mapping[int, Mapping[str, torch.Tensor]], channels: int) -> dict[str, bool]:
+    """``{"gate": bool, "lepe": bool}``: the optional modules every MHLA layer of the file has (their model builds
+    all its MHLA layers from one config), their weights checked: ``g`` ``[C, C]`` + ``[C]``, ``lepe``
+    ``[C, 1, 3, 3, 3]`` + ``[C]`` for ``C = heads * head_dim`` channels, finite.
+
+    Raises:
+        AuthorsCheckpointError: a module with one of its two keys; layers that differ; a wrong shape; NaN / inf.
+    """
+    shapes = {"g.weight": (channels, channels), "g.bias": (channels,), "lepe.weight": (channels, 1, 3, 3, 3),
+              "lepe.bias": (channels,)}
+    found = {}
+    for option, keys in _OPTIONAL.items():
+        for i, params in sorted(mhla.items()):
+            held = [k for k in keys if k in params]
+            if held and len(held) < len(keys):
+                lacking = [f"blocks.{i}.self_attn.{k}" for k in keys if k not in params]
+                raise AuthorsCheckpointError(f"missing keys {lacking}: layer {i} has only part of its {option}; nothing was written")
+        with_it = [i for i, params in sorted(mhla.items()) if keys[0] in params]
+        if with_it and len(with_it) != len(mhla):
+            without = sorted(set(mhla) - set(with_it))
+            raise AuthorsCheckpointError(
+                f"MHLA layers {with_it} have the {option} weights ({keys[0]}) and layers {without} do not; the authors' model "
+                "builds every MHLA layer from one config, so this file is damaged or not theirs; nothing was written"
+            )
+        found[option] = bool(with_it)
+        for i in with_it:
+            for key in keys:
+                got = tuple(mhla[i][key].shape)
+                if got != shapes[key]:
+                    raise AuthorsCheckpointError(
+                        f"blocks.{i}.self_attn.{key} has shape {got}, expected {shapes[key]} ({channels} channels: "
+                        f"{'nn.Linear(dim, dim)' if option == 'gate' else 'a depthwise 3 x 3 x 3 Conv3d with bias'})"
+                    )
+                if not torch.isfinite(mhla[i][key]).all():
+                    raise AuthorsCheckpointError(f"blocks.{i}.self_attn.{key} holds NaN or infinite values")
+    return found
 
 
 def load_authors_wan(
@@ -362,7 +412,7 @@ def load_authors_wan(
     """
     name = "the state dict" if isinstance(src, Mapping) else str(src)
     if isinstance(src, Mapping):
-        state = _strip_wrapper_prefix(_unwrap(src, state_dict_key, name))
+        state = strip_wrapper_prefix(unwrap_state_dict(src, state_dict_key, name))
     else:
         state = read_authors_state_dict(src, state_dict_key)
     stock, mhla = split_authors_state_dict(state)
@@ -371,7 +421,7 @@ def load_authors_wan(
         raise AuthorsCheckpointError(f"config {config} describes a {cls.__name__}; the authors' model needs a Wan2.1 config")
     converted, original = _to_diffusers_keys(stock)
     _check_stock_keys(converted, original, _empty_transformer(cls, load_kwargs), name)
-    dtype = torch_dtype or _storage_dtype(state)
+    dtype = torch_dtype or storage_dtype(state)
     # the checked stock weights through diffusers' own single-file loader (its key mapping and dtype handling)
     model = cls.from_single_file(dict(stock), **load_kwargs, dtype=dtype)
     check_loaded(model, name)  # never a model without values (the stock keys were checked above)

@@ -64,7 +64,7 @@ def authors_rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + EPS) * weight
 
 
-def authors_layer(x: torch.Tensor, p: dict, grid, heads: int) -> torch.Tensor:
+def authors_layer(x: torch.Tensor, p: dict, grid, heads: int, gate_fn=F.silu) -> torch.Tensor:
     """Their MHLA self-attention (numerator only, then g_norm per head, then o) on ``x`` ``[B, N, C]``.
 
     ``p``: their tensors of the layer, keyed as in their state dict without ``blocks.<i>.self_attn.``.
@@ -88,8 +88,14 @@ def authors_layer(x: torch.Tensor, p: dict, grid, heads: int) -> torch.Tensor:
     kv = torch.einsum("nm,bnhd,bnhe->bhmde", member, k_rope, v)  # per-block summaries
     mixed = torch.einsum("ij,bhjde->bhide", p["block_attn.conv.weight"][:, :, 0, 0].float(), kv)
     out = torch.einsum("bnhd,nm,bhmde->bnhe", q_rope, member, mixed)
-    out = authors_rms(out, p["g_norm.weight"])  # g_norm over the head dim
-    return F.linear(out.reshape(b, n, c), p["o.weight"], p["o.bias"])
+    out = authors_rms(out, p["g_norm.weight"]).reshape(b, n, c)  # g_norm over the head dim
+    if "g.weight" in p:  # their gated variant: g_norm(out) * SiLU(g(x))
+        out = out * gate_fn(F.linear(x.float(), p["g.weight"], p["g.bias"]))
+    if "lepe.weight" in p:  # their LePE: a depthwise 3 x 3 x 3 convolution of v over (frames, height, width), added
+        grid_v = v.reshape(b, *grid, c).permute(0, 4, 1, 2, 3)
+        lepe = F.conv3d(grid_v, p["lepe.weight"].float(), p["lepe.bias"].float(), padding=1, groups=c)
+        out = out + lepe.permute(0, 2, 3, 4, 1).reshape(b, n, c)
+    return F.linear(out, p["o.weight"], p["o.bias"])
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -114,6 +120,23 @@ def authors_state_dict(transformer, seed: int = 0) -> dict[str, torch.Tensor]:
     for name in ("v.weight", "v.bias"):  # the numerator well above g_norm's epsilon (1e-6 on its mean square)
         state[f"blocks.2.self_attn.{name}"] = state[f"blocks.2.self_attn.{name}"] * 1e4
     state["blocks.2.self_attn.o.bias"] = torch.zeros_like(state["blocks.2.self_attn.o.bias"])
+    return state
+
+
+def with_gate_and_lepe(state: dict, seed: int = 3, gate: bool = True, lepe: bool = True) -> dict[str, torch.Tensor]:
+    """``state`` as their ``is_gated`` / ``is_lepe`` variant: ``g`` (``nn.Linear(dim, dim)``) and ``lepe`` (a depthwise
+    ``Conv3d`` 3 x 3 x 3 with bias) on every MHLA layer, random values of their default inits' size."""
+    g = torch.Generator().manual_seed(seed)
+    c = HEADS * HEAD_DIM
+    state = dict(state)
+    for i in MHLA_LAYERS:
+        if gate:
+            state[f"blocks.{i}.self_attn.g.weight"] = torch.randn(c, c, generator=g) / c**0.5
+            state[f"blocks.{i}.self_attn.g.bias"] = 0.5 + 0.1 * torch.randn(c, generator=g)
+        if lepe:
+            scale = 0.2 if i != 2 else 0.2e-4  # LePE of the order of the normed output (layer 2's v is 1e4 larger)
+            state[f"blocks.{i}.self_attn.lepe.weight"] = scale * torch.randn(c, 1, 3, 3, 3, generator=g)
+            state[f"blocks.{i}.self_attn.lepe.bias"] = 0.1 * torch.randn(c, generator=g)
     return state
 
 
@@ -271,6 +294,38 @@ def test_training_checkpoint_nested_prefixed_bf16(files, tmp_path):
     assert torch.equal(mixing.detach(), stored) and bool((mixing < 0).any())
 
 
+def test_gated_lepe_variant_equals_the_authors_layer(files, tmp_path, capsys):
+    """Their ``is_gated`` + ``is_lepe`` layers (and each alone) import onto ``gate="authors"`` and ``lepe`` with their
+    weights and equal the independent implementation of their layer (fp32, <= 1e-5); the comparison can fail:
+    the neutral gate form or LePE left out changes the output far beyond that."""
+    from mhla_diffusers import load_mhla_pipeline
+
+    errors = {}
+    for gate, lepe in ((True, True), (True, False), (False, True)):
+        state = with_gate_and_lepe(files["state"], gate=gate, lepe=lepe)
+        src = _write(state, tmp_path / f"variant_{gate}_{lepe}.safetensors")
+        out = tmp_path / f"imported_{gate}_{lepe}"
+        code, err = run_main("conversion/convert.py", "--family", "wan", "--from", "authors", "--src", src,
+                             "--config", files["config"], "--out", out, capsys=capsys)
+        assert code == 0, err
+        config = json.loads((out / "transformer" / "mhla_config.json").read_text())
+        assert config.get("gate") == ("authors" if gate else None) and bool(config.get("lepe")) is lepe, config
+        model = load_mhla_pipeline(out).transformer
+        seen = _run_layers(model)
+        for i in MHLA_LAYERS:
+            x, y = seen[i]
+            errors[f"gate={gate} lepe={lepe} layer {i}"] = err = _rel(y, authors_layer(x, layer_params(state, i), GRID, HEADS))
+            assert err <= 1e-5, (gate, lepe, i, err)
+    print({k: f"{v:.2e}" for k, v in errors.items()})
+    # the comparison can fail: with LePE left out, or the neutral gate form 2 sigmoid(g) for SiLU
+    state = with_gate_and_lepe(files["state"])
+    model = load_mhla_pipeline(tmp_path / "imported_True_True").transformer
+    x, y = _run_layers(model)[1]
+    without_lepe = {k: v for k, v in layer_params(state, 1).items() if not k.startswith("lepe.")}
+    assert _rel(y, authors_layer(x, without_lepe, GRID, HEADS)) > 1e-2
+    assert _rel(y, authors_layer(x, layer_params(state, 1), GRID, HEADS, gate_fn=lambda g: 2 * torch.sigmoid(g))) > 1e-2
+
+
 def _write(state: dict, path) -> str:
     save_file(state, str(path))
     return str(path)
@@ -288,7 +343,13 @@ def _write(state: dict, path) -> str:
          r"shape \(150, 150\), expected \(150, 150, 1, 1\)"),
         (lambda s: s.update({"blocks.1.self_attn.g_norm.weight": torch.ones(HEADS * HEAD_DIM)}),
          r"g_norm.weight has shape \(32,\), expected \(16,\)"),
-        (lambda s: s.update({"blocks.1.self_attn.g.weight": torch.ones(32, 32)}), "output-gate / LePE"),
+        (lambda s: s.update({"blocks.1.self_attn.g.weight": torch.ones(32, 32)}),
+         r"missing keys \['blocks.1.self_attn.g.bias'\]: layer 1 has only part of its gate"),
+        (lambda s: s.update({"blocks.1.self_attn.g.weight": torch.ones(32, 32), "blocks.1.self_attn.g.bias": torch.ones(32)}),
+         r"MHLA layers \[1\] have the gate weights \(g.weight\) and layers \[2\] do not"),
+        (lambda s: s.update({f"blocks.{i}.self_attn.lepe.{k}": torch.ones(shape) for i in MHLA_LAYERS
+                             for k, shape in (("weight", (32, 1, 3, 3)), ("bias", (32,)))}),
+         r"blocks.1.self_attn.lepe.weight has shape \(32, 1, 3, 3\), expected \(32, 1, 3, 3, 3\)"),
         (lambda s: s.update({"blocks.7.self_attn.g_norm.weight": torch.ones(HEAD_DIM)}), r"layers \[7\], but the config has 3"),
         (lambda s: s.update({"blocks.0.ffn.0.weight": torch.ones(5, 5)}), r"shape mismatches \['blocks.0.ffn.0.weight: \(5, 5\)"),
         (lambda s: s.update({"blocks.1.self_attn.g_norm.weight": torch.full((HEAD_DIM,), float("nan"))}), "NaN"),
@@ -313,7 +374,7 @@ def test_cli_settings_that_are_the_authors_are_refused(files, tmp_path, capsys):
     cases = [
         (("--family", "wan", "--config", files["config"], "--layers", "hybrid"), "--layers cannot be set with --from authors"),
         (("--family", "wan", "--config", files["config"], "--no-normalize", "--eps", "1e-3"), "--no-normalize, --eps cannot"),
-        (("--family", "sana", "--config", files["config"]), "use --family wan"),
+        (("--family", "sana", "--config", files["config"]), "(--family wan) or a DiT"),
         (("--family", "wan",), "needs --config"),
     ]
     for extra, message in cases:
@@ -436,18 +497,19 @@ class _RunsCode:
         return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
 
 
-@pytest.mark.parametrize("extra", ["code", "namespace", "float64 array"])
+@pytest.mark.parametrize("extra", ["code", "path", "float64 array"])
 def test_pickles_holding_other_objects_are_refused_and_never_run(files, tmp_path, extra):
     """A pickle that runs code never runs (the numpy allow-list does not open that door), nor is any other object
-    unpickled: the error names what was refused and says how to extract the state dict from a trusted file."""
-    import argparse
+    unpickled (``argparse.Namespace``, the run's arguments their DiT trainer saves, is the one class allowed beside
+    numpy's RNG state): the error names what was refused and says how to extract the state dict from a trusted file."""
+    import pathlib
 
     import numpy as np
 
     from mhla_diffusers.checkpoint.authors import AuthorsCheckpointError, read_authors_state_dict
 
     marker = tmp_path / "ran.txt"
-    value, named = {"code": (_RunsCode(marker), "builtins.exec"), "namespace": (argparse.Namespace(lr=1e-4), "argparse.Namespace"),
+    value, named = {"code": (_RunsCode(marker), "builtins.exec"), "path": (pathlib.PurePosixPath("runs/x"), "pathlib.PurePosixPath"),
                     "float64 array": (np.zeros(3), "numpy.dtypes.Float64DType")}[extra]
     path = tmp_path / "ckpt.pth"
     torch.save({"state_dict": files["state"], "rng_state": {"numpy": np.random.get_state()}, "extra": value}, path)

@@ -1,0 +1,304 @@
+"""Import a DiT trained with the authors' MHLA DiT code (DAGroup-PKU/MHLA ``mhla_dit``) into diffusers' ``DiTTransformer2DModel``.
+
+Their model is the original DiT (facebookresearch/DiT key layout: ``x_embedder``, ``t_embedder``, ``y_embedder``,
+``blocks.<i>.adaLN_modulation``, ``blocks.<i>.mlp``, ``final_layer``) whose attention is their ``MHLA4DiT``:
+
+- a LayerNorm ``attn.norm`` (weight and bias, eps 1e-5) on the layer's input: our ``input_norm``;
+- one fused ``attn.to_qkv`` with bias: split into diffusers' ``to_q`` / ``to_k`` / ``to_v``;
+- features ``ReLU(x) + 1e-6`` (``feature_eps``), no scale, no RoPE;
+- the mixing matrix ``attn.piece_attn.conv.weight[:, :, 0, 0]`` (rows = query blocks; clamped to [0, 1] after every
+  step of their training, as ours is) over square blocks of ``block_size`` tokens;
+- their normaliser ``sum_j Mc[i, j] phi(q[j, l]) . z_j + 1e-6`` (``denominator="authors_dit"``,
+  :mod:`~mhla_diffusers.ops.positional`);
+- LePE ``attn.lepe``: a depthwise 3 x 3 ``Conv2d`` with bias of v over the image, added: our ``lepe``;
+- ``attn.to_out.0``: diffusers' ``to_out.0``.
+
+Layers with the stock timm ``attn.qkv`` / ``attn.proj`` stay softmax. Their variant with q / k RMSNorms over all
+heads (``qk_norm``) has no diffusers counterpart and is refused. The mapping in full: ``docs/families/dit.md``
+(the authors' DiT weights).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from mhla_diffusers.checkpoint.authors import (
+    AuthorsCheckpointError,
+    read_authors_state_dict,
+    storage_dtype,
+    strip_wrapper_prefix,
+    unwrap_state_dict,
+)
+from mhla_diffusers.checkpoint.conversion import pipeline_around, single_file_target
+from mhla_diffusers.checkpoint.format import save_mhla_pipeline, save_mhla_transformer
+from mhla_diffusers.families import DIT, family_of, self_attention_modules
+from mhla_diffusers.models.install import apply_mhla, mhla_spec
+
+__all__ = ["AUTHORS_DIT_EPS", "split_authors_dit_state_dict", "install_authors_dit_mhla", "load_authors_dit",
+           "import_authors_dit"]
+
+AUTHORS_DIT_EPS = 1e-6  # their MHLA4DiT's eps: added to the features and to the normaliser
+
+# their keys -> diffusers' (shared embedders are copied into every block's AdaLayerNormZero, as diffusers' DiT holds them)
+_TOP = {
+    "x_embedder.proj.weight": "pos_embed.proj.weight", "x_embedder.proj.bias": "pos_embed.proj.bias",
+    "final_layer.adaLN_modulation.1.weight": "proj_out_1.weight", "final_layer.adaLN_modulation.1.bias": "proj_out_1.bias",
+    "final_layer.linear.weight": "proj_out_2.weight", "final_layer.linear.bias": "proj_out_2.bias",
+}
+_SHARED = {
+    "t_embedder.mlp.0.weight": "norm1.emb.timestep_embedder.linear_1.weight",
+    "t_embedder.mlp.0.bias": "norm1.emb.timestep_embedder.linear_1.bias",
+    "t_embedder.mlp.2.weight": "norm1.emb.timestep_embedder.linear_2.weight",
+    "t_embedder.mlp.2.bias": "norm1.emb.timestep_embedder.linear_2.bias",
+    "y_embedder.embedding_table.weight": "norm1.emb.class_embedder.embedding_table.weight",
+}
+_BLOCK = {
+    "adaLN_modulation.1.weight": "norm1.linear.weight", "adaLN_modulation.1.bias": "norm1.linear.bias",
+    "mlp.fc1.weight": "ff.net.0.proj.weight", "mlp.fc1.bias": "ff.net.0.proj.bias",
+    "mlp.fc2.weight": "ff.net.2.weight", "mlp.fc2.bias": "ff.net.2.bias",
+}
+# an attention layer: fused qkv and output projection, by kind
+_ATTENTION = {
+    "softmax": {"qkv": "attn.qkv", "out": "attn.proj", "own": ()},
+    "mhla": {"qkv": "attn.to_qkv", "out": "attn.to_out.0",
+             "own": ("attn.norm.weight", "attn.norm.bias", "attn.lepe.weight", "attn.lepe.bias", "attn.piece_attn.conv.weight")},
+}
+_BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.(.+)$")
+_QK_NORM = re.compile(r"^blocks\.\d+\.attn\.(q_norm|k_norm)\.")
+
+
+def split_authors_dit_state_dict(
+    state: Mapping[str, torch.Tensor], num_layers: int
+) -> tuple[dict[str, torch.Tensor], dict[int, dict[str, torch.Tensor]], torch.Tensor | None]:
+    """Their DiT state dict as diffusers ``DiTTransformer2DModel`` keys, the MHLA parameters of each MHLA layer apart.
+
+    Returns:
+        ``(stock, mhla, pos_embed)``: ``stock`` in diffusers' names (q, k, v split from the fused projection);
+        ``mhla`` ``{layer: {"norm.weight", "norm.bias", "lepe.weight", "lepe.bias", "piece_attn.conv.weight"}}``
+        (their names without ``blocks.<i>.attn.``); ``pos_embed`` their fixed sin-cos table or ``None``.
+
+    Raises:
+        AuthorsCheckpointError: unknown keys (their names), a layer of both kinds or of neither, a part of a
+            layer missing, the ``qk_norm`` variant, a block index beyond ``num_layers``.
+    """
+    qk_norm = sorted(k for k in state if _QK_NORM.match(k))
+    if qk_norm:
+        raise AuthorsCheckpointError(
+            f"the file holds q / k norms {qk_norm[:4]}: their qk_norm variant normalises q and k over all heads at once, "
+            "which diffusers' DiT attention cannot hold; this importer maps their default layer (qk_norm=False) only; "
+            "nothing was written"
+        )
+    stock, blocks, unknown = {}, {}, []
+    for key, value in state.items():
+        if key in _TOP:
+            stock[_TOP[key]] = value
+        elif key in _SHARED:
+            for i in range(num_layers):
+                stock[f"transformer_blocks.{i}.{_SHARED[key]}"] = value
+        elif (match := _BLOCK_KEY.match(key)) is not None:
+            blocks.setdefault(int(match.group(1)), {})[match.group(2)] = value
+        elif key != "pos_embed":
+            unknown.append(key)
+    beyond = sorted(i for i in blocks if i >= num_layers)
+    if unknown or beyond:
+        raise AuthorsCheckpointError(
+            f"unknown keys {sorted(unknown)[:12]}" + (f"; blocks {beyond} beyond the config's {num_layers} layers" if beyond else "")
+            + ": not a DiT of the authors' mhla_dit code for this config; nothing was written"
+        )
+    mhla = {}
+    for i, parts in sorted(blocks.items()):
+        stock.update(_block_to_diffusers(i, parts, mhla))
+    return stock, mhla, state.get("pos_embed")
+
+
+def _block_to_diffusers(i: int, parts: dict[str, torch.Tensor], mhla: dict) -> dict[str, torch.Tensor]:
+    """One block's diffusers keys; its MHLA parameters go to ``mhla[i]``."""
+    kinds = [kind for kind, names in _ATTENTION.items() if f"{names['qkv']}.weight" in parts]
+    if len(kinds) != 1:
+        what = "both a softmax (attn.qkv) and an MHLA (attn.to_qkv)" if kinds else "no attention (attn.qkv or attn.to_qkv)"
+        raise AuthorsCheckpointError(f"block {i} holds {what} projection; nothing was written")
+    names = _ATTENTION[kinds[0]]
+    wanted = [*_BLOCK, *(f"{names[p]}.{t}" for p in ("qkv", "out") for t in ("weight", "bias")), *names["own"]]
+    missing = [f"blocks.{i}.{name}" for name in wanted if name not in parts]
+    extra = [f"blocks.{i}.{name}" for name in parts if name not in wanted]
+    if missing or extra:
+        raise AuthorsCheckpointError(
+            (f"missing keys {missing}" if missing else "") + ("; " if missing and extra else "")
+            + (f"unknown keys {extra}" if extra else "") + f": block {i} is not a whole {kinds[0]} DiT block; nothing was written"
+        )
+    out = {f"transformer_blocks.{i}.{ours}": parts[theirs] for theirs, ours in _BLOCK.items()}
+    for t in ("weight", "bias"):
+        qkv = parts[f"{names['qkv']}.{t}"]
+        if qkv.shape[0] % 3:
+            raise AuthorsCheckpointError(f"blocks.{i}.{names['qkv']}.{t} has {qkv.shape[0]} rows, not 3 x the width")
+        for name, piece in zip(("to_q", "to_k", "to_v"), qkv.chunk(3, dim=0)):
+            out[f"transformer_blocks.{i}.attn1.{name}.{t}"] = piece.contiguous()
+        out[f"transformer_blocks.{i}.attn1.to_out.0.{t}"] = parts[f"{names['out']}.{t}"]
+    if kinds[0] == "mhla":
+        mhla[i] = {name[len("attn."):]: parts[name] for name in names["own"]}
+    return out
+
+
+def install_authors_dit_mhla(transformer, mhla: Mapping[int, Mapping[str, torch.Tensor]]) -> list[int]:
+    """MHLA on the layers of ``mhla`` of a diffusers ``DiTTransformer2DModel`` as their ``MHLA4DiT`` runs, with their weights.
+
+    ``apply_mhla`` with their block grid (``M = sqrt(M) x sqrt(M)`` square blocks over the token grid),
+    ``input_norm=True``, ``lepe=True`` (3 x 3), ``feature_eps=eps=1e-6``, ``denominator="authors_dit"``, clamped
+    mixing; then ``mhla_input_norm <- norm``, ``mhla_lepe <- lepe``, mixing ``<- piece_attn.conv.weight[:, :, 0, 0]``.
+
+    Returns:
+        The MHLA layer indices.
+
+    Raises:
+        AuthorsCheckpointError: no MHLA layer; a mixing matrix not ``[M, M, 1, 1]`` with ``M`` a square dividing the
+            token grid, or differing between layers; a norm or LePE of the wrong shape; non-finite values.
+    """
+    if family_of(transformer) is not DIT:
+        raise AuthorsCheckpointError(f"the authors' MHLA DiT is a DiT; got a {type(transformer).__name__}")
+    if not mhla:
+        raise AuthorsCheckpointError(
+            "the file holds no MHLA layer (no blocks.<i>.attn.to_qkv): it is a plain DiT; convert it to diffusers and "
+            "retrofit it with convert.py --from diffusers instead"
+        )
+    block_grid = _authors_dit_block_grid(transformer, mhla)
+    channels = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+    shapes = {"norm.weight": (channels,), "norm.bias": (channels,), "lepe.weight": (channels, 1, 3, 3),
+              "lepe.bias": (channels,)}
+    for i, params in sorted(mhla.items()):
+        for name, shape in shapes.items():
+            if tuple(params[name].shape) != shape:
+                raise AuthorsCheckpointError(f"blocks.{i}.attn.{name} has shape {tuple(params[name].shape)}, expected {shape}")
+        for name, value in params.items():
+            if not torch.isfinite(value).all():
+                raise AuthorsCheckpointError(f"blocks.{i}.attn.{name} holds NaN or infinite values")
+    layers = sorted(mhla)
+    apply_mhla(transformer, layers, block_grid=block_grid, eps=AUTHORS_DIT_EPS, feature_eps=AUTHORS_DIT_EPS,
+               input_norm=True, lepe=True, denominator="authors_dit")
+    modules = self_attention_modules(transformer, DIT)
+    with torch.no_grad():
+        for i in layers:
+            attn = modules[i][1]
+            attn.mhla_mixing.weight.copy_(mhla[i]["piece_attn.conv.weight"][:, :, 0, 0].float())
+            attn.mhla_input_norm.weight.copy_(mhla[i]["norm.weight"].float())
+            attn.mhla_input_norm.bias.copy_(mhla[i]["norm.bias"].float())
+            attn.mhla_lepe.weight.copy_(mhla[i]["lepe.weight"].float())
+            attn.mhla_lepe.bias.copy_(mhla[i]["lepe.bias"].float())
+    return layers
+
+
+def _authors_dit_block_grid(transformer, mhla) -> tuple[int, int, int]:
+    """``(1, s, s)`` from their ``[M, M, 1, 1]`` mixing matrices (``M = s^2`` square pieces), checked against the grid."""
+    shapes = {tuple(params["piece_attn.conv.weight"].shape) for params in mhla.values()}
+    side = transformer.config.sample_size // transformer.config.patch_size  # tokens per side of their square latents
+    if len(shapes) != 1:
+        raise AuthorsCheckpointError(f"the MHLA layers' mixing matrices differ in shape {sorted(shapes)}; their model has one")
+    shape = shapes.pop()
+    m = shape[0]
+    s = math.isqrt(m)
+    if len(shape) != 4 or shape != (m, m, 1, 1) or s * s != m or side % s:
+        raise AuthorsCheckpointError(
+            f"attn.piece_attn.conv.weight has shape {shape}: expected [M, M, 1, 1] with M = s^2 square pieces whose side s "
+            f"divides the {side} x {side} token grid of this config (their block_size = ({side} / s)^2 tokens)"
+        )
+    return (1, s, s)
+
+
+def load_authors_dit(
+    src: str | os.PathLike | Mapping[str, torch.Tensor],
+    config: str | os.PathLike,
+    *,
+    torch_dtype: torch.dtype | None = None,
+    state_dict_key: str | None = None,
+):
+    """A DiT of the authors' ``mhla_dit`` code as a diffusers pipeline (or transformer) with our MHLA layers.
+
+    Args:
+        src: their checkpoint (``.pt`` of their ``train.py``: choose ``state_dict_key="ema"`` or ``"model"``;
+            or a ``.safetensors``) or the loaded state dict.
+        config: a local diffusers DiT pipeline or transformer folder of the same architecture, or a Hub id.
+        torch_dtype: base weights' dtype (``None``: the file's); MHLA parameters are float32.
+
+    Returns:
+        (tuple): ``(pipeline or None, transformer)``, the transformer in eval mode.
+
+    Raises:
+        AuthorsCheckpointError: as :func:`split_authors_dit_state_dict` and :func:`install_authors_dit_mhla`; diffusers
+            keys missing or mis-shaped for the config; a ``pos_embed`` that is not the config's sin-cos table.
+        FileNotFoundError: ``src`` or ``config`` does not exist.
+    """
+    name = "the state dict" if isinstance(src, Mapping) else str(src)
+    if isinstance(src, Mapping):
+        state = strip_wrapper_prefix(unwrap_state_dict(src, state_dict_key, name))
+    else:
+        state = read_authors_state_dict(src, state_dict_key)
+    cls, load_kwargs, pipeline_folder = single_file_target(name, str(config), "dit")
+    if cls.__name__ != "DiTTransformer2DModel":
+        raise AuthorsCheckpointError(f"config {config} describes a {cls.__name__}; the authors' MHLA DiT needs a DiT config")
+    model = cls.from_config(cls.load_config(load_kwargs["config"], subfolder=load_kwargs.get("subfolder")))
+    stock, mhla, pos_embed = split_authors_dit_state_dict(state, model.config.num_layers)
+    _check_against(model, stock, pos_embed, name)
+    model.load_state_dict(stock, strict=True)
+    model.to(torch_dtype or storage_dtype(state))
+    install_authors_dit_mhla(model, mhla)
+    model.eval()
+    if pipeline_folder is None:
+        return None, model
+    return pipeline_around(pipeline_folder, model, torch_dtype or storage_dtype(state)), model
+
+
+def _check_against(model, stock: dict, pos_embed, src) -> None:
+    """Every parameter once with its shape; their ``pos_embed`` the config's fixed table (they never train it)."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = [k for k in expected if k not in stock]
+    shapes = [f"{k}: {tuple(v.shape)} in the file, {expected[k]} in the config" for k, v in stock.items()
+              if k in expected and tuple(v.shape) != expected[k]]
+    if missing or shapes:
+        raise AuthorsCheckpointError(
+            f"{src} does not match the diffusers DiT config ("
+            + "; ".join(([f"missing keys (diffusers names) {missing[:12]}"] if missing else []) + shapes[:12])
+            + "); pass the config of the model this file belongs to; nothing was written"
+        )
+    table = model.pos_embed.pos_embed
+    if pos_embed is not None and (tuple(pos_embed.shape) != tuple(table.shape)
+                                  or not torch.allclose(pos_embed.float(), table.float(), atol=1e-5)):
+        raise AuthorsCheckpointError(
+            f"{src}: pos_embed {tuple(pos_embed.shape)} is not the fixed sin-cos table {tuple(table.shape)} diffusers' DiT "
+            "computes for this config (their DiT never trains it); a learned or other table cannot be held; nothing was written"
+        )
+
+
+def import_authors_dit(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    config: str | os.PathLike,
+    torch_dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+    state_dict_key: str | None = None,
+) -> dict:
+    """Convert their DiT checkpoint into a converted checkpoint at ``out`` (atomic); arguments as :func:`load_authors_dit`.
+
+    Returns:
+        The spec written to ``mhla_config.json`` plus ``"out"``.
+
+    Raises:
+        ValueError: ``out`` would replace ``src``. FileExistsError: a non-empty ``out`` without ``overwrite``.
+        Otherwise as :func:`load_authors_dit`.
+    """
+    src_path, out_path = Path(src).resolve(), Path(out).resolve()
+    if src_path == out_path or src_path.is_relative_to(out_path):
+        raise ValueError(f"--out {out} would replace the source {src}; write the converted checkpoint elsewhere")
+    if out_path.exists() and any(out_path.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; choose another folder or pass overwrite=True (--overwrite)")
+    pipe, model = load_authors_dit(src, config, torch_dtype=torch_dtype, state_dict_key=state_dict_key)
+    if pipe is not None:
+        save_mhla_pipeline(pipe, out, overwrite=overwrite)
+    else:
+        save_mhla_transformer(model, out, overwrite=overwrite)
+    return {**mhla_spec(model), "out": str(out)}

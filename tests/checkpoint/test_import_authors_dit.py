@@ -1,0 +1,260 @@
+"""Importing a DiT of the authors' ``mhla_dit`` code (DAGroup-PKU/MHLA) into diffusers' DiTTransformer2DModel.
+
+No file of theirs is available here: a tiny checkpoint in THEIR layout (the original DiT keys, ``MHLA4DiT`` attention
+with ``norm``, ``to_qkv``, ``lepe``, ``piece_attn.conv``, ``to_out.0``; their ``train.py`` checkpoint dict with
+``model``, ``ema``, ``opt``, ``args``) is written from a tiny diffusers DiT by the inverse key mapping below, imported,
+and each imported MHLA layer is compared with an independent implementation of their layer written here from their
+equations (``MHLA4DiT.forward``): input LayerNorm, fused qkv, ``relu(x) + 1e-6`` features, square pieces,
+summaries mixed by ``piece_attn``, their normaliser ``piece_attn(q . z) + 1e-6``, ``+ lepe(v)``, ``to_out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import run_main, tiny_dit, tiny_vae
+
+HEADS, HEAD_DIM, LAYERS = 2, 8, 3
+SAMPLE, PATCH = 16, 2
+SIDE = SAMPLE // PATCH  # 8 x 8 tokens
+PIECES = 2  # 2 x 2 pieces of 4 x 4 tokens (their block_size = 16)
+EPS = 1e-6
+MHLA_LAYERS = [1, 2]  # layer 0 keeps the stock timm attention (softmax)
+
+
+# -- an independent implementation of their layer (from their equations, not from our code) ---------------------
+def to_pieces(x: torch.Tensor) -> torch.Tensor:
+    """Row-major tokens ``[B, N, C]`` of the SIDE x SIDE grid -> ``[B, pieces, tokens per piece, C]`` (their
+    ``rearrange_patches``: piece-major, row-major inside a piece)."""
+    b, _, c = x.shape
+    ps = SIDE // PIECES
+    return x.view(b, PIECES, ps, PIECES, ps, c).permute(0, 1, 3, 2, 4, 5).reshape(b, PIECES * PIECES, ps * ps, c)
+
+
+def from_pieces(x: torch.Tensor) -> torch.Tensor:
+    b, _, _, c = x.shape
+    ps = SIDE // PIECES
+    return x.view(b, PIECES, PIECES, ps, ps, c).permute(0, 1, 3, 2, 4, 5).reshape(b, SIDE * SIDE, c)
+
+
+def authors_layer(x: torch.Tensor, p: dict) -> torch.Tensor:
+    """Their ``MHLA4DiT`` on row-major tokens ``x`` ``[B, N, C]`` (their model feeds it piece-major tokens; the
+    permutation is undone here). ``p``: their tensors without ``blocks.<i>.attn.``."""
+    b, n, c = x.shape
+    x = F.layer_norm(x, (c,), p["norm.weight"], p["norm.bias"], eps=1e-5)
+    q, k, v = F.linear(x, p["to_qkv.weight"], p["to_qkv.bias"]).chunk(3, dim=-1)
+    image_v = v.transpose(1, 2).reshape(b, c, SIDE, SIDE)
+    lepe = F.conv2d(image_v, p["lepe.weight"], p["lepe.bias"], padding=1, groups=c).flatten(2).transpose(1, 2)
+    q, k = torch.relu(q) + EPS, torch.relu(k) + EPS
+    w = p["piece_attn.conv.weight"][:, :, 0, 0]  # [M, M], rows = output pieces
+    heads = []
+    for h in range(HEADS):
+        cols = slice(h * HEAD_DIM, (h + 1) * HEAD_DIM)
+        qp, kp, vp = (to_pieces(t[..., cols]) for t in (q, k, v))  # [B, M, L, d]
+        kv = torch.einsum("bmld,bmle->bmde", kp, vp)
+        kv = torch.einsum("im,bmde->bide", w, kv)  # piece_attn on the summaries
+        k_sum = kp.sum(dim=2)  # [B, M, d]
+        qz = torch.einsum("bmld,bmd->bml", qp, k_sum)  # each piece's queries . its own key sum
+        normalizer = torch.einsum("im,bml->bil", w, qz) + EPS  # piece_attn on those products
+        out = torch.einsum("bild,bide->bile", qp, kv) / normalizer[..., None]
+        heads.append(from_pieces(out))
+    out = torch.cat(heads, dim=-1) + lepe
+    return F.linear(out, p["to_out.0.weight"], p["to_out.0.bias"])
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# -- a tiny checkpoint in their layout -------------------------------------------------------------------------
+def authors_dit_state(model, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A tiny diffusers DiT written back as their ``DiT_MHLA`` state dict (original DiT keys), with random
+    ``MHLA4DiT`` parameters on MHLA_LAYERS (mixing in [0, 1], as their clamped training keeps it)."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    c = HEADS * HEAD_DIM
+    state = {
+        "x_embedder.proj.weight": sd["pos_embed.proj.weight"], "x_embedder.proj.bias": sd["pos_embed.proj.bias"],
+        "pos_embed": model.pos_embed.pos_embed.clone(),
+        "t_embedder.mlp.0.weight": sd["transformer_blocks.0.norm1.emb.timestep_embedder.linear_1.weight"],
+        "t_embedder.mlp.0.bias": sd["transformer_blocks.0.norm1.emb.timestep_embedder.linear_1.bias"],
+        "t_embedder.mlp.2.weight": sd["transformer_blocks.0.norm1.emb.timestep_embedder.linear_2.weight"],
+        "t_embedder.mlp.2.bias": sd["transformer_blocks.0.norm1.emb.timestep_embedder.linear_2.bias"],
+        "y_embedder.embedding_table.weight": sd["transformer_blocks.0.norm1.emb.class_embedder.embedding_table.weight"],
+        "final_layer.adaLN_modulation.1.weight": sd["proj_out_1.weight"], "final_layer.adaLN_modulation.1.bias": sd["proj_out_1.bias"],
+        "final_layer.linear.weight": sd["proj_out_2.weight"], "final_layer.linear.bias": sd["proj_out_2.bias"],
+    }
+    for i in range(LAYERS):
+        ours, theirs = f"transformer_blocks.{i}.", f"blocks.{i}."
+        for a, b in (("norm1.linear", "adaLN_modulation.1"), ("ff.net.0.proj", "mlp.fc1"), ("ff.net.2", "mlp.fc2")):
+            for t in ("weight", "bias"):
+                state[f"{theirs}{b}.{t}"] = sd[f"{ours}{a}.{t}"]
+        qkv, out = ("attn.to_qkv", "attn.to_out.0") if i in MHLA_LAYERS else ("attn.qkv", "attn.proj")
+        for t in ("weight", "bias"):
+            state[f"{theirs}{qkv}.{t}"] = torch.cat([sd[f"{ours}attn1.to_{x}.{t}"] for x in "qkv"])
+            state[f"{theirs}{out}.{t}"] = sd[f"{ours}attn1.to_out.0.{t}"]
+        if i in MHLA_LAYERS:
+            state[f"{theirs}attn.norm.weight"] = 1.0 + 0.2 * torch.randn(c, generator=g)
+            state[f"{theirs}attn.norm.bias"] = 0.1 * torch.randn(c, generator=g)
+            state[f"{theirs}attn.lepe.weight"] = 0.3 * torch.randn(c, 1, 3, 3, generator=g)
+            state[f"{theirs}attn.lepe.bias"] = 0.1 * torch.randn(c, generator=g)
+            state[f"{theirs}attn.piece_attn.conv.weight"] = torch.rand(PIECES**2, PIECES**2, 1, 1, generator=g)
+    return state
+
+
+def _training_checkpoint(state: dict) -> dict:
+    """Their train.py's checkpoint dict (model, ema, opt, the run's argparse arguments, epoch, steps)."""
+    ema = {k: v + 0.0 for k, v in state.items()}
+    return {"model": state, "ema": ema, "opt": {"state": {}, "param_groups": []},
+            "args": argparse.Namespace(model="DiT-S/2", model_kwargs={"block_size": 16}), "epoch": 3, "train_steps": 120}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """``{"config": a tiny DiTPipeline folder, "src": their training checkpoint (.pt), "state": its ema dict, "base"}``."""
+    from diffusers import DDIMScheduler, DiTPipeline
+
+    import mhla_diffusers.autoencoder  # noqa: F401  (the tiny VAE's class, for DiTPipeline.from_pretrained)
+
+    root = tmp_path_factory.mktemp("authors_dit")
+    base = tiny_dit(num_layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM, sample_size=SAMPLE, patch_size=PATCH, seed=1)
+    DiTPipeline(transformer=base, vae=tiny_vae(0), scheduler=DDIMScheduler(num_train_timesteps=1000)).save_pretrained(root / "dit")
+    state = authors_dit_state(base)
+    checkpoint = _training_checkpoint(state)
+    torch.save(checkpoint, root / "epoch-0003.pt")
+    return {"config": root / "dit", "src": root / "epoch-0003.pt", "state": checkpoint["ema"], "base": base}
+
+
+def _run_layers(model, seed: int = 0) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    seen, handles = {}, []
+    for i, block in enumerate(model.transformer_blocks):
+        handles.append(block.attn1.register_forward_hook(lambda mod, args, out, i=i: seen.__setitem__(i, (args[0], out))))
+    gen = torch.Generator().manual_seed(seed)
+    try:
+        with torch.no_grad():
+            model(torch.randn(2, 4, SAMPLE, SAMPLE, generator=gen), timestep=torch.tensor([300, 700]),
+                  class_labels=torch.tensor([3, 1000]))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def _layer(state: dict, i: int) -> dict:
+    prefix = f"blocks.{i}.attn."
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def _convert(files, tmp_path, capsys, src=None, *extra):
+    out = tmp_path / "imported"
+    code, err = run_main("conversion/convert.py", "--family", "dit", "--from", "authors", "--src", src or files["src"],
+                         "--state-dict-key", "ema", "--config", files["config"], "--out", out, *extra, capsys=capsys)
+    return code, err, out
+
+
+# -- the tests -------------------------------------------------------------------------------------------------
+def test_imported_layers_equal_the_authors_layer(files, tmp_path, capsys):
+    """convert.py --family dit --from authors on their training checkpoint (EMA weights): our format, the stock
+    weights the file's, each MHLA layer equal to the independent implementation of theirs (fp32, <= 1e-5); the
+    comparison can fail: the paper's normaliser, or LePE left out, change the output far beyond that."""
+    from mhla_diffusers import load_mhla_pipeline
+
+    code, err, out = _convert(files, tmp_path, capsys)
+    assert code == 0, err
+    config = json.loads((out / "transformer" / "mhla_config.json").read_text())
+    assert config["layers"] == MHLA_LAYERS and config["block_grid"] == [1, PIECES, PIECES]
+    assert config["input_norm"] is True and config["lepe"] is True and config["denominator"] == "authors_dit"
+    assert config["feature_eps"] == EPS and config["eps"] == EPS and config["normalize"] is True
+    pipe = load_mhla_pipeline(out)
+    model = pipe.transformer
+    # stock weights: the file's (ema), through the mapping (q, k, v split from the fused projection; their one
+    # timestep / label embedder in every block, as diffusers' DiT holds it)
+    base = dict(files["base"].state_dict())
+    for k in [k for k in base if ".norm1.emb." in k]:
+        base[k] = base[k.replace(k.split(".")[1], "0", 1)]
+    got = {k: v for k, v in model.state_dict().items() if ".mhla_" not in k}
+    assert sorted(got) == sorted(base)
+    assert [k for k in base if not torch.equal(got[k], base[k])] == []
+
+    seen = _run_layers(model)
+    errors = {}
+    for i in MHLA_LAYERS:
+        x, y = seen[i]
+        errors[i] = _rel(y, authors_layer(x, _layer(files["state"], i)))
+        assert errors[i] <= 1e-5, errors
+    print("authors' DiT layer vs imported:", {i: f"{e:.2e}" for i, e in errors.items()})
+    x, y = seen[1]
+    paper = model.transformer_blocks[1].attn1.processor
+    assert paper.denominator == "authors_dit"
+    without_lepe = {**_layer(files["state"], 1), "lepe.weight": torch.zeros(HEADS * HEAD_DIM, 1, 3, 3),
+                    "lepe.bias": torch.zeros(HEADS * HEAD_DIM)}
+    assert _rel(y, authors_layer(x, without_lepe)) > 1e-2
+    # the paper's normaliser on the same weights: another output
+    from mhla_diffusers import MHLAProcessor
+
+    attn = model.transformer_blocks[1].attn1
+    attn.set_processor(MHLAProcessor(denominator="paper"))
+    attn.mhla_mixing.verified = False
+    y_paper = _run_layers(model)[1][1]
+    assert _rel(y_paper, authors_layer(x, _layer(files["state"], 1))) > 1e-3
+
+
+def test_pipeline_generates(files, tmp_path, capsys):
+    """The imported pipeline samples through DiTPipeline (its layers' LePE and input norm on the call's grid)."""
+    from mhla_diffusers import load_mhla_pipeline
+
+    code, err, out = _convert(files, tmp_path, capsys)
+    assert code == 0, err
+    pipe = load_mhla_pipeline(out)
+    images = pipe(class_labels=[1, 2], num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="np").images
+    assert images.shape[0] == 2 and images.shape[-1] == 3 and torch.isfinite(torch.as_tensor(images)).all()
+
+
+def _edited(files, tmp_path, edit) -> str:
+    state = {k: v.clone() for k, v in files["state"].items()}
+    edit(state)
+    path = tmp_path / "edited.pt"
+    torch.save(_training_checkpoint(state), path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda s: s.update({"blocks.1.attn.q_norm.weight": torch.ones(16)}), "qk_norm variant"),
+        (lambda s: s.pop("blocks.2.attn.lepe.bias"), r"missing keys \['blocks.2.attn.lepe.bias'\]"),
+        (lambda s: s.update({"blocks.0.attn.extra.weight": torch.ones(2)}), r"unknown keys \['blocks.0.attn.extra.weight'\]"),
+        (lambda s: s.update({"blocks.1.attn.qkv.weight": torch.ones(48, 16)}), "both a softmax"),
+        (lambda s: s.update({f"blocks.{i}.attn.piece_attn.conv.weight": torch.ones(3, 3, 1, 1) for i in MHLA_LAYERS}),
+         r"M = s\^2 square pieces"),
+        (lambda s: s.update({"blocks.1.attn.piece_attn.conv.weight": torch.ones(16, 16, 1, 1)}), "differ in shape"),
+        (lambda s: s.update({"blocks.1.attn.lepe.weight": torch.ones(16, 1, 3, 3, 3)}), r"lepe.weight has shape"),
+        (lambda s: s.update({"pos_embed": s["pos_embed"] + 0.5}), "not the fixed sin-cos table"),
+        (lambda s: s.update({"blocks.7.mlp.fc1.weight": torch.ones(2)}), r"blocks \[7\] beyond the config's 3 layers"),
+        (lambda s: s.update({"blocks.2.attn.norm.weight": torch.full((16,), float("nan"))}), "NaN"),
+        (lambda s: s.update({"blocks.0.mlp.fc1.weight": torch.ones(5, 5)}), r"shape mismatches|mlp.fc1|ff.net.0.proj.weight"),
+    ],
+)
+def test_bad_files_are_clear_errors(files, tmp_path, capsys, edit, message):
+    src = _edited(files, tmp_path, edit)
+    code, err, out = _convert(files, tmp_path, capsys, src)
+    assert code == 2 and __import__("re").search(message, err), err
+    assert not out.exists()
+
+
+def test_block_grid_and_a_wan_config_are_refused(files, tmp_path, capsys):
+    code, err, out = _convert(files, tmp_path, capsys, None, "--block-grid", "2,2")
+    assert code == 2 and "--block-grid cannot be set with --from authors" in err, err
+    code, err = run_main("conversion/convert.py", "--family", "sana", "--from", "authors", "--src", files["src"],
+                         "--config", files["config"], "--out", tmp_path / "o", capsys=capsys)
+    assert code == 2 and "--family dit" in err, err
+
+
+def test_several_state_dicts_need_a_choice(files, tmp_path, capsys):
+    code, err = run_main("conversion/convert.py", "--family", "dit", "--from", "authors", "--src", files["src"],
+                         "--config", files["config"], "--out", tmp_path / "o", capsys=capsys)
+    assert code == 2 and "several state dicts" in err and "model" in err and "ema" in err, err
