@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "finetune" / "configs" / "dit_demo_finetune.yaml"
 SIZES = {  # tokens -> the base, MHLA's block count and the data / eval settings at that size
     "256": {"base": ROOT / "demo" / "base_dit", "num_blocks": 16, "overrides": []},
-    "1024": {"base": ROOT / "demo" / "base_dit_64", "num_blocks": 64,
+    "1024": {"base": ROOT / "demo" / "base_dit_64", "num_blocks": 30,
              "overrides": ["data.resolution=64", "data.short_side=80", "data.batch_size=8", "eval.batch_size=16"]},
 }
 VARIANTS = {  # name -> conversion arguments (None: the softmax control)
@@ -50,6 +50,12 @@ VARIANTS = {  # name -> conversion arguments (None: the softmax control)
     "mhla_auto": {"layers": "auto"},
     "linear": {"layers": "all", "block_grid": (1, 1, 1)},
     "mhla_auto1": {"layers": "auto", "keep_softmax": 1},  # the automatic hybrid keeping ONE softmax layer
+    # the options of the authors' code, MHLA on every layer (issue 22); LePE and the gate start neutral
+    "mhla_lepe": {"layers": "all", "lepe": True},
+    "mhla_gate": {"layers": "all", "gate": "neutral"},
+    "mhla_lepe_gate": {"layers": "all", "lepe": True, "gate": "neutral"},
+    # the authors' Wan start: mixing matrix and output RMSNorm weight at 1e-6, the branch outputs ~0
+    "mhla_authors": {"layers": "all", "init": "authors_constant", "output_norm": True},
 }
 DEFAULT_VARIANTS = ["softmax", "mhla_all", "mhla_hybrid", "mhla_auto", "linear"]
 LABELS = {
@@ -59,6 +65,10 @@ LABELS = {
     "mhla_auto": "MHLA hybrid, auto",
     "linear": "plain linear (M = 1)",
     "mhla_auto1": "MHLA hybrid, auto, 1 softmax layer",
+    "mhla_lepe": "MHLA, all layers, + LePE",
+    "mhla_gate": "MHLA, all layers, + gate",
+    "mhla_lepe_gate": "MHLA, all layers, + LePE + gate",
+    "mhla_authors": "MHLA, all layers, authors' constant start",
 }
 
 
@@ -75,7 +85,8 @@ def parse_args(argv=None):
     p.add_argument("--distill-lr", type=float, default=2e-4, help="distillation learning rate (fine-tuning: the config's)")
     p.add_argument("--finetune-steps", type=int, default=60, help="fine-tuning steps per student (data + output matching)")
     p.add_argument("--num-blocks", type=int, default=None,
-                   help="MHLA blocks M at every size (default: 16 at 256 tokens, 64 at 1,024: sqrt(N) / 2)")
+                   help="MHLA blocks M at every size (default: 16 at 256 tokens, 30 at 1,024: the largest M <= sqrt(N) "
+                        "the 32 x 32 grid gives, 5 x 6 blocks)")
     p.add_argument("--keep-softmax", type=int, default=2, help="softmax layers kept by the hybrids (every third of 6 = 2)")
     p.add_argument("--calibration-samples", type=int, default=8, help="noised photo crops x 3 timesteps for layer_sensitivity")
     p.add_argument("--val-samples", type=int, default=128, help="held-out crops (fixed crops, noise, timesteps)")
@@ -83,6 +94,9 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true",
                    help="keep <out> and reuse every finished (size, model) result in <out>/results/ (same settings only)")
     p.add_argument("--quick", action="store_true", help="2 + 2 steps, 8 held-out crops, no diagnostics: wiring only")
+    p.add_argument("--report-only", action="store_true",
+                   help="with --resume: write the report from the results in <out>/results/ alone, training nothing "
+                        "(requested runs without a result are left out, and named)")
     return p.parse_args(argv)
 
 
@@ -131,6 +145,9 @@ def study_size(tokens: str, args, out: Path) -> dict:
         if done.is_file():
             results[key] = json.loads(done.read_text())
             print(f"[study] {tokens} tokens: {key}: reusing {done}", flush=True)
+            continue
+        if args.report_only:
+            print(f"[study] {tokens} tokens: {key}: no result in {done.parent}, left out of the report", flush=True)
             continue
         print(f"[study] {tokens} tokens: {key}", flush=True)
         cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -218,7 +235,10 @@ def main(argv=None) -> int:
         print(f"run_study.py: no pretrained base for {missing} tokens (see demo/base_dit*/README.md)", file=sys.stderr)
         return 2
     out = Path(args.out)
-    settings = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "sizes", "variants", "seeds")}
+    if args.report_only and not args.resume:
+        print("run_study.py: --report-only reads the results of an earlier run: give --resume too", file=sys.stderr)
+        return 2
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "sizes", "variants", "seeds", "report_only")}
     if args.resume and (out / "settings.json").is_file() and json.loads((out / "settings.json").read_text()) != settings:
         print(f"run_study.py: --resume with other settings than {out / 'settings.json'}; use a new --out", file=sys.stderr)
         return 2
@@ -239,7 +259,7 @@ def main(argv=None) -> int:
         "this_run_wall_time_s": round(time.perf_counter() - t_start, 1),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version(),
                     "torch": torch.__version__, "threads": torch.get_num_threads()},
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "report_only")},
         "sizes": sizes,
     }
     atomic_write_json(out / "report.json", report)
@@ -292,6 +312,8 @@ def markdown(report: dict) -> str:
                   "| model | softmax layers | held-out: converted | distilled | fine-tuned | gap closed | CPU s (wall s) |",
                   "|---|---|---|---|---|---|---|"]
         for name, r in block["results"].items():
+            if r.get("seed", 0) != 0:  # other seeds: in the over-seeds table below
+                continue
             h = r["heldout_loss"]
             kept = "all" if r["mhla_layers"] is None else ", ".join(str(i) for i in range(6) if i not in r["mhla_layers"]) or "none"
             lines.append(f"| {r['label']} | {kept} | {h['conversion']:.4f} | {h['distill']:.4f} | **{h['finetune']:.4f}** | "
