@@ -43,8 +43,8 @@ __all__ = [
     "install_authors_mhla",
     "load_authors_wan",
     "import_authors_wan",
-    "unwrap_state_dict",
-    "strip_wrapper_prefix",
+    "authors_state",
+    "write_import",
     "storage_dtype",
 ]
 
@@ -410,11 +410,7 @@ def load_authors_wan(
         MHLACheckpointError: tensors left on the meta device.
         FileNotFoundError: ``src`` or ``config`` does not exist.
     """
-    name = "the state dict" if isinstance(src, Mapping) else str(src)
-    if isinstance(src, Mapping):
-        state = strip_wrapper_prefix(unwrap_state_dict(src, state_dict_key, name))
-    else:
-        state = read_authors_state_dict(src, state_dict_key)
+    name, state = authors_state(src, state_dict_key)
     stock, mhla = split_authors_state_dict(state)
     cls, load_kwargs, pipeline_folder = single_file_target(name, str(config), "wan")
     if cls.__name__ != "WanTransformer3DModel":
@@ -456,14 +452,33 @@ def import_authors_wan(
 
     Otherwise raises as :func:`load_authors_wan`.
     """
+    model = write_import(src, out, overwrite, lambda: load_authors_wan(
+        src, config, torch_dtype=torch_dtype, state_dict_key=state_dict_key, block_grid=block_grid))
+    return {**mhla_spec(model), "native_size": dict(AUTHORS_NATIVE_SIZE), "out": str(out)}
+
+
+def authors_state(src, state_dict_key: str | None) -> tuple[str, dict[str, torch.Tensor]]:
+    """``(name for messages, state dict)`` of a checkpoint file (:func:`read_authors_state_dict`) or a loaded object."""
+    if isinstance(src, Mapping):
+        return "the state dict", strip_wrapper_prefix(unwrap_state_dict(src, state_dict_key, "the state dict"))
+    return str(src), read_authors_state_dict(src, state_dict_key)
+
+
+def write_import(src, out, overwrite: bool, load) -> torch.nn.Module:
+    """Check ``out`` (not the source, empty unless ``overwrite``) before ``load()`` (minutes), then write what it
+    returns, ``(pipeline or None, transformer)``, atomically; returns the transformer.
+
+    Raises:
+        ValueError: ``out`` would replace ``src``. FileExistsError: a non-empty ``out`` without ``overwrite``.
+    """
     src_path, out_path = Path(src).resolve(), Path(out).resolve()
     if src_path == out_path or src_path.is_relative_to(out_path):
         raise ValueError(f"--out {out} would replace the source {src}; write the converted checkpoint elsewhere")
     if out_path.exists() and any(out_path.iterdir()) and not overwrite:  # before minutes of loading
         raise FileExistsError(f"{out} exists and is not empty; choose another folder or pass overwrite=True (--overwrite)")
-    pipe, model = load_authors_wan(src, config, torch_dtype=torch_dtype, state_dict_key=state_dict_key, block_grid=block_grid)
+    pipe, model = load()
     if pipe is not None:
         save_mhla_pipeline(pipe, out, overwrite=overwrite)
     else:
         save_mhla_transformer(model, out, overwrite=overwrite)
-    return {**mhla_spec(model), "native_size": dict(AUTHORS_NATIVE_SIZE), "out": str(out)}
+    return model

@@ -24,19 +24,11 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 
-from mhla_diffusers.checkpoint.authors import (
-    AuthorsCheckpointError,
-    read_authors_state_dict,
-    storage_dtype,
-    strip_wrapper_prefix,
-    unwrap_state_dict,
-)
+from mhla_diffusers.checkpoint.authors import AuthorsCheckpointError, authors_state, storage_dtype, write_import
 from mhla_diffusers.checkpoint.conversion import pipeline_around, single_file_target
-from mhla_diffusers.checkpoint.format import save_mhla_pipeline, save_mhla_transformer
 from mhla_diffusers.families import DIT, family_of, self_attention_modules
 from mhla_diffusers.models.install import apply_mhla, mhla_spec
 
@@ -232,11 +224,7 @@ def load_authors_dit(
             keys missing or mis-shaped for the config; a ``pos_embed`` that is not the config's sin-cos table.
         FileNotFoundError: ``src`` or ``config`` does not exist.
     """
-    name = "the state dict" if isinstance(src, Mapping) else str(src)
-    if isinstance(src, Mapping):
-        state = strip_wrapper_prefix(unwrap_state_dict(src, state_dict_key, name))
-    else:
-        state = read_authors_state_dict(src, state_dict_key)
+    name, state = authors_state(src, state_dict_key)
     cls, load_kwargs, pipeline_folder = single_file_target(name, str(config), "dit")
     if cls.__name__ != "DiTTransformer2DModel":
         raise AuthorsCheckpointError(f"config {config} describes a {cls.__name__}; the authors' MHLA DiT needs a DiT config")
@@ -291,14 +279,6 @@ def import_authors_dit(
         ValueError: ``out`` would replace ``src``. FileExistsError: a non-empty ``out`` without ``overwrite``.
         Otherwise as :func:`load_authors_dit`.
     """
-    src_path, out_path = Path(src).resolve(), Path(out).resolve()
-    if src_path == out_path or src_path.is_relative_to(out_path):
-        raise ValueError(f"--out {out} would replace the source {src}; write the converted checkpoint elsewhere")
-    if out_path.exists() and any(out_path.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty; choose another folder or pass overwrite=True (--overwrite)")
-    pipe, model = load_authors_dit(src, config, torch_dtype=torch_dtype, state_dict_key=state_dict_key)
-    if pipe is not None:
-        save_mhla_pipeline(pipe, out, overwrite=overwrite)
-    else:
-        save_mhla_transformer(model, out, overwrite=overwrite)
+    model = write_import(src, out, overwrite, lambda: load_authors_dit(
+        src, config, torch_dtype=torch_dtype, state_dict_key=state_dict_key))
     return {**mhla_spec(model), "out": str(out)}
