@@ -56,6 +56,9 @@ VARIANTS = {  # name -> conversion arguments (None: the softmax control)
     "mhla_lepe_gate": {"layers": "all", "lepe": True, "gate": "neutral"},
     # the authors' Wan start: mixing matrix and output RMSNorm weight at 1e-6, the branch outputs ~0
     "mhla_authors": {"layers": "all", "init": "authors_constant", "output_norm": True},
+    # LePE with the power feature map phi = ReLU(x)^2 (a sharper kernel; not a neutral start)
+    "mhla_lepe_power2": {"layers": "all", "lepe": True, "feature_power": 2.0},
+    "mhla_auto1_lepe": {"layers": "auto", "keep_softmax": 1, "lepe": True},  # the auto hybrid, its MHLA layers with LePE
 }
 DEFAULT_VARIANTS = ["softmax", "mhla_all", "mhla_hybrid", "mhla_auto", "linear"]
 LABELS = {
@@ -69,6 +72,8 @@ LABELS = {
     "mhla_gate": "MHLA, all layers, + gate",
     "mhla_lepe_gate": "MHLA, all layers, + LePE + gate",
     "mhla_authors": "MHLA, all layers, authors' constant start",
+    "mhla_lepe_power2": "MHLA, all layers, + LePE, phi = ReLU^2",
+    "mhla_auto1_lepe": "MHLA hybrid, auto, 1 softmax layer, + LePE",
 }
 
 
