@@ -58,6 +58,7 @@ VARIANTS = {  # name -> conversion arguments (None: the softmax control)
     "mhla_authors": {"layers": "all", "init": "authors_constant", "output_norm": True},
     # LePE with the power feature map phi = ReLU(x)^2 (a sharper kernel; not a neutral start)
     "mhla_lepe_power2": {"layers": "all", "lepe": True, "feature_power": 2.0},
+    "mhla_lepe_power3": {"layers": "all", "lepe": True, "feature_power": 3.0},
     "mhla_auto1_lepe": {"layers": "auto", "keep_softmax": 1, "lepe": True},  # the auto hybrid, its MHLA layers with LePE
 }
 DEFAULT_VARIANTS = ["softmax", "mhla_all", "mhla_hybrid", "mhla_auto", "linear"]
@@ -73,6 +74,7 @@ LABELS = {
     "mhla_lepe_gate": "MHLA, all layers, + LePE + gate",
     "mhla_authors": "MHLA, all layers, authors' constant start",
     "mhla_lepe_power2": "MHLA, all layers, + LePE, phi = ReLU^2",
+    "mhla_lepe_power3": "MHLA, all layers, + LePE, phi = ReLU^3",
     "mhla_auto1_lepe": "MHLA hybrid, auto, 1 softmax layer, + LePE",
 }
 
@@ -330,17 +332,22 @@ def markdown(report: dict) -> str:
 
 
 def _seeds_table(summary: dict, seeds: list[int]) -> list[str]:
-    if len(seeds) < 2:
+    """Mean ± std (range) over the seeds each model ran with; a model with one run shows its value alone."""
+    if len(seeds) < 2 or max((s["loss"] or {}).get("n", 0) for s in summary.values()) < 2:
         return []
-    out = [f"Over seeds {', '.join(map(str, seeds))} (mean ± std, range in brackets):", "",
-           "| model | fine-tuned held-out loss | gap closed |", "|---|---|---|"]
+    out = [f"Over training seeds (of {', '.join(map(str, seeds))}; mean ± std, range in brackets):", "",
+           "| model | runs | fine-tuned held-out loss | gap closed |", "|---|---|---|---|"]
+
+    def cell(stats, fmt):
+        if stats["n"] == 1:
+            return fmt.format(stats["mean"])
+        return f"{fmt.format(stats['mean'])} ± {fmt.format(stats['std'])} ({fmt.format(stats['min'])} to {fmt.format(stats['max'])})"
+
     for s in summary.values():
         loss, gap = s["loss"], s["gap"]
         if loss is None:
             continue
-        gap_text = "-" if gap is None else f"{gap['mean']:.0%} ± {gap['std']:.0%} ({gap['min']:.0%} to {gap['max']:.0%})"
-        out.append(f"| {s['label']} | {loss['mean']:.4f} ± {loss['std']:.4f} ({loss['min']:.4f} to {loss['max']:.4f}) | "
-                   f"{gap_text} |")
+        out.append(f"| {s['label']} | {loss['n']} | {cell(loss, '{:.4f}')} | {'-' if gap is None else cell(gap, '{:.1%}')} |")
     return out + [""]
 
 
