@@ -161,6 +161,14 @@ def _is_tensor_dict(obj) -> bool:
     return isinstance(obj, Mapping) and bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
 
 
+def _held(obj) -> str:
+    """What a non-state-dict entry holds, for messages: its type, or the non-tensor entries of a dict."""
+    if isinstance(obj, Mapping):
+        others = sorted(f"{k!s}: {type(v).__name__}" for k, v in obj.items() if not isinstance(v, torch.Tensor))
+        return f"entries that are not tensors, {others[:4]}" if others else "no tensors"
+    return f"a {type(obj).__name__}"
+
+
 def unwrap_state_dict(obj, key: str | None, path: Path) -> dict[str, torch.Tensor]:
     """The dict of tensors inside a loaded checkpoint object (see :func:`read_authors_state_dict`)."""
     if not isinstance(obj, Mapping):
@@ -168,8 +176,10 @@ def unwrap_state_dict(obj, key: str | None, path: Path) -> dict[str, torch.Tenso
     if key is not None:
         if key not in obj or not _is_tensor_dict(obj[key]):
             entries = sorted(str(k) for k, v in obj.items() if _is_tensor_dict(v))
+            flat = " (the file is itself a state dict: leave out state_dict_key / --state-dict-key)" if _is_tensor_dict(obj) else ""
+            held = "" if key not in obj else f" (its {key!r} entry holds {_held(obj[key])})"
             raise AuthorsCheckpointError(
-                f"{path} has no state dict under {key!r}; its entries holding state dicts: {entries or 'none'}"
+                f"{path} has no state dict under {key!r}{held}; its entries holding state dicts: {entries or 'none'}{flat}"
             )
         return dict(obj[key])
     if _is_tensor_dict(obj):
@@ -332,7 +342,7 @@ def install_authors_mhla(
     apply_mhla(
         transformer, layers, block_grid=tuple(block_grid), normalize=False, output_norm=True,
         feature_eps=AUTHORS_FEATURE_EPS, mixing_clamp=False, gate="authors" if options["gate"] else None,
-        lepe=options["lepe"], lepe_init="authors",
+        lepe=options["lepe"],
     )
     with torch.no_grad():
         for i in layers:

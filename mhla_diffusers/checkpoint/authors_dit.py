@@ -167,6 +167,8 @@ def install_authors_dit_mhla(transformer, mhla: Mapping[int, Mapping[str, torch.
             if tuple(params[name].shape) != shape:
                 raise AuthorsCheckpointError(f"blocks.{i}.attn.{name} has shape {tuple(params[name].shape)}, expected {shape}")
         for name, value in params.items():
+            if not value.is_floating_point():
+                raise AuthorsCheckpointError(f"blocks.{i}.attn.{name} holds {value.dtype} values, not floating point weights")
             if not torch.isfinite(value).all():
                 raise AuthorsCheckpointError(f"blocks.{i}.attn.{name} holds NaN or infinite values")
     layers = sorted(mhla)
@@ -243,6 +245,10 @@ def load_authors_dit(
 def _check_against(model, stock: dict, pos_embed, src) -> None:
     """Every parameter once with its shape; their ``pos_embed`` the config's fixed table (they never train it)."""
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    integers = sorted(k for k, v in stock.items() if not v.is_floating_point())
+    if integers:
+        raise AuthorsCheckpointError(f"{src}: {integers[:12]} (diffusers names) hold integer values, not floating point "
+                                     "weights; nothing was written")
     missing = [k for k in expected if k not in stock]
     shapes = [f"{k}: {tuple(v.shape)} in the file, {expected[k]} in the config" for k, v in stock.items()
               if k in expected and tuple(v.shape) != expected[k]]
@@ -253,12 +259,19 @@ def _check_against(model, stock: dict, pos_embed, src) -> None:
             + "); pass the config of the model this file belongs to; nothing was written"
         )
     table = model.pos_embed.pos_embed
-    if pos_embed is not None and (tuple(pos_embed.shape) != tuple(table.shape)
-                                  or not torch.allclose(pos_embed.float(), table.float(), atol=1e-5)):
+    if pos_embed is not None and not _same_table(pos_embed, table):
         raise AuthorsCheckpointError(
             f"{src}: pos_embed {tuple(pos_embed.shape)} is not the fixed sin-cos table {tuple(table.shape)} diffusers' DiT "
             "computes for this config (their DiT never trains it); a learned or other table cannot be held; nothing was written"
         )
+
+
+def _same_table(stored: torch.Tensor, table: torch.Tensor) -> bool:
+    """``stored`` is ``table`` as the file's dtype holds it (fp16 / bf16 files round it: compared at that precision)."""
+    if tuple(stored.shape) != tuple(table.shape) or not stored.is_floating_point():
+        return False
+    atol = max(1e-5, 2 * torch.finfo(stored.dtype).eps)  # values in [-1, 1]: a rounding is at most half an eps
+    return torch.allclose(stored.double(), table.to(stored.dtype).double(), atol=atol)
 
 
 def import_authors_dit(

@@ -92,7 +92,8 @@ def apply_mhla(
         rope: see :class:`MHLAProcessor` (``"after"`` / ``"before"`` / ``"none"``; Wan).
         gate: see :class:`MHLAProcessor` (``"neutral"`` / ``True``, ``"authors"``; ``None`` / ``False``: none).
         lepe: a LePE depthwise convolution on the values (see :class:`MHLAProcessor`).
-        lepe_init: ``"zeros"`` (the output without LePE at the start) or ``"authors"`` (PyTorch's conv init).
+        lepe_init: ``"zeros"`` (the output without LePE at the start) or ``"authors"`` (PyTorch's conv init); only
+            with ``lepe=True``.
         input_norm: a LayerNorm on the layer's input tokens (the authors' DiT layer; for their imported weights).
         denominator: see :class:`MHLAProcessor` (``"paper"`` or the authors' DiT layer's ``"authors_dit"``).
         keep_softmax: ``layers="auto"`` only: ``K`` stock layers.
@@ -116,6 +117,8 @@ def apply_mhla(
                         gate=gate, lepe=lepe, input_norm=input_norm, denominator=denominator)
     spec.check_mixing_init(init)
     spec.check_lepe_init(lepe_init)
+    if lepe_init != "zeros" and not lepe:
+        raise ValueError(f"lepe_init={lepe_init!r} is LePE's start: it only applies with lepe=True")
     auto = {"keep_softmax": keep_softmax, "max_attention_cost": max_attention_cost, "calibration": calibration,
             "sensitivity": sensitivity}
     selection = None

@@ -83,7 +83,7 @@ def mhla_attention(
         ``[B, heads, N, d_v]`` in ``q.dtype``, differentiable in q, k, v and ``mixing``.
 
     Raises:
-        TypeError: ``layout`` is not a ``BlockLayout``.
+        TypeError: ``layout`` is not a ``BlockLayout``; q, k, v or ``mixing`` not a tensor.
         ValueError: mismatched shapes, layout or mixing; non-float dtypes; mixed devices; ``eps < 0``;
             an unknown backend or feature map; a bad ``feature_eps`` or ``feature_power`` (or ``p != 1`` without
             ``feature_map="relu"``); a shape-changing ``rotary``; an unknown ``denominator``, ``"authors_dit"``
@@ -91,6 +91,9 @@ def mhla_attention(
     """
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a mhla_diffusers.BlockLayout; got {type(layout).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("mixing", mixing)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor; got {type(t).__name__} (mixing: e.g. MixingMatrix.clamped())")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(
             f"q, k, v must be 4-D [batch, heads, tokens, head_dim]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"

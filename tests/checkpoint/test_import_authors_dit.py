@@ -258,3 +258,32 @@ def test_several_state_dicts_need_a_choice(files, tmp_path, capsys):
     code, err = run_main("conversion/convert.py", "--family", "dit", "--from", "authors", "--src", files["src"],
                          "--config", files["config"], "--out", tmp_path / "o", capsys=capsys)
     assert code == 2 and "several state dicts" in err and "model" in err and "ema" in err, err
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision_files_import(files, tmp_path, capsys, dtype):
+    """A checkpoint stored in fp16 / bf16 (its pos_embed rounded to that precision) imports; the weights keep the file's
+    values (cast to the file's dtype, then the MHLA parameters to float32)."""
+    state = {k: v.to(dtype) for k, v in files["state"].items()}
+    path = tmp_path / "half.pt"
+    torch.save(_training_checkpoint(state), path)
+    code, err, out = _convert(files, tmp_path, capsys, str(path))
+    assert code == 0, err
+    from mhla_diffusers import load_mhla_transformer
+
+    model = load_mhla_transformer(out / "transformer")
+    attn = model.transformer_blocks[1].attn1
+    assert torch.equal(attn.mhla_lepe.weight.detach(), state["blocks.1.attn.lepe.weight"].float())
+
+
+def test_integer_tensors_and_a_flat_file_with_a_key_are_clear_errors(files, tmp_path, capsys):
+    state = {k: v.clone() for k, v in files["state"].items()}
+    state["blocks.1.attn.lepe.weight"] = torch.ones(16, 1, 3, 3, dtype=torch.int64)
+    path = tmp_path / "ints.pt"
+    torch.save({**_training_checkpoint(state), "ema": state}, path)
+    code, err, out = _convert(files, tmp_path, capsys, str(path))
+    assert code == 2 and "holds torch.int64 values, not floating point weights" in err, err
+    flat = tmp_path / "flat.pt"
+    torch.save(files["state"], flat)
+    code, err, out = _convert(files, tmp_path, capsys, str(flat))  # with --state-dict-key ema
+    assert code == 2 and "the file is itself a state dict: leave out" in err, err

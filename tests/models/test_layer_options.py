@@ -571,3 +571,9 @@ def test_the_authors_mixing_inits_reach_every_layer(init, tmp_path):
     loaded = mhla_diffusers.load_mhla_transformer(tmp_path / "out")
     mixing = loaded.transformer_blocks[0].attn1.mhla_mixing
     assert torch.equal(mixing.weight.detach(), mixing_init(mixing.block_grid, kind=init))
+
+
+def test_lepe_init_without_lepe_is_refused():
+    """``lepe_init`` is LePE's start: without ``lepe=True`` it would be ignored, so it is refused (as convert.py does)."""
+    with pytest.raises(ValueError, match="only applies with lepe=True"):
+        apply_mhla(tiny_dit(num_layers=1), num_blocks=4, lepe_init="authors")

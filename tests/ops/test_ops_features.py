@@ -279,3 +279,9 @@ def test_authors_dit_denominator_errors():
         mhla_attention(q, q, q, torch.ones(2, 2), BlockLayout((4,), (2,)), denominator="authors_dit", normalize=False)
     with pytest.raises(ValueError, match="denominator must be one of 'paper', 'authors_dit'"):
         mhla_attention(q, q, q, torch.ones(2, 2), BlockLayout((4,), (2,)), denominator="positional")
+
+
+def test_non_tensor_inputs_are_a_type_error():
+    q = torch.randn(1, 1, 4, 4)
+    with pytest.raises(TypeError, match="mixing must be a torch.Tensor; got list"):
+        mhla_attention(q, q, q, [[1.0, 1.0], [1.0, 1.0]], BlockLayout((4,), (2,)))
