@@ -20,7 +20,7 @@ from mhla_diffusers.checkpoint.safetensors_file import is_int as _is_int
 from mhla_diffusers.families import FAMILIES, self_attention_modules, transformer_components
 from mhla_diffusers.models.processor import MHLAProcessor
 from mhla_diffusers.models.provenance import MHLA_CONFIG_NAME
-from mhla_diffusers.models.spec import DENOMINATORS, GATE_FORMS, ROPE_MODES
+from mhla_diffusers.models.spec import DENOMINATORS, GATE_FORMS, ROPE_MODES, SETTINGS_OFF
 
 __all__ = [
     "MHLA_CONFIG_NAME", "MHLA_WEIGHTS_NAME", "FORMAT_VERSION", "READABLE_VERSIONS", "TRANSFORMER_COMPONENTS", "transformer_folder",
@@ -59,10 +59,7 @@ METADATA_KEY = "mhla_config"
 
 # The value a checked key has when a config leaves it out (settings added after format version 1 began): the
 # setting off, as every checkpoint written before the key existed computes. rope None: the family's (Wan: "after").
-ABSENT = {
-    "output_norm": False, "feature_eps": 0.0, "mixing_clamp": True, "lepe": False, "gate": None, "rope": None,
-    "feature_power": 1.0, "input_norm": False, "denominator": "paper",
-}
+ABSENT = SETTINGS_OFF
 
 
 def checked_settings(config: dict) -> dict:

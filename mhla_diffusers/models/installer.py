@@ -156,6 +156,31 @@ def remove_mhla(transformer: nn.Module) -> list[str]:
     return removed
 
 
+def _layer_settings(proc: MHLAProcessor, attn: nn.Module, family, reference) -> tuple:
+    """``(block grid, normalize, eps, backend, optional)`` of one MHLA layer, ``optional`` the values of
+    :data:`~mhla_diffusers.models.spec.SETTINGS_OFF`'s keys in its order (``""`` for ``None``: comparable);
+    a pending one-liner layer gives the settings its first forward will create."""
+    mixing = getattr(attn, "mhla_mixing", None)
+    if mixing is None:  # created at the first forward
+        block_grid = tuple(proc.resolve_block_grid(reference, family))
+        output_norm = getattr(attn, "mhla_output_norm", None) is not None or proc.resolve_output_norm(family)
+        gate, lepe = settings_spec.resolve_gate(proc), settings_spec.resolve_lepe(proc)
+        input_norm = settings_spec.resolve_input_norm(proc)
+    else:
+        proc.check_layer(attn, reference, family)  # a processor whose explicit spec the matrix contradicts
+        block_grid = mixing.block_grid
+        output_norm = getattr(attn, "mhla_output_norm", None) is not None
+        gate = getattr(getattr(attn, "mhla_gate", None), "form", None)
+        lepe = getattr(attn, "mhla_lepe", None) is not None
+        input_norm = getattr(attn, "mhla_input_norm", None) is not None
+    eps = family.default_eps if proc.eps is None else proc.eps
+    rope = proc.rope if family.rotary is not None and proc.rope in ("before", "none") else None
+    optional = dict(output_norm=bool(output_norm), feature_eps=proc.feature_eps, feature_power=proc.feature_power,
+                    mixing_clamp=True if mixing is None else mixing.clamp, rope=rope or "", gate=gate or "", lepe=lepe,
+                    input_norm=input_norm, denominator=proc.denominator)
+    return tuple(block_grid), proc.normalize, eps, proc.backend, tuple(optional[key] for key in settings_spec.SETTINGS_OFF)
+
+
 def set_attn_processor(model: nn.Module, processor) -> None:
     """``model.set_attn_processor`` for every diffusers model, including those lacking it (DiT).
 
@@ -239,57 +264,23 @@ def mhla_spec(transformer: nn.Module) -> dict | None:
     layers, specs = [], set()
     reference = None
     for i, (_, attn) in enumerate(modules):
-        mixing = getattr(attn, "mhla_mixing", None)
         proc = getattr(attn, "processor", None)
-        if mixing is None:
-            if not isinstance(proc, MHLAProcessor):
-                continue
-            # created at the first forward: the settings that forward will give the layer
-            reference = reference or family.reference_grid(transformer.config)
-            block_grid = tuple(proc.resolve_block_grid(reference, family))
-            output_norm = getattr(attn, "mhla_output_norm", None) is not None or proc.resolve_output_norm(family)
-            gate = settings_spec.resolve_gate(proc)
-            lepe = settings_spec.resolve_lepe(proc)
-            input_norm = settings_spec.resolve_input_norm(proc)
-        else:
-            if not isinstance(proc, MHLAProcessor):
-                continue  # runs another processor: its matrix is idle, the layer computes that processor's attention
-            reference = reference or family.reference_grid(transformer.config)
-            proc.check_layer(attn, reference, family)  # a processor whose explicit spec the matrix contradicts
-            block_grid = mixing.block_grid
-            output_norm = getattr(attn, "mhla_output_norm", None) is not None
-            gate = getattr(getattr(attn, "mhla_gate", None), "form", None)
-            lepe = getattr(attn, "mhla_lepe", None) is not None
-            input_norm = getattr(attn, "mhla_input_norm", None) is not None
+        if not isinstance(proc, MHLAProcessor):
+            continue  # no MHLA, or another processor: a matrix there is idle, the layer computes that processor's attention
+        reference = reference or family.reference_grid(transformer.config)
         layers.append(i)
-        eps = family.default_eps if proc.eps is None else proc.eps
-        clamp = True if mixing is None else mixing.clamp
-        rope = proc.rope if family.rotary is not None and proc.rope in ("before", "none") else None
-        specs.add((tuple(block_grid), proc.normalize, eps, proc.backend, output_norm, proc.feature_eps, clamp,
-                   proc.feature_power, rope or "", gate or "", lepe, input_norm, proc.denominator))
+        specs.add(_layer_settings(proc, attn, family, reference))
     if not layers:
         return None
     if len(specs) > 1:
         raise ValueError(f"MHLA layers use different settings {sorted(specs)}; one checkpoint config holds one setting")
-    (block_grid, normalize, eps, backend, output_norm, feature_eps, clamp, feature_power, rope, gate, lepe, input_norm,
-     denominator) = specs.pop()
-    extra = {"output_norm": True} if output_norm else {}  # absent = no output norm (format version 1)
-    if feature_eps:  # absent = 0 (phi = ReLU), as in checkpoints written before it existed
-        extra["feature_eps"] = feature_eps
-    if feature_power != 1.0:  # absent = 1 (phi = ReLU), format version 2
-        extra["feature_power"] = feature_power
-    if not clamp:  # absent = clamped to [0, 1]
-        extra["mixing_clamp"] = False
-    if rope:  # absent = the family's ("after" where it has RoPE), format version 2
-        extra["rope"] = rope
-    if gate:  # absent = no output gate, format version 2
-        extra["gate"] = gate
-    if lepe:  # absent = no LePE, format version 2
-        extra["lepe"] = True
-    if input_norm:  # absent = none, format version 2 (the authors' DiT layer)
-        extra["input_norm"] = True
-    if denominator != "paper":  # absent = the paper's, format version 2
-        extra["denominator"] = denominator
+    block_grid, normalize, eps, backend, optional = specs.pop()
+    extra = {}  # only the settings that are on
+    for key, value in zip(settings_spec.SETTINGS_OFF, optional):
+        if key in ("rope", "gate"):
+            value = value or None  # "" stood for None in the comparable tuple
+        if value != settings_spec.SETTINGS_OFF[key]:
+            extra[key] = value
     selection = transformer.__dict__.get(_SELECTION)
     if selection is not None and selection.get("softmax_layers") == [i for i in range(len(modules)) if i not in layers]:
         extra["selection"] = selection  # absent: chosen by a fixed rule or by hand

@@ -23,7 +23,7 @@ __all__ = [
     "GATE_FORMS", "ROPE_MODES", "LEPE_INITS", "AUTHORS_CONSTANT", "AUTHORS_CONSTANT_VALUE",
     "check_settings", "check_mixing_init", "check_lepe_init", "check_family_settings", "resolve_block_grid",
     "explicit_block_grid", "resolve_output_norm", "resolve_gate", "resolve_lepe", "resolve_input_norm", "check_layer",
-    "DENOMINATORS",
+    "DENOMINATORS", "SETTINGS_OFF",
 ]
 
 # The output gate's forms: "neutral" multiplies by 2 sigmoid(W x + b) (W = 0, b = 0 at the start: exactly the
@@ -38,6 +38,12 @@ LEPE_INITS = ("zeros", "authors")
 # 1e-6): the mixing matrix and, where the layer has one, the output RMSNorm's weight constant at 1e-6.
 AUTHORS_CONSTANT = "authors_constant"
 AUTHORS_CONSTANT_VALUE = 1e-6
+# Each optional layer setting at its off value, in the order mhla_config.json writes them: a recorded spec
+# (installer.mhla_spec) holds only those that are on; a checkpoint missing one reads it as off.
+SETTINGS_OFF = {
+    "output_norm": False, "feature_eps": 0.0, "feature_power": 1.0, "mixing_clamp": True, "rope": None, "gate": None,
+    "lepe": False, "input_norm": False, "denominator": "paper",
+}
 
 
 def check_mixing_init(init) -> str:

@@ -89,6 +89,33 @@ def mhla_attention(
             ``feature_map="relu"``); a shape-changing ``rotary``; an unknown ``denominator``, ``"authors_dit"``
             without ``normalize`` or on blocks of unequal size.
     """
+    _check_inputs(q, k, v, mixing, layout, eps, feature_map)
+    _check_features(feature_eps, feature_power, feature_map)
+    if denominator != "paper":
+        return _authors_dit_attention(
+            q, k, v, mixing, layout, feature_eps, feature_power, denominator,
+            normalize=normalize, eps=eps, backend=backend, feature_map=feature_map, rotary=rotary,
+        )
+    if feature_eps or feature_power != 1:
+        return _with_features(
+            q, k, v, mixing, layout, feature_eps, feature_power,
+            normalize=normalize, eps=eps, backend=backend, feature_map=feature_map, rotary=rotary,
+        )
+    name = resolve_backend(backend, q.device)
+    impl = get_backend(name)
+    fn = impl.forward
+    if torch.compiler.is_compiling():  # one opaque graph node per call, not a graph break (ops/compiled.py)
+        fn = functools.partial(compiled.attention, backend=name)
+    if rotary is None:
+        return fn(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map == "relu")
+    if impl.fuses_rotary_tables and impl.fuses_rotary(rotary, q, v):
+        rotary.check(q.shape)
+        return fn(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map == "relu", rotary=rotary)
+    return _rotary_attention(fn, q, k, v, mixing, layout, rotary, normalize=normalize, eps=eps, feature_map=feature_map)
+
+
+def _check_inputs(q, k, v, mixing, layout, eps, feature_map) -> None:
+    """The raises of :func:`mhla_attention` on its tensors, layout, ``eps`` and ``feature_map``."""
     if not isinstance(layout, BlockLayout):
         raise TypeError(f"layout must be a mhla_diffusers.BlockLayout; got {type(layout).__name__}")
     for name, t in (("q", q), ("k", k), ("v", v), ("mixing", mixing)):
@@ -122,28 +149,6 @@ def mhla_attention(
         raise ValueError(f"eps must be >= 0; got {eps}")
     if feature_map not in ("relu", None):
         raise ValueError(f'feature_map must be "relu" (phi = ReLU) or None (q, k are features already); got {feature_map!r}')
-    _check_features(feature_eps, feature_power, feature_map)
-    if denominator != "paper":
-        return _authors_dit_attention(
-            q, k, v, mixing, layout, feature_eps, feature_power, denominator,
-            normalize=normalize, eps=eps, backend=backend, feature_map=feature_map, rotary=rotary,
-        )
-    if feature_eps or feature_power != 1:
-        return _with_features(
-            q, k, v, mixing, layout, feature_eps, feature_power,
-            normalize=normalize, eps=eps, backend=backend, feature_map=feature_map, rotary=rotary,
-        )
-    name = resolve_backend(backend, q.device)
-    impl = get_backend(name)
-    fn = impl.forward
-    if torch.compiler.is_compiling():  # one opaque graph node per call, not a graph break (ops/compiled.py)
-        fn = functools.partial(compiled.attention, backend=name)
-    if rotary is None:
-        return fn(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map == "relu")
-    if impl.fuses_rotary_tables and impl.fuses_rotary(rotary, q, v):
-        rotary.check(q.shape)
-        return fn(q, k, v, mixing, layout, normalize=normalize, eps=eps, feature_map=feature_map == "relu", rotary=rotary)
-    return _rotary_attention(fn, q, k, v, mixing, layout, rotary, normalize=normalize, eps=eps, feature_map=feature_map)
 
 
 def _check_features(feature_eps, feature_power, feature_map) -> None:
@@ -172,7 +177,9 @@ def _features(q, k, feature_map, feature_eps, feature_power):
         phi_q, phi_k = torch.relu(phi_q), torch.relu(phi_k)
     if feature_power != 1:
         phi_q, phi_k = phi_q ** feature_power, phi_k ** feature_power
-    return phi_q + feature_eps, phi_k + feature_eps
+    if feature_eps:
+        phi_q, phi_k = phi_q + feature_eps, phi_k + feature_eps
+    return phi_q, phi_k
 
 
 def _authors_dit_attention(q, k, v, mixing, layout, feature_eps, feature_power, denominator, *, normalize, eps, backend,
@@ -193,9 +200,7 @@ def _authors_dit_attention(q, k, v, mixing, layout, feature_eps, feature_power, 
 def _rotary_attention(fn, q, k, v, mixing, layout, rotary, *, normalize, eps, feature_map):
     """The composed RoPE variant: one backend call on rotated features, one for the un-rotated denominator."""
     acc = compute_dtype(q.dtype)
-    phi_q, phi_k = q.to(acc), k.to(acc)
-    if feature_map == "relu":
-        phi_q, phi_k = torch.relu(phi_q), torch.relu(phi_k)
+    phi_q, phi_k = _features(q, k, feature_map, 0.0, 1.0)
     rot_q, rot_k = rotary(phi_q), rotary(phi_k)
     for name, rot in (("q", rot_q), ("k", rot_k)):
         if not isinstance(rot, torch.Tensor) or rot.shape != q.shape:
