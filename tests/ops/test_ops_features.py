@@ -84,7 +84,9 @@ def test_feature_power_dtypes(dtype):
     layout = BlockLayout((3, 5, 7), (2, 2, 3))
     q, k, v = make_inputs(1, 2, layout.num_tokens, 16, dtype=dtype)
     errors = _errors(q, k, v, make_mixing(layout, "rand", torch.float32), layout, feature_power=2.0, feature_eps=1e-3)
-    assert max(errors.values()) < TOL[dtype], errors
+    # squared features double the relative rounding of 16-bit inputs: 2x the operator's tolerance keeps 10x over the
+    # worst error seen (bf16 2.6e-3, fp16 and fp32 far lower)
+    assert max(errors.values()) < 2 * TOL[dtype], errors
 
 
 @pytest.mark.parametrize("normalize", [True, False], ids=["norm", "nonorm"])
