@@ -37,24 +37,7 @@ __all__ = [
     "stock_copy",
 ]
 
-# Wan2.1-T2V-1.3B: transformer/config.json of Wan-AI/Wan2.1-T2V-1.3B-Diffusers.
-WAN_1_3B = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=12,
-    attention_head_dim=128,
-    in_channels=16,
-    out_channels=16,
-    text_dim=4096,
-    freq_dim=256,
-    ffn_dim=8960,
-    num_layers=30,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-    eps=1e-6,
-    image_dim=None,
-    added_kv_proj_dim=None,
-    rope_max_seq_len=1024,
-)
+from mhla_diffusers.models.configs import WAN_1_3B  # noqa: E402  (the published Wan2.1-1.3B config)
 
 
 def tiny_wan(

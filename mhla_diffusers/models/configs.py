@@ -1,7 +1,7 @@
 """Published transformer architectures (diffusers config dicts) used by the tests and benchmarks
 to build real-size models with random weights, offline."""
 
-__all__ = ["DIT_XL_2", "SANA_600M"]
+__all__ = ["DIT_XL_2", "SANA_600M", "SANA_1600M", "WAN_1_3B", "WAN_14B"]
 
 # DiT-XL/2: the transformer config of facebook/DiT-XL-2-256 (learned sigma: out_channels 8).
 DIT_XL_2 = dict(
@@ -36,3 +36,37 @@ SANA_600M = dict(
     norm_eps=1e-6,
     qk_norm=None,
 )
+
+# SANA-1600M: transformer/config.json of Efficient-Large-Model/Sana_1600M_1024px_diffusers ("SanaMS_1600M_P1_D20":
+# 20 layers, 70 heads x 32 = 2,240, cross-attention 20 heads x 112 over 2,240).
+SANA_1600M = dict(
+    SANA_600M,
+    num_attention_heads=70,
+    attention_head_dim=32,
+    num_layers=20,
+    num_cross_attention_heads=20,
+    cross_attention_head_dim=112,
+    cross_attention_dim=2240,
+)
+
+# Wan2.1-T2V-1.3B: transformer/config.json of Wan-AI/Wan2.1-T2V-1.3B-Diffusers.
+WAN_1_3B = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=12,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=8960,
+    num_layers=30,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    image_dim=None,
+    added_kv_proj_dim=None,
+    rope_max_seq_len=1024,
+)
+
+# Wan2.1-T2V-14B: transformer/config.json of Wan-AI/Wan2.1-T2V-14B-Diffusers (40 layers, 40 heads x 128 = 5,120).
+WAN_14B = dict(WAN_1_3B, num_attention_heads=40, ffn_dim=13824, num_layers=40)
