@@ -15,8 +15,9 @@ it times the block (self-attention, cross-attention, MLP, norms: what diffusers 
     linear   the same with one block, M = 1: plain linear attention (default only where stock is softmax)
 
 forward (eval, ``torch.no_grad``) and forward + backward (gradients of the block's input and every
-weight, as in training), with the growth of resident memory during the call (CPU: ``VmHWM - VmRSS``
-after resetting the peak mark; CUDA: ``max_memory_allocated``). Repetitions are interleaved (rep 1 of
+weight, as in training), and the memory one call adds at its peak (CPU, 1 thread: growth of resident
+memory during an extra call in a forked child that maps every allocation >= 64 KiB afresh; CUDA:
+``max_memory_allocated``). Repetitions are interleaved (rep 1 of
 every variant and mode, then rep 2, ...) and min / median reported; a call predicted to take longer
 than ``--max-seconds`` (from the previous grid: quadratic for softmax, linear otherwise) is skipped
 and listed. Each (model, thread count) runs in its own process.
@@ -57,7 +58,7 @@ for _p in (str(ROOT), str(HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench_ops import _status_kib, _sync, machine_info  # noqa: E402  (machine description, device sync)
+from bench_ops import _status_kib, _sync, isolated, machine_info  # noqa: E402  (machine description, device sync, fork)
 
 from mhla_diffusers.models.configs import DIT_XL_2, SANA_1600M, WAN_1_3B, WAN_14B  # noqa: E402
 
@@ -97,6 +98,8 @@ def parse_args(argv=None):
     p.add_argument("--reps", type=int, default=2, help="interleaved timed repetitions (default 2)")
     p.add_argument("--max-seconds", type=float, default=100.0, help="skip a call predicted to take longer (default 100)")
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--no-memory", action="store_true",
+                   help="skip the CPU peak-memory call (one extra call per cell, in a forked child, 1 thread only)")
     p.add_argument("--quick", action="store_true", help="tiny widths of the same classes, 1 rep (smoke test)")
     p.add_argument("--out", type=Path, help="output folder (default benchmarks/results/<cpu|cuda>)")
     p.add_argument("--render", type=Path, help="only rewrite the markdown and plot (next to it) from this bench_blocks.json")
@@ -227,23 +230,42 @@ def block_call(block, args: tuple, kwargs: dict, grid, mode: str, grad_out):
 
 
 def timed(fn, device: str) -> dict:
-    """Wall and process-CPU seconds of ``fn()`` and the memory it added at its peak."""
+    """Wall and process-CPU seconds of ``fn()`` (CUDA: and the memory it added at its peak)."""
     import torch
 
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    else:
-        base = _status_kib("VmRSS")
-        Path("/proc/self/clear_refs").write_text("5")  # the peak-RSS mark back to the current RSS
     c0, t0 = time.process_time(), time.perf_counter()
     result = fn()
     _sync(device)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    peak = torch.cuda.max_memory_allocated() - base if device == "cuda" else (_status_kib("VmHWM") - base) * 1024
     del result
-    return {"wall": wall, "cpu": cpu, "peak_bytes": int(peak)}
+    out = {"wall": wall, "cpu": cpu}
+    if device == "cuda":
+        out["peak_bytes"] = int(torch.cuda.max_memory_allocated() - base)
+    return out
+
+
+def cpu_peak(fn) -> dict:
+    """CPU: the growth of resident memory during one ``fn()``, in a forked child whose allocator maps every
+    allocation of 64 KiB or more afresh and unmaps it when freed (``mallopt``), so that memory the parent's heap
+    already holds cannot hide the peak. Runs only single-threaded (no OpenMP pool crosses the fork)."""
+    def child():
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD
+        base = _status_kib("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # the peak-RSS mark back to the current RSS
+        result = fn()
+        peak = (_status_kib("VmHWM") - base) * 1024
+        del result
+        return {"peak_bytes": int(peak)}
+
+    return isolated(child)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -288,13 +310,18 @@ def run_worker(spec: dict) -> dict:
                     row.setdefault("skipped", f"predicted {guess:.0f} s per call > --max-seconds {args.max_seconds:g}")
                     continue
                 row["m"] = set_variant(model, row["variant"], grid)
-                r = timed(lambda: block_call(block, args_, kwargs, grid, row["mode"], grad_out), args.device)
+                call = lambda: block_call(block, args_, kwargs, grid, row["mode"], grad_out)  # noqa: E731
+                if rep == 0 and args.device == "cpu" and threads == 1 and not args.no_memory:
+                    peak = cpu_peak(call)  # before the timed calls: the first call's growth, workspaces included
+                    row.update(peak if "error" not in peak else {"peak_error": peak["error"]})
+                r = timed(call, args.device)
                 block.zero_grad(set_to_none=True)
                 row["walls"].append(r["wall"])
                 row["cpus"].append(r["cpu"])
-                row.setdefault("peak_bytes", r["peak_bytes"])  # the first call's growth (workspaces included)
+                if "peak_bytes" in r:
+                    row.setdefault("peak_bytes", r["peak_bytes"])
                 print(f"{name:10s} {threads}t {'x'.join(map(str, grid)):>9s} N={n:6d} {row['variant']:6s} {row['mode']:6s} "
-                      f"rep {rep}: {r['wall']:8.2f} s  peak {r['peak_bytes'] / 2**20:8.0f} MiB", flush=True)
+                      f"rep {rep}: {r['wall']:8.2f} s  peak {_mib(row)} MiB", flush=True)
         set_variant(model, "stock", grid)
         rows.extend(here)
     info["loadavg_end"] = list(os.getloadavg())
