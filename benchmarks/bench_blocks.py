@@ -90,13 +90,18 @@ def parse_args(argv=None):
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                    help="'linear' is left out where the stock attention already is linear (SANA)")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    p.add_argument("--parts", nargs="+", choices=["blocks", "costs"], default=["blocks", "costs"],
+                   help="blocks: the block timings; costs: the attention operator alone (the measured cost model) "
+                   "beside the FLOP model's ratio")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--threads", type=int, nargs="+", help="CPU thread counts, one process each (default: 1 and all cores)")
     p.add_argument("--grids", type=int, nargs="+", metavar="T H W",
                    help="token grids as T H W triples, for every model (default: each model's sweep)")
     p.add_argument("--reps", type=int, default=2, help="interleaved timed repetitions (default 2)")
-    p.add_argument("--max-seconds", type=float, default=100.0, help="skip a call predicted to take longer (default 100)")
+    p.add_argument("--max-seconds", type=float, default=400.0, help="skip a call predicted to take longer (default 400)")
+    p.add_argument("--slow-seconds", type=float, default=30.0,
+                   help="a call predicted to take longer is timed once (on CPU at 1 thread: the memory call), not --reps times")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--no-memory", action="store_true",
                    help="skip the CPU peak-memory call (one extra call per cell, in a forked child, 1 thread only)")
@@ -260,10 +265,12 @@ def cpu_peak(fn) -> dict:
         libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD
         base = _status_kib("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # the peak-RSS mark back to the current RSS
+        c0, t0 = time.process_time(), time.perf_counter()
         result = fn()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         peak = (_status_kib("VmHWM") - base) * 1024
         del result
-        return {"peak_bytes": int(peak)}
+        return {"peak_bytes": int(peak), "wall": wall, "cpu": cpu}
 
     return isolated(child)
 
@@ -291,30 +298,40 @@ def run_worker(spec: dict) -> dict:
     info = machine_info(args, torch)
     model = build(name, args)
     softmax, layers = MODELS[name]["stock"] == "softmax", MODELS[name]["config"]["num_layers"]
-    block, rows, extra = first_block(model), [], []
+    block, rows, extra, costs = first_block(model), [], [], []
     warm = make_inputs(name, model, grids_for(name, args)[0], args)
     block_inputs(model, warm, args.device)  # library initialisation, first touch of the weights
     for grid in grids_for(name, args):
-        n = math.prod(grid)
-        args_, kwargs, _ = block_inputs(model, make_inputs(name, model, grid, args), args.device)
-        model_seconds = block_inputs(model, make_inputs(name, model, grid, args), args.device)[2]
-        extra.append({"grid": list(grid), "n": n, "model_1layer_seconds": model_seconds})
-        hidden = args_[0] if args_ else kwargs["hidden_states"]
-        grad_out = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1)).to(hidden)
-        here = [dict(model=name, threads=threads, grid=list(grid), n=n, variant=v, mode=m, m=None, walls=[], cpus=[])
-                for v in variants_for(name, args) for m in args.modes]
+        n, here = math.prod(grid), []
+        if "blocks" in args.parts:
+            args_, kwargs, _ = block_inputs(model, make_inputs(name, model, grid, args), args.device)
+            model_seconds = block_inputs(model, make_inputs(name, model, grid, args), args.device)[2]
+            extra.append({"grid": list(grid), "n": n, "model_1layer_seconds": model_seconds})
+            hidden = args_[0] if args_ else kwargs["hidden_states"]
+            grad_out = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(1)).to(hidden)
+            here = [dict(model=name, threads=threads, grid=list(grid), n=n, variant=v, mode=m, m=None, walls=[], cpus=[])
+                    for v in variants_for(name, args) for m in args.modes]
         for rep in range(args.reps):
             for row in here:
                 guess = predicted(rows, row["variant"], row["mode"], n, softmax)
+                if rep == 0:
+                    row["predicted_seconds"] = guess
                 if row.get("skipped") or (rep == 0 and guess > args.max_seconds):
                     row.setdefault("skipped", f"predicted {guess:.0f} s per call > --max-seconds {args.max_seconds:g}")
                     continue
+                slow = row["predicted_seconds"] > args.slow_seconds
+                if rep > 0 and slow:
+                    continue  # one timed call where one takes longer than --slow-seconds
                 row["m"] = set_variant(model, row["variant"], grid)
                 call = lambda: block_call(block, args_, kwargs, grid, row["mode"], grad_out)  # noqa: E731
+                r = None
                 if rep == 0 and args.device == "cpu" and threads == 1 and not args.no_memory:
                     peak = cpu_peak(call)  # before the timed calls: the first call's growth, workspaces included
-                    row.update(peak if "error" not in peak else {"peak_error": peak["error"]})
-                r = timed(call, args.device)
+                    row.update({"peak_bytes": peak["peak_bytes"]} if "error" not in peak else {"peak_error": peak["error"]})
+                    if slow and "error" not in peak:
+                        r, row["timed_in_child"] = peak, True  # allocations >= 64 KiB mapped afresh: as the default
+                        # allocator does for the > 32 MiB tensors of such calls
+                r = r or timed(call, args.device)
                 block.zero_grad(set_to_none=True)
                 row["walls"].append(r["wall"])
                 row["cpus"].append(r["cpu"])
@@ -324,8 +341,39 @@ def run_worker(spec: dict) -> dict:
                       f"rep {rep}: {r['wall']:8.2f} s  peak {_mib(row)} MiB", flush=True)
         set_variant(model, "stock", grid)
         rows.extend(here)
+        if "costs" in args.parts:
+            costs.append(price_attention(block.attn1, MODELS[name]["stock"], grid, costs, args))
     info["loadavg_end"] = list(os.getloadavg())
-    return {"machine": info, "model": name, "threads": threads, "layers": layers, "rows": rows, "model_runs": extra}
+    return {"machine": info, "model": name, "threads": threads, "layers": layers, "rows": rows, "model_runs": extra,
+            "costs": costs}
+
+
+def price_attention(attn, stock: str, grid, earlier: list, args) -> dict:
+    """The attention operator alone, as ``MeasuredCost`` times it (``time_attention``), beside the FLOP model."""
+    import torch
+
+    import mhla_diffusers
+    from mhla_diffusers.selection.cost import time_attention
+
+    heads = int(attn.heads)
+    head_dim = attn.to_q.out_features // heads
+    n, block_grid = math.prod(grid), mhla_diffusers.choose_block_grid(grid)
+    m = math.prod(block_grid)
+    entry = {"grid": list(grid), "n": n, "m": m, "heads": heads, "head_dim": head_dim,
+             "flops_ratio": mhla_diffusers.attention_flops("mhla", n, head_dim, heads, m)
+             / mhla_diffusers.attention_flops(stock, n, head_dim, heads)}
+    for kind, key in ((stock, "stock_seconds"), ("mhla", "mhla_seconds")):
+        last = next((e for e in reversed(earlier) if e.get(key)), None)
+        guess = last[key] * (n / last["n"]) ** (2 if kind == "softmax" else 1) if last else 0.0
+        if guess > args.max_seconds:
+            entry[key + "_skipped"] = f"predicted {guess:.0f} s > --max-seconds {args.max_seconds:g}"
+            continue
+        entry[key] = time_attention(kind, heads, head_dim, grid, block_grid, device=args.device,
+                                    dtype=getattr(torch, args.dtype), backend="torch", reps=1 if guess > args.slow_seconds else 2)
+    if entry.get("stock_seconds") and entry.get("mhla_seconds"):
+        entry["measured_ratio"] = entry["mhla_seconds"] / entry["stock_seconds"]
+    print(f"attention alone {'x'.join(map(str, grid))}: {entry}", flush=True)
+    return entry
 
 
 # ------------------------------------------------------------------------------------------------
@@ -404,6 +452,8 @@ def _fitted_crossover(entries: list[dict]) -> float | None:
 def _s(x, digits=2) -> str:
     if x is None:
         return "-"
+    if x < 0.01:
+        return f"{x * 1e3:.2f} ms"
     return f"{x * 1e3:,.0f} ms" if x < 1 else f"{x:,.{digits}f} s"
 
 
@@ -440,6 +490,7 @@ def markdown(report: dict) -> str:
                 f"{pk('stock', 'fwd')} / {pk('mhla', 'fwd')} | {pk('stock', 'fwdbwd')} / {pk('mhla', 'fwdbwd')} | "
                 f"{'-' if us is None else f'{us:,.0f}'} | {_s(e.get('stock_step'), 1)} | {_s(e.get('mhla_step'), 1)} | "
                 f"{_x(e.get('speedup_mhla_step'))} |")
+        lines += _costs_table(run)
         skipped = [r for r in run["rows"] if r.get("skipped")]
         lines += ["", f"Crossover (whole-transformer forward step): {crossover(entries)['text']}."]
         if skipped:
@@ -457,6 +508,23 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _costs_table(run: dict) -> list[str]:
+    """The attention operator alone: measured MHLA / stock time beside the FLOP model's ratio."""
+    costs = run.get("costs") or []
+    if not costs:
+        return []
+    out = ["", "Attention operator alone (what `cost=\"measured\"` times), against the FLOP model:", "",
+           "| grid | N | M | stock op | MHLA op | MHLA / stock measured | MHLA / stock FLOPs | measured / FLOPs |",
+           "|---|---|---|---|---|---|---|---|"]
+    for c in costs:
+        ratio = c.get("measured_ratio")
+        measured = "-" if ratio is None else f"{ratio:.3g}"
+        off = "-" if ratio is None else f"{ratio / c['flops_ratio']:.2f}"
+        out.append(f"| {' x '.join(map(str, c['grid']))} | {c['n']:,} | {c['m']} | {_s(c.get('stock_seconds'))} | "
+                   f"{_s(c.get('mhla_seconds'))} | {measured} | {c['flops_ratio']:.3g} | {off} |")
+    return out
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -464,22 +532,26 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    drawn = False
     for run in report["runs"]:
         entries = derive(run)
         label = f"{MODELS[run['model']]['label']}, {run['threads']}t"
         pts = [(e["n"], e["speedup_mhla_step"]) for e in entries if e.get("speedup_mhla_step")]
         if pts:
             ax1.plot(*zip(*pts), marker="o", label=label)
+            drawn = True
         for v, style in (("stock", "--"), ("mhla", "-")):
             pts = [(e["n"], e[f"{v}_fwd_us_per_token"]) for e in entries if e.get(f"{v}_fwd_us_per_token")]
             if pts and run["threads"] == min(r["threads"] for r in report["runs"]):
                 ax2.plot(*zip(*pts), style, marker="o", label=f"{MODELS[run['model']]['label']} {v}")
+                drawn = True
     ax1.axhline(1.0, color="grey", lw=0.8)
     ax1.set(xscale="log", xlabel="tokens N", ylabel="stock / MHLA, transformer step (fwd)", title="speed-up of MHLA")
     ax2.set(xscale="log", yscale="log", xlabel="tokens N", ylabel="block forward, us per token", title="time per token")
     for ax in (ax1, ax2):
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        if drawn:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -146,14 +146,6 @@ def machine_info(args, torch) -> dict:
 # the methods
 
 
-def linear_attention(q, k, v, eps=1e-6):
-    """Plain ReLU linear attention, the way one writes it in torch (the baseline of the targets)."""
-    pq, pk = q.relu(), k.relu()
-    num = pq @ (pk.transpose(-1, -2) @ v)
-    den = pq @ pk.sum(-2).unsqueeze(-1)
-    return num / (den + eps)
-
-
 def make_call(method, layout, mixing):
     import torch.nn.functional as F
 
@@ -162,7 +154,9 @@ def make_call(method, layout, mixing):
     if method == "sdpa":
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v)
     if method == "linear":
-        return linear_attention
+        from mhla_diffusers.ops.naive import plain_linear_attention
+
+        return plain_linear_attention
     if method == "io_floor":
         import torch
 

@@ -81,6 +81,16 @@ def parse_latent_size(text: str):
     return size
 
 
+def parse_token_grid(text: str):
+    try:
+        grid = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        grid = ()
+    if not 2 <= len(grid) <= 3 or min(grid) < 1:
+        raise argparse.ArgumentTypeError(f"--cost-grid takes a token grid H,W or T,H,W of positive integers; got {text!r}")
+    return grid
+
+
 def parse_block_grid(text: str):
     if text.isidentifier():  # a preset name of the family (Wan: paper, authors); checked on conversion
         return text
@@ -132,7 +142,14 @@ def main(argv=None) -> int:
                       help="--layers auto: keep the stock attention on the K most sensitive layers (0: all MHLA)")
     keep.add_argument("--attention-budget", type=float, default=None, metavar="F",
                       help="--layers auto: keep the most sensitive layers whose attention cost stays <= F (0 < F <= 1) "
-                      "of the stock model's (FLOP model at the native resolution)")
+                      "of the stock model's (priced by --cost)")
+    parser.add_argument("--cost", choices=["flops", "measured"], default=None,
+                        help="--layers auto: price each layer's attention by the FLOP model at the native resolution "
+                        "(flops, the default) or by timing its attention operator on --device (measured)")
+    parser.add_argument("--cost-grid", type=parse_token_grid, default=None, metavar="T,H,W",
+                        help="--cost measured: the token grid (after patching) to time at (default: the model's native grid)")
+    parser.add_argument("--cost-cache", default=None, metavar="FILE",
+                        help="--cost measured: a JSON file of earlier timings, read and updated")
     parser.add_argument("--calibration-samples", type=int, default=None,
                         help="--layers auto: calibration forwards (default 8; timesteps spread over the noise process)")
     parser.add_argument("--calibration-seed", type=int, default=None, help="--layers auto: seed of the calibration inputs (0)")
@@ -253,6 +270,7 @@ def main(argv=None) -> int:
             layers_2=args.layers_2,
             calibration_latent_size=args.calibration_latent_size,
             device=args.device,
+            cost=_cost(args),
             **_options(args),
         )
     except AlreadyConvertedError as err:
@@ -263,6 +281,17 @@ def main(argv=None) -> int:
         return 2
     print(json.dumps(spec, indent=2))
     return 0
+
+
+def _cost(args):
+    """``--cost`` / ``--cost-grid`` / ``--cost-cache`` as convert_checkpoint's ``cost`` (``ValueError`` if inconsistent)."""
+    if args.cost != "measured":
+        if args.cost_grid is not None or args.cost_cache is not None:
+            raise ValueError("--cost-grid and --cost-cache set how --cost measured times the layers; add --cost measured")
+        return args.cost
+    from mhla_diffusers.selection.cost import MeasuredCost
+
+    return MeasuredCost(grid=args.cost_grid, cache=args.cost_cache)
 
 
 def _options(args) -> dict:
@@ -291,6 +320,7 @@ def _import_authors(args) -> int:
         "--calibration-*": any(v is not None for v in (args.calibration_samples, args.calibration_seed, args.calibration_embeddings,
                                                        args.calibration_latent_size)),
         "--device": args.device is not None,
+        "--cost / --cost-grid / --cost-cache": any(v is not None for v in (args.cost, args.cost_grid, args.cost_cache)),
         "--layers-2": args.layers_2 is not None,
         "--mixing-init / --feature-eps / --feature-power / --no-mixing-clamp / --rope / --gate / --lepe / --lepe-init": bool(
             _options(args)

@@ -43,6 +43,7 @@ _EXPORTS = {
     "MHLAProcessor": "mhla_diffusers.models.processor",
     "apply_mhla": "mhla_diffusers.models.install",
     "attention_cost": "mhla_diffusers.selection.cost",
+    "MeasuredCost": "mhla_diffusers.selection.cost",
     "materialize_mhla": "mhla_diffusers.models.install",
     "remove_mhla": "mhla_diffusers.models.installer",
     "set_attn_processor": "mhla_diffusers.models.installer",

@@ -255,7 +255,8 @@ def _load_source(src: str, torch_dtype: torch.dtype | None, config: str | None =
 
 
 def _check_calibration_options(
-    layers, keep_softmax, max_attention_cost, calibration, sensitivity, samples, seed, embeddings, latent_size=None, device=None
+    layers, keep_softmax, max_attention_cost, calibration, sensitivity, samples, seed, embeddings, latent_size=None, device=None,
+    cost=None,
 ) -> None:
     """Refuse ``layers="auto"`` / calibration options that would be ignored (``ValueError`` naming them)."""
     made = {"calibration_samples": samples, "calibration_seed": seed, "calibration_embeddings": embeddings,
@@ -265,7 +266,7 @@ def _check_calibration_options(
     given = [name for name, value in made.items() if value is not None]
     if not (isinstance(layers, str) and layers == "auto"):
         others = (("keep_softmax", keep_softmax), ("max_attention_cost", max_attention_cost), ("calibration", calibration),
-                  ("sensitivity", sensitivity), ("device", device))
+                  ("sensitivity", sensitivity), ("device", device), ("cost", cost))
         given = [name for name, value in others if value is not None] + given
         if given:
             raise ValueError(f"{', '.join(given)} only apply with layers='auto' (--layers auto); got layers={layers!r}")
@@ -323,6 +324,7 @@ def convert_checkpoint(
     gate: bool | str | None = None,
     lepe: bool = False,
     lepe_init: str = "zeros",
+    cost=None,
 ) -> dict:
     """Load a pretrained checkpoint, install MHLA, write it as a converted checkpoint at ``out``.
 
@@ -332,7 +334,7 @@ def convert_checkpoint(
         out: output folder (atomic; must not exist or be empty unless ``overwrite``).
         family: expected family (``"dit"``, ``"sana"``, ``"wan"``), checked when given.
         layers, num_blocks, block_grid, normalize, eps, output_norm, keep_softmax, max_attention_cost,
-            calibration, sensitivity: see :func:`~mhla_diffusers.apply_mhla`.
+            calibration, sensitivity, cost: see :func:`~mhla_diffusers.apply_mhla` (``cost=None``: ``"flops"``).
         init, feature_eps, mixing_clamp, feature_power, rope, gate, lepe, lepe_init: the per-layer options of
             :func:`~mhla_diffusers.apply_mhla` (mixing-matrix start, features, clamp, RoPE placement, output gate,
             LePE), for every converted transformer.
@@ -354,7 +356,7 @@ def convert_checkpoint(
     """
     _check_calibration_options(
         layers, keep_softmax, max_attention_cost, calibration, sensitivity, calibration_samples, calibration_seed,
-        calibration_embeddings, calibration_latent_size, device,
+        calibration_embeddings, calibration_latent_size, device, cost,
     )
     device = _check_device(device)
     layers = _check_request(src, out, family, layers, layers_2)
@@ -377,7 +379,7 @@ def convert_checkpoint(
                     **options)
     auto = dict(keep_softmax=keep_softmax, max_attention_cost=max_attention_cost, calibration=calibration, sensitivity=sensitivity,
                 samples=calibration_samples, seed=calibration_seed, embeddings=calibration_embeddings,
-                latent_size=calibration_latent_size, device=device)
+                latent_size=calibration_latent_size, device=device, cost="flops" if cost is None else cost)
     if model is not None and layers != "none":
         _convert_one(pipe, "transformer", model, layers, settings, auto if layers == "auto" else None, src)
     if second is not None and layers_2 != "none":
@@ -446,7 +448,7 @@ def _auto_settings(pipe, name: str, model, auto: dict) -> tuple[dict, tuple[floa
         device = next(model.parameters()).device
         calibration = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in entry.items()} for entry in calibration]
     settings = dict(keep_softmax=auto["keep_softmax"], max_attention_cost=auto["max_attention_cost"], calibration=calibration,
-                    sensitivity=auto["sensitivity"])
+                    sensitivity=auto["sensitivity"], cost=auto["cost"])
     return settings, timestep_range
 
 

@@ -25,7 +25,7 @@ from mhla_diffusers.models.installer import (
 )
 from mhla_diffusers.models.processor import materialize_mhla, pending_mhla_layers
 from mhla_diffusers.selection.auto import auto_layers
-from mhla_diffusers.selection.cost import attention_cost, layer_attention_flops
+from mhla_diffusers.selection.cost import MeasuredCost, attention_cost, layer_attention_flops
 from mhla_diffusers.selection.hybrid import select_layers
 
 __all__ = [
@@ -68,6 +68,7 @@ def apply_mhla(
     max_attention_cost: float | None = None,
     calibration: Iterable[Mapping[str, Any]] | None = None,
     sensitivity=None,
+    cost: str | MeasuredCost = "flops",
 ) -> list[str]:
     """Replace self-attention with MHLA (paper Sec. 3.2) on the selected layers of a diffusers transformer.
 
@@ -100,6 +101,10 @@ def apply_mhla(
         max_attention_cost: ``layers="auto"`` only: a cost budget ``0 < F <= 1``.
         calibration: ``layers="auto"`` only: the inputs the scores are measured on.
         sensitivity (LayerSensitivity | Mapping | Sequence): ``layers="auto"`` only: the scores, given.
+        cost: ``layers="auto"`` only: how layers are priced for ``max_attention_cost`` (and the recorded cost):
+            ``"flops"`` (the FLOP model at the native token grid), ``"measured"`` (each layer's attention operator
+            timed on this device at the native grid) or a :class:`~mhla_diffusers.selection.cost.MeasuredCost`
+            (another grid, a cache file).
 
     Returns:
         Names of the converted attention modules.
@@ -120,12 +125,12 @@ def apply_mhla(
     if lepe_init != "zeros" and not lepe:
         raise ValueError(f"lepe_init={lepe_init!r} is LePE's start: it only applies with lepe=True")
     auto = {"keep_softmax": keep_softmax, "max_attention_cost": max_attention_cost, "calibration": calibration,
-            "sensitivity": sensitivity}
+            "sensitivity": sensitivity, "cost": cost}
     selection = None
     if isinstance(layers, str) and layers == "auto":
-        chosen, selection = auto_layers(transformer, len(modules), num_blocks, block_grid, normalize, **auto)
+        chosen, selection = auto_layers(transformer, len(modules), num_blocks, block_grid, normalize, backend=backend, **auto)
     else:
-        given = [name for name, value in auto.items() if value is not None]
+        given = [name for name, value in auto.items() if value is not None and not (name == "cost" and value == "flops")]
         if given:
             raise ValueError(f"{', '.join(given)} only apply with layers='auto'; got layers={layers!r}")
         chosen = select_layers(len(modules), layers)

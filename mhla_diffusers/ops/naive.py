@@ -21,6 +21,7 @@ __all__ = [
     "mhla_attention_blockwise",
     "blockwise_parts",
     "relative_error",
+    "plain_linear_attention",
 ]
 
 
@@ -220,3 +221,15 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor, scale: float | 
     denom = max(expected.abs().max().item(), scale or 0.0)
     err = (actual - expected).abs().max().item()
     return err / denom if denom > 0 else err
+
+
+def plain_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Plain ReLU linear attention ``relu(Q) (relu(K)^T V) / (relu(Q) . sum_t relu(k_t) + eps)``, ``[B, heads, N, d_v]``.
+
+    Written the way one writes it in torch (what SANA's stock processor computes, one block, no mixing): the
+    baseline MHLA's speed is measured against (benchmarks, ``MeasuredCost``), not an oracle. Inputs
+    ``[B, heads, N, d]``, any float dtype, computed in it.
+    """
+    pq, pk = q.relu(), k.relu()
+    numerator = pq @ (pk.transpose(-1, -2) @ v)
+    return numerator / (pq @ pk.sum(-2).unsqueeze(-1) + eps)

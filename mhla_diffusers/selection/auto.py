@@ -6,7 +6,7 @@ import warnings
 
 from mhla_diffusers.models.families import family_of
 from mhla_diffusers.models.processor import MHLAProcessor
-from mhla_diffusers.selection.cost import cost_fraction, layer_attention_flops
+from mhla_diffusers.selection.cost import cost_fraction, layer_attention_costs
 from mhla_diffusers.selection.hybrid import scores_list, select_auto
 from mhla_diffusers.selection.sensitivity import LayerSensitivity, layer_sensitivity
 
@@ -14,12 +14,13 @@ __all__ = ["auto_layers"]
 
 
 def auto_layers(transformer, num_layers, num_blocks, block_grid, normalize, *, keep_softmax, max_attention_cost,
-                 calibration, sensitivity) -> tuple[list[int], dict]:
+                calibration, sensitivity, cost="flops", backend="auto") -> tuple[list[int], dict]:
     """``(MHLA layer indices, selection record)`` of ``layers="auto"`` (arguments: :func:`~mhla_diffusers.apply_mhla`).
 
     Raises:
         ValueError: both or neither of ``calibration`` / ``sensitivity`` or of ``keep_softmax`` /
-            ``max_attention_cost``; an unreachable budget (checked before measuring).
+            ``max_attention_cost``; an unknown ``cost`` model; an unreachable budget (checked before measuring
+            the sensitivity; the costs are priced first, under ``cost``: :func:`~mhla_diffusers.selection.cost.layer_attention_costs`).
     """
     if (calibration is None) == (sensitivity is None):
         raise ValueError(
@@ -28,7 +29,7 @@ def auto_layers(transformer, num_layers, num_blocks, block_grid, normalize, *, k
         )
     if (keep_softmax is None) == (max_attention_cost is None):
         raise ValueError("layers='auto' needs exactly one of keep_softmax=K or max_attention_cost=F")
-    stock, mhla = layer_attention_flops(transformer, num_blocks=num_blocks, block_grid=block_grid)
+    stock, mhla, priced = layer_attention_costs(transformer, cost, num_blocks=num_blocks, block_grid=block_grid, backend=backend)
     budget = dict(keep_softmax=keep_softmax, max_attention_cost=max_attention_cost, stock_costs=stock, mhla_costs=mhla)
     if sensitivity is None:
         select_auto([0.0] * num_layers, **budget)  # a request no ranking can meet fails before the measurement
@@ -43,6 +44,7 @@ def auto_layers(transformer, num_layers, num_blocks, block_grid, normalize, *, k
     else:
         record["max_attention_cost"] = float(max_attention_cost)
     record["attention_cost"] = cost_fraction(stock, mhla, chosen)
+    record["cost_model"] = priced if priced["model"] == "flops" else dict(priced, stock_seconds=stock, mhla_seconds=mhla)
     record["softmax_layers"] = [i for i in range(num_layers) if i not in chosen]
     record["scores"] = scores
     if isinstance(sensitivity, LayerSensitivity):

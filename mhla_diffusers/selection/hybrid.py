@@ -118,8 +118,9 @@ def _within_budget(ranking: list[int], budget: float, stock_costs, mhla_costs) -
         raise ValueError("max_attention_cost needs stock_costs and mhla_costs, one per layer")
     if any(m >= s for s, m in zip(stock_costs, mhla_costs)):
         raise ValueError(
-            "MHLA is not cheaper than the stock attention of this model (its stock self-attention is already linear, "
-            "e.g. SANA), so an attention-cost budget selects nothing: use keep_softmax=K"
+            "MHLA is not cheaper than the stock attention of this model under this cost model (its stock self-attention "
+            "is already linear, e.g. SANA, or, measured, MHLA's operator is the slower one at this token grid), so an "
+            "attention-cost budget selects nothing: use keep_softmax=K, or measure at the size you generate at"
         )
     total = float(sum(stock_costs))
     cost = float(sum(mhla_costs))

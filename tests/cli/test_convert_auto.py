@@ -81,6 +81,27 @@ def test_dit_attention_budget_and_library_calibration(dit_folder, tmp_path, caps
         convert_checkpoint(dit_folder, tmp_path / "x", layers="auto", keep_softmax=1, calibration=calibration, calibration_samples=2)
 
 
+def test_dit_measured_cost_from_the_command_line(dit_folder, tmp_path, capsys):
+    """--cost measured times each layer's attention here, at --cost-grid, kept in --cost-cache; the record says so."""
+    out, cache = tmp_path / "measured", tmp_path / "costs.json"
+    code, err = run_main(SCRIPT, "--family", "dit", "--src", dit_folder, "--out", out, "--layers", "auto", "--keep-softmax", "1",
+                         "--calibration-samples", "2", "--cost", "measured", "--cost-grid", "4,4", "--cost-cache", cache,
+                         capsys=capsys)
+    assert code == 0, err
+    model = _config(out)["selection"]["cost_model"]
+    assert model["model"] == "measured" and model["grid"] == [1, 4, 4] and len(model["stock_seconds"]) == 3
+    assert all(s > 0 for s in model["stock_seconds"] + model["mhla_seconds"])
+    assert sorted(json.loads(cache.read_text()).values()) == sorted({*model["stock_seconds"], *model["mhla_seconds"]})
+    for extra, message in ((["--cost-grid", "4,4"], "add --cost measured"), (["--cost-cache", "c.json"], "add --cost measured"),
+                           (["--cost", "measured"], "cost only apply with layers='auto'")):
+        code, err = run_main(SCRIPT, "--family", "dit", "--src", dit_folder, "--out", tmp_path / "x", *extra, capsys=capsys)
+        assert code == 2 and message in err, (extra, err)
+        assert not (tmp_path / "x").exists()
+    with pytest.raises(SystemExit) as exit_:
+        run_main(SCRIPT, "--family", "dit", "--src", dit_folder, "--out", tmp_path / "x", "--cost-grid", "4", capsys=capsys)
+    assert exit_.value.code == 2 and "--cost-grid takes a token grid" in capsys.readouterr().err
+
+
 def test_sana_pipeline_and_transformer_folder(sana_pipe, tmp_path, capsys):
     """SANA: prompts through the pipeline's own text encoder; a transformer folder has none, so it needs
     --calibration-embeddings (a clear error without), written by encode_calibration_prompts."""
