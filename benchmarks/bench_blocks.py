@@ -280,13 +280,18 @@ def cpu_peak(fn) -> dict:
 
 
 def predicted(rows: list, variant: str, mode: str, n: int, softmax: bool) -> float:
-    """Seconds of a call, from the largest grid measured so far for this variant and mode (0 if none)."""
+    """Seconds of a call, from the largest grid measured so far for this variant and mode (0 if none): linear in N,
+    but for a softmax block the part above MHLA's time at that grid (the attention) grows as N^2."""
     done = [r for r in rows if r["variant"] == variant and r["mode"] == mode and r.get("walls")]
     if not done:
         return 0.0
     last = max(done, key=lambda r: r["n"])
-    power = 2 if softmax and variant == "stock" else 1
-    return min(last["walls"]) * (n / last["n"]) ** power
+    grow, t = n / last["n"], min(last["walls"])
+    if not (softmax and variant == "stock"):
+        return t * grow
+    linear = next((r for r in rows if r["n"] == last["n"] and r["variant"] == "mhla" and r["mode"] == mode and r.get("walls")), None)
+    base = min(min(linear["walls"]), t) if linear else 0.0
+    return base * grow + (t - base) * grow**2
 
 
 def run_worker(spec: dict) -> dict:

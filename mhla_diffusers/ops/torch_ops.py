@@ -149,7 +149,7 @@ class _Workspace:
             buf = self.local.get(key[:2], self.kept.get(key[:2]))
             if buf is None or buf.numel() < numel:
                 with torch.inference_mode(False):  # kept between calls, which may be in or out of inference mode
-                    buf = torch.empty(numel, dtype=key[1], device=self.device)
+                    buf = _huge_pages(torch.empty(numel, dtype=key[1], device=self.device))
                 (self.kept if numel * buf.element_size() <= self.keep_bytes else self.local)[key[:2]] = buf
             view = self.views[key] = buf[:numel].view(shape)
         return view
@@ -197,12 +197,58 @@ def _store(res: torch.Tensor, dest: torch.Tensor, b, c: _Chunk, ws: _Workspace) 
         dst.copy_(torch.index_select(src, 1, c.scatter, out=ws.get("store", dst.shape)))
 
 
+# CPU tensors this large that the operator allocates and fills get transparent huge pages where the kernel
+# offers them on request (Linux, THP "madvise" mode): their first touch then costs one fault per 2 MiB instead of
+# per 4 KiB page. At N = 16,384 (12 x 64) that first touch was a quarter of the forward (docs/performance.md).
+_HUGE_PAGE_BYTES = 2 << 20
+_HUGE_HINT_MIN_BYTES = 4 * _HUGE_PAGE_BYTES
+_MADV_HUGEPAGE = 14
+
+
+@lru_cache(maxsize=1)
+def _madvise():
+    """libc's ``madvise`` (argument types set), or ``None`` off Linux / without it."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def _huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """Ask the kernel for huge pages on the 2 MiB-aligned interior of ``t``'s fresh CPU storage; returns ``t``.
+    A hint only: values never change, and where it is refused (THP off, another OS) nothing happens."""
+    if t.device.type != "cpu":
+        return t
+    storage = t.untyped_storage()
+    if storage.nbytes() < _HUGE_HINT_MIN_BYTES or _madvise() is None:
+        return t
+    start = -(-storage.data_ptr() // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES
+    end = (storage.data_ptr() + storage.nbytes()) // _HUGE_PAGE_BYTES * _HUGE_PAGE_BYTES
+    if end > start:
+        _madvise()(start, end - start, _MADV_HUGEPAGE)
+    return t
+
+
 def empty_like_layout(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
     """An empty ``[B, H, N, width]`` tensor in ``x``'s memory layout (``[B, N, H, d]`` transposed stays so)."""
     b, h, n, _ = x.shape
     if not x.is_contiguous() and x.transpose(1, 2).is_contiguous():
         return torch.empty(b, n, h, width, dtype=dtype, device=x.device).transpose(1, 2)
     return torch.empty(b, h, n, width, dtype=dtype, device=x.device)
+
+
+def _new_output(x: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`empty_like_layout` for a result this backend fills (huge pages asked for on CPU)."""
+    out = empty_like_layout(x, width, dtype)
+    _huge_pages(out)
+    return out
 
 
 # Per-sample backward tensors start at multiples of this (the CUDA allocator's alignment): batch invariance.
@@ -214,7 +260,7 @@ def _per_sample(batch: int, shape: tuple[int, ...], dtype: torch.dtype, device: 
     numel = math.prod(shape)
     itemsize = torch.empty((), dtype=dtype).element_size()
     step = -(-numel * itemsize // _SAMPLE_ALIGN_BYTES) * _SAMPLE_ALIGN_BYTES // itemsize
-    return torch.empty(batch, max(step, 1), dtype=dtype, device=device)[:, :numel].view(batch, *shape)
+    return _huge_pages(torch.empty(batch, max(step, 1), dtype=dtype, device=device))[:, :numel].view(batch, *shape)
 
 
 def _mix(mixing: torch.Tensor, summaries: torch.Tensor, ws: _Workspace, name: str) -> torch.Tensor:
@@ -249,7 +295,7 @@ class _MHLA(torch.autograd.Function):
         s_all = new(batch, heads, m, d, dv) if need_grad else None
         z_all = new(batch, heads, m, d) if need_grad and normalize else None
         den_all = new(batch, heads, m, length) if need_grad and normalize else None
-        out = empty_like_layout(q, dv, q.dtype)
+        out = _new_output(q, dv, q.dtype)
         for b in range(batch):
             for group in groups:
                 hs, g = group[0].heads, group[0].h1 - group[0].h0
@@ -291,9 +337,9 @@ class _MHLA(torch.autograd.Function):
         batch, heads, _, d = q.shape
         dv, m = v.shape[-1], plan.num_blocks
         mix_t = mix.t().contiguous()
-        dq = empty_like_layout(q, d, q.dtype) if need_q else None
-        dk = empty_like_layout(k, d, k.dtype) if need_k else None
-        dvv = empty_like_layout(v, dv, v.dtype) if need_v else None
+        dq = _new_output(q, d, q.dtype) if need_q else None
+        dk = _new_output(k, d, k.dtype) if need_k else None
+        dvv = _new_output(v, dv, v.dtype) if need_v else None
         dmix = torch.zeros(m, m, dtype=acc, device=q.device)
         for b in range(batch):
             for group in groups:

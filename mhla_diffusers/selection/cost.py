@@ -125,7 +125,7 @@ def layer_attention_costs(
     grid = cost.grid or family.reference_grid(transformer.config)
     blocks = _block_grid(transformer, family, num_blocks, block_grid)
     _check_fits(blocks, grid)
-    weight = next(transformer.parameters())
+    weight = next(self_attention_modules(transformer, family)[0][1].parameters())  # the layers' device and dtype
     cache = _read_cache(cost.cache)
     timed = {}
     for shape in dict.fromkeys(_layer_shapes(transformer, family)):
