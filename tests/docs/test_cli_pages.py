@@ -18,6 +18,7 @@ SCRIPT_PAGES = {
     "demo/run_study.py": "docs/study.md",
     "benchmarks/bench_ops.py": "docs/performance.md",
     "benchmarks/bench_pipeline.py": "docs/performance.md",
+    "benchmarks/bench_blocks.py": "docs/performance.md",
     "benchmarks/gpu_check.py": "docs/performance.md",
     "benchmarks/diagnose.py": "docs/diagnostics.md",
 }
