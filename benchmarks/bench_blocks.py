@@ -446,7 +446,7 @@ def _fitted_crossover(entries: list[dict]) -> float | None:
     n = np.array([x["n"] for x in e], dtype=float)
     a, b, c = np.linalg.lstsq(np.stack([np.ones_like(n), n, n * n], 1), [x["stock_step"] for x in e], rcond=None)[0]
     a2, b2 = np.linalg.lstsq(np.stack([np.ones_like(n), n], 1), [x["mhla_step"] for x in e], rcond=None)[0]
-    roots = [r.real for r in np.roots([c, b - b2, a - a2]) if abs(r.imag) < 1e-9 and 1 <= r.real <= n.max()]
+    roots = [r.real for r in np.roots([c, b - b2, a - a2]) if abs(r.imag) < 1e-9 and 1 <= r.real <= n.min()]
     return max(roots) if roots else None
 
 
@@ -582,6 +582,19 @@ def run_all(args) -> dict:
                          "models": {n: dict(MODELS[n]["config"]) for n in args.models}}, "runs": runs}
 
 
+def _joined(runs: list[dict]) -> list[dict]:
+    """The runs, a costs-only run (``--parts costs``) folded into the block run of the same model and threads."""
+    out = []
+    for run in runs:
+        twin = next((r for r in out if (r["model"], r["threads"]) == (run["model"], run["threads"])), None)
+        if twin is not None and not (twin.get("costs") and run.get("costs")) and not (twin["rows"] and run["rows"]):
+            blocks, costs = (twin, run) if twin["rows"] else (run, twin)
+            out[out.index(twin)] = dict(blocks, costs=blocks.get("costs") or costs.get("costs") or [])
+        else:
+            out.append(run)
+    return out
+
+
 def write(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_blocks.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
@@ -601,7 +614,7 @@ def main(argv=None) -> dict:
     if args.merge:
         reports = [json.loads(path.read_text()) for path in args.merge]
         report = {"settings": dict(reports[0]["settings"], merged=[r["settings"]["argv"] for r in reports]),
-                  "runs": [run for r in reports for run in r["runs"]]}
+                  "runs": _joined([run for r in reports for run in r["runs"]])}
         write(report, args.out or args.merge[0].parent)
         return report
     if args.render:
