@@ -14,7 +14,9 @@ from typing import Any, Callable
 import torch
 from helpers import dit_inputs, run_dit, tiny_dit
 from helpers_sana import run_sana, sana_inputs, tiny_sana
+from helpers_sana_video import run_sana_video, sana_video_inputs, tiny_sana_video
 from helpers_wan import run_wan, tiny_wan, wan_inputs
+from helpers_wan_vace import run_wan_vace, tiny_wan_vace, wan_vace_inputs
 from torch import nn
 
 from mhla_diffusers.families import attention_modules
@@ -36,6 +38,7 @@ class TinyFamily:
         block_grid: a block grid for those inputs' token grid (M > 1 on every axis that has tokens).
         variants: ``{name: build keywords}``: model variants the contract also runs on (``""``: the default).
         cross_mask: the model passes an attention mask to its cross-attention (SANA's text mask).
+        self_layers: the self-attention layers of ``build(num_layers=3)`` (Wan VACE: 3 main + 2 VACE blocks).
     """
 
     build: Callable[..., nn.Module]
@@ -45,6 +48,7 @@ class TinyFamily:
     block_grid: tuple[int, ...]
     variants: dict[str, dict] = field(default_factory=lambda: {"": {}})
     cross_mask: bool = False
+    self_layers: int = 3
 
 
 TINY: dict[str, TinyFamily] = {
@@ -70,6 +74,22 @@ TINY: dict[str, TinyFamily] = {
         run=run_wan,
         call=lambda m, x: m(**x, return_dict=False)[0],
         block_grid=(1, 2, 3),
+    ),
+    "sana_video": TinyFamily(
+        build=lambda num_layers=3, seed=0, **kw: tiny_sana_video(num_layers=num_layers, seed=seed, **kw),
+        inputs=lambda batch=2, seed=0: sana_video_inputs(batch=batch, frames=3, size=(8, 12), seed=seed),  # 3 x 4 x 6
+        run=run_sana_video,
+        call=lambda m, x: m(x[0], encoder_hidden_states=x[1], timestep=x[2], encoder_attention_mask=x[3], return_dict=False)[0],
+        block_grid=(1, 2, 3),
+        cross_mask=True,
+    ),
+    "wan_vace": TinyFamily(
+        build=lambda num_layers=3, seed=0, **kw: tiny_wan_vace(num_layers=num_layers, vace_layers=(0, 2), seed=seed, **kw),
+        inputs=lambda batch=2, seed=0: wan_vace_inputs(batch=batch, frames=3, size=(8, 12), seed=seed),  # 3 x 4 x 6
+        run=run_wan_vace,
+        call=lambda m, x: m(**x, return_dict=False)[0],
+        block_grid=(1, 2, 3),
+        self_layers=5,
     ),
 }
 

@@ -127,7 +127,8 @@ class Family(FamilyAttention):
     name: str
     #: diffusers class names of the family's transformers.
     model_classes: tuple[str, ...]
-    #: regex over ``named_modules()`` names of self-attention layers; group 1 the layer index.
+    #: regex over ``named_modules()`` names of self-attention layers; group 1 the layer index. A model with several
+    #: kinds of self-attention layers (Wan VACE: main and VACE blocks) has one group per kind, in layer order.
     self_attention: str
     #: submodule turning the latent (its first positional input) into tokens.
     patch_embed: str
@@ -178,6 +179,8 @@ class Family(FamilyAttention):
     context_parallel: str | None = None
     #: ``(first module, last module)`` of the ``"trunk"`` plan.
     cp_trunk: tuple[str, str] | None = None
+    #: ``model -> cp_plan``: the ``"model"`` plan of a model class diffusers gives none (``None``: its ``_cp_plan``).
+    cp_plan: Callable[[nn.Module], dict] | None = None
     #: ``config -> (T, H, W)``, the largest tokens per axis the forward takes (Wan: RoPE table); ``None``: no bound.
     max_grid: Callable[[dict], tuple[int, int, int]] | None = None
     #: each block can be an FSDP unit (``False`` for DiT: its root uses a block's submodule).
@@ -466,14 +469,17 @@ def stock_processor(family: Family, module_name: str):
 
 
 def self_attention_modules(model: nn.Module, family: Family | None = None) -> list[tuple[str, nn.Module]]:
-    """``[(name, attention module)]`` of the self-attention layers, ordered by layer index."""
+    """``[(name, attention module)]`` of the self-attention layers in layer order: by index, and by kind first where
+    :attr:`Family.self_attention` has one group per kind (Wan VACE: every main block, then every VACE block).
+    A layer's position in this list is its layer number (``apply_mhla(layers=...)``, selections, checkpoints)."""
     family = family or family_of(model)
     pattern = re.compile(family.self_attention)
     found = []
     for name, module in model.named_modules():
         match = pattern.match(name)
         if match:
-            found.append((int(match.group(1)), name, module))
+            kind, index = next((k, int(g)) for k, g in enumerate(match.groups()) if g is not None)
+            found.append(((kind, index), name, module))
     found.sort(key=lambda item: item[0])
     return [(name, module) for _, name, module in found]
 

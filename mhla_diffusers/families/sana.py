@@ -15,7 +15,7 @@ from diffusers.models.transformers.sana_transformer import SanaAttnProcessor2_0
 
 from mhla_diffusers.families.base import Family, TrainingSpec, call_default, grid_2d, reference_grid_2d, register_family
 
-__all__ = ["SANA", "SanaTraining"]
+__all__ = ["SANA", "SanaTraining", "encode_sana_prompts"]
 
 
 def _encode(pipe, prompts, device, max_sequence_length, complex_human_instruction):
@@ -27,7 +27,7 @@ def _encode(pipe, prompts, device, max_sequence_length, complex_human_instructio
     return embeds, mask
 
 
-def _encode_sana(pipe, prompts: list, device) -> dict:
+def encode_sana_prompts(pipe, prompts: list, device) -> dict:
     """SANA: ``{"encoder_hidden_states" [B, L, D], "encoder_attention_mask" [B, L]}`` (Gemma-2, with the
     pipeline's default complex human instruction and sequence length, as ``SanaPipeline.__call__``)."""
     embeds, mask = _encode(
@@ -94,7 +94,7 @@ SANA = register_family(Family(
     stock_attention="linear",
     conditioning="text",
     noise="flow",
-    encode_prompts=_encode_sana,
+    encode_prompts=encode_sana_prompts,
     context_parallel="layers",  # GLUMBConv: a 3x3 depthwise convolution over the token grid in every block
     training=SanaTraining(),
 ))

@@ -35,6 +35,7 @@ __all__ = [
     "image_to_video_pipeline",
     "AUTHORS_BLOCK_GRID",
     "AUTHORS_NATIVE_SIZE",
+    "rope_max_grid",
 ]
 
 # Wan 2.1's native size: 81 frames at 480 x 832 px, VAE factors 4 (time) and 8 (space): a latent of
@@ -67,7 +68,7 @@ def _reference_grid_wan(config) -> tuple[int, int, int]:
     return (max(1, t // pt), max(1, h // ph), max(1, w // pw))
 
 
-def _max_grid_wan(config) -> tuple[int, int, int]:
+def rope_max_grid(config) -> tuple[int, int, int]:
     """diffusers' ``WanRotaryPosEmbed`` holds ``rope_max_seq_len`` positions per axis (default 1024): a token grid
     longer on an axis fails in the model's forward."""
     n = int(config.get("rope_max_seq_len") or 1024)
@@ -236,7 +237,7 @@ WAN = register_family(Family(
     noise="flow",
     encode_prompts=_encode_wan,
     context_parallel="model",  # WanTransformer3DModel._cp_plan: split at blocks.0 (RoPE with it), gathered after proj_out
-    max_grid=_max_grid_wan,
+    max_grid=rope_max_grid,
     experts=Experts(components=("transformer", "transformer_2"), timestep_range=_expert_timestep_range),
     native_video=wan_native_video,
     image_to_video=image_to_video_pipeline,

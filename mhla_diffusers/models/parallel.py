@@ -165,22 +165,27 @@ def sharded_mhla_attention(
         q, k: ``[B, heads, n, d]``, v: ``[B, heads, n, dv]`` (``n = shard.length``). mixing: ``[M, M]``.
         layout: the :class:`BlockLayout` of all ``shard.total`` tokens. shard: from :func:`context_shard`.
         normalize, eps, feature_eps, feature_power, backend: as :func:`~mhla_diffusers.mhla_attention`.
-        rotary: the shard's RoPE (Wan's :class:`~mhla_diffusers.ops.InterleavedRotary`) or ``None``.
+        rotary: the shard's RoPE (Wan's :class:`~mhla_diffusers.ops.InterleavedRotary`), or the RoPE of all
+            ``shard.total`` tokens (a plan splitting the layer alone, SANA-Video's, leaves the tables whole), or ``None``.
         rotary_key: one object per forward, so heads mode all-gathers the tables once per forward.
 
     Returns:
         ``[B, heads, n, dv]`` in ``q``'s dtype: rows ``[offset, offset + n)`` of the single-process output.
     """
     power = {} if feature_power == 1.0 else {"feature_power": feature_power}  # p = 1: the plain ReLU path
+    whole = rotary is not None and rotary.num_tokens == shard.total != shard.length  # tables of every token
     if shard.heads_mode:
         to_heads = [_to_heads(x, shard) for x in (q, k, v)]
-        full = None if rotary is None else _full_rotary(rotary, rotary_key, shard)
+        full = rotary if whole or rotary is None else _full_rotary(rotary, rotary_key, shard)
         out = mhla_attention(
             *to_heads, mixing, layout, normalize=normalize, eps=eps, rotary=full, feature_eps=feature_eps, backend=backend,
             **power,
         )
         return _to_tokens(out, shard)
     dtype = q.dtype
+    if whole:  # this rank's rows of the tables
+        rows = slice(shard.offset, shard.offset + shard.length)
+        rotary = InterleavedRotary(rotary.cos[rows], rotary.sin[rows])
     features = {}
     if power:  # phi = ReLU(x) ** p + feature_eps, computed here in the accumulation dtype (the shard ops take features)
         acc = torch.float64 if dtype == torch.float64 else torch.float32
@@ -267,8 +272,9 @@ def _mhla_self_attention(model: nn.Module, family) -> list[tuple[str, bool]]:
 def context_parallel_plan(model: nn.Module) -> dict:
     """The ``cp_plan`` for ``model.enable_parallelism(config=..., cp_plan=...)`` of an MHLA model, per ``Family.context_parallel``.
 
-    Wan: its own ``_cp_plan``; DiT: the trunk ``transformer_blocks.0`` .. ``proj_out_2`` (all layers MHLA);
-    SANA: each MHLA layer alone (inference only). Build it after installing MHLA.
+    Wan: its own ``_cp_plan`` (Wan VACE: the family's, ``Family.cp_plan``); DiT: the trunk ``transformer_blocks.0`` ..
+    ``proj_out_2`` (all layers MHLA); SANA, SANA-Video: each MHLA layer alone (inference only). Build it after
+    installing MHLA.
 
     Raises:
         ValueError: unsupported model or no plan, no MHLA layer, or softmax self-attention left in a trunk plan.
@@ -285,7 +291,7 @@ def context_parallel_plan(model: nn.Module) -> dict:
     split = ContextParallelInput(split_dim=1, expected_dims=3, split_output=False)
     gather = ContextParallelOutput(gather_dim=1, expected_dims=3)
     if family.context_parallel == "model":
-        return dict(type(model)._cp_plan)
+        return family.cp_plan(model) if family.cp_plan is not None else dict(type(model)._cp_plan)
     if family.context_parallel == "trunk":
         softmax = [name for name, mhla in layers if not mhla]
         if softmax:
@@ -441,6 +447,8 @@ def enable_context_parallel(model: nn.Module, config) -> None:
             )
     with cpu_device_mesh():
         model.enable_parallelism(config=config, cp_plan=plan)
+    if family.context_parallel == "layers":
+        _keep_stock_attention_local(model)
     if (config.ring_anything or config.ulysses_anything) and dist.get_backend(config._flattened_mesh.get_group()) == "gloo":
         _pad_uneven_gathers(model, plan)
     # DiT ("trunk") and SANA ("layers") plans shard tokens around layers that must keep running MHLA
@@ -450,6 +458,16 @@ def enable_context_parallel(model: nn.Module, config) -> None:
     model.register_forward_pre_hook(
         _token_count_check(degree, config.ring_anything or config.ulysses_anything, planned), with_kwargs=True
     )
+
+
+def _keep_stock_attention_local(model: nn.Module) -> None:
+    """Under a ``"layers"`` plan only the planned MHLA layers see shards: take diffusers' parallel config back from
+    every other processor, which would otherwise run a ring / Ulysses exchange over tokens no rank split
+    (SANA-Video's cross-attention processor passes its config to the attention dispatch unconditionally)."""
+    for attn in attention_modules(model).values():
+        processor = getattr(attn, "processor", None)
+        if not isinstance(processor, GridReader) and getattr(processor, "_parallel_config", None) is not None:
+            processor._parallel_config = None
 
 
 # -- the output gather of uneven shards on gloo ------------------------------------------------------

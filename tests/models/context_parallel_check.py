@@ -324,7 +324,7 @@ def _contract_case(family: str):
 
     def case(world: int) -> dict:
         tiny = TINY[family]
-        model = tiny.build(num_layers=2)
+        model = tiny.build(num_layers=3)
         mhla_diffusers.apply_mhla(model, layers="all", block_grid=tiny.block_grid)
         randomize_mixing_(model, low=0.0, high=1.0)
         inputs = tiny.inputs(batch=2)
