@@ -1,7 +1,8 @@
 """Generation helpers over the stock diffusers pipelines: class-conditional (DiTPipeline),
 text-to-image (SanaPipeline), text-to-video (WanPipeline: Wan 2.1, Wan 2.2 A14B with its two experts,
-TI2V-5B) and image-to-video (WanImageToVideoPipeline: Wan 2.1 I2V, Wan 2.2 I2V A14B, and TI2V-5B given a
-first frame), videos written as mp4."""
+TI2V-5B; SanaVideoPipeline), image-to-video (WanImageToVideoPipeline: Wan 2.1 I2V, Wan 2.2 I2V A14B, and
+TI2V-5B given a first frame; SanaImageToVideoPipeline) and control-video generation (WanVACEPipeline: a
+source video, its mask, reference images), videos written as mp4."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ __all__ = [
     "native_video_size",
     "image_to_video_pipeline",
     "load_first_frame",
+    "load_frames",
     "image_format",
     "save_grid",
     "save_video",
@@ -275,10 +277,25 @@ def generate_text_images(
     return result.images
 
 
-def is_video_pipeline(pipe) -> bool:
-    """Whether ``pipe`` (a pipeline object or class) generates videos (its call takes ``num_frames``)."""
+# The frame-count argument of video pipelines' __call__: Wan's, then SANA-Video's.
+_FRAMES_ARGUMENTS = ("num_frames", "frames")
+# Control-video inputs (WanVACEPipeline), by generate_videos keyword.
+_CONTROL_INPUTS = ("video", "mask", "reference_images", "conditioning_scale")
+
+
+def _call_parameters(pipe) -> dict:
     call = pipe.__call__ if isinstance(pipe, type) else type(pipe).__call__
-    return "num_frames" in inspect.signature(call).parameters
+    return inspect.signature(call).parameters
+
+
+def _frames_argument(pipe) -> str | None:
+    """The name of the frame count in the pipeline's ``__call__`` (``num_frames``, ``frames``), ``None`` for images."""
+    return next((name for name in _FRAMES_ARGUMENTS if name in _call_parameters(pipe)), None)
+
+
+def is_video_pipeline(pipe) -> bool:
+    """Whether ``pipe`` (a pipeline object or class) generates videos (its call takes ``num_frames`` or ``frames``)."""
+    return _frames_argument(pipe) is not None
 
 
 def is_video_checkpoint(checkpoint: str | os.PathLike) -> bool:
@@ -311,15 +328,28 @@ def generate_videos(
     image=None,
     guidance_scale_2: float | None = None,
     context_parallel: str | None = None,
+    video=None,
+    mask=None,
+    reference_images=None,
+    conditioning_scale: float | None = None,
+    use_resolution_binning: bool | None = None,
 ):
-    """Generate one video per prompt with the checkpoint's own video pipeline, text- or (with ``image``) image-to-video.
+    """Generate one video per prompt with the checkpoint's own video pipeline: text-to-video, image-to-video (``image``)
+    or from a control video (``video`` / ``mask`` / ``reference_images``, Wan VACE).
 
     Args:
         checkpoint: pipeline folder (plain or converted); ignored when ``pipe`` is given.
         height, width: pixels, multiples of 16 for Wan; default :func:`native_video_size`.
-        frames: ``4k + 1`` for Wan (default 81); other counts raise instead of being rounded.
-        image: the first frame (a path or ``PIL.Image``), required by I2V checkpoints, refused by T2V ones.
+        frames: ``4k + 1`` for Wan and SANA-Video (default 81); other counts raise instead of being rounded.
+        image: the first frame (a path or ``PIL.Image``), required by I2V checkpoints, refused by T2V-only ones.
         guidance_scale_2: Wan 2.2 A14B's low-noise expert CFG scale (``None``: ``guidance_scale``).
+        video: Wan VACE's source / control video, ``frames`` frames (a video file, a folder of frame images, or
+            a list of paths / ``PIL.Image``; :func:`load_frames`), resized by the pipeline to ``height x width``.
+        mask: with ``video``: which pixels to generate (white) and which to keep (black), one frame per video frame.
+        reference_images: Wan VACE's reference images (paths or ``PIL.Image``), with or without ``video``.
+        conditioning_scale: Wan VACE's hint strength (``None``: the pipeline's, 1). Wan VACE runs one prompt per
+            call (diffusers' pipeline takes no list), prompt ``i`` with seed ``seed + i``.
+        use_resolution_binning: SANA-Video's snapping to a trained aspect ratio (``None``: the pipeline's, on).
         negative_prompt: the classifier-free guidance negative prompt.
         steps, guidance_scale, seed, dtype, device, context_parallel: as :func:`generate_class_images`.
 
@@ -327,8 +357,10 @@ def generate_videos(
         One float32 array ``[frames, height, width, 3]`` in ``[0, 1]`` per prompt.
 
     Raises:
-        GenerationError: not a video pipeline, an image mismatch or unreadable image, ``guidance_scale_2``
-            with one denoising model, no prompts, a bad frame count, steps or dtype.
+        GenerationError: not a video pipeline; an input the pipeline does not take (an image for a text-to-video-only
+            model, a control video for one that is not VACE, ``guidance_scale_2`` with one denoising model,
+            binning for a pipeline without it) or that cannot be read; a mask without a video or of another
+            length; no prompts, a bad frame count, steps or dtype.
         ValueError: from the pipeline, e.g. a size Wan does not take.
 
     Sizes and family details: ``docs/generation.md``.
@@ -339,16 +371,30 @@ def generate_videos(
     pipe, device = _prepare(checkpoint, pipe, steps, dtype, device, context_parallel)
     if not is_video_pipeline(pipe) or not _takes_prompt(pipe):
         raise GenerationError(
-            f"{checkpoint} holds a {type(pipe).__name__}, not a text-to-video pipeline; --frames and --image are for Wan "
-            "(WanPipeline, WanImageToVideoPipeline) checkpoints"
+            f"{checkpoint} holds a {type(pipe).__name__}, not a text-to-video pipeline; --frames, --image and --video are "
+            "for video checkpoints (Wan, SANA-Video, Wan VACE)"
         )
     native = native_video_size(pipe)
     height = native["height"] if height is None else height
     width = native["width"] if width is None else width
     frames = native["frames"] if frames is None else frames
+    control = dict(video=video, mask=mask, reference_images=reference_images, conditioning_scale=conditioning_scale)
+    pipe, extra = _video_inputs(pipe, checkpoint, image, guidance_scale_2, use_resolution_binning, control, frames)
+    _check_frame_count(pipe, frames)
+    call = dict(negative_prompt=negative_prompt, height=height, width=width, num_inference_steps=steps,
+                guidance_scale=guidance_scale, output_type="np", **{_frames_argument(pipe): frames}, **extra)
+    if "video" in _call_parameters(pipe):  # WanVACEPipeline takes one prompt per call: prompt i with seed + i
+        return [_run(pipe, device, seed + i, prompt=prompt, **call).frames[0] for i, prompt in enumerate(prompts)]
+    return [video for video in _run(pipe, device, seed, prompt=prompts, **call).frames]
+
+
+def _video_inputs(pipe, checkpoint, image, guidance_scale_2, use_resolution_binning, control: dict, frames: int):
+    """``(pipe, call keywords)``: the optional inputs of :func:`generate_videos`, read and checked against what the
+    pipeline's ``__call__`` takes before anything runs (a bad path costs no compute); ``image`` turns the pipeline
+    into its image-to-video form."""
     extra = {}
     if image is not None:
-        first_frame = load_first_frame(image)  # before anything runs: a bad path costs no compute
+        first_frame = load_first_frame(image)
         pipe = image_to_video_pipeline(pipe, checkpoint)
         extra["image"] = first_frame
     elif _needs_image(pipe):
@@ -361,6 +407,47 @@ def generate_videos(
                 f"{checkpoint} holds one denoising model: --guidance-scale-2 is for Wan 2.2 A14B's second expert (transformer_2)"
             )
         extra["guidance_scale_2"] = guidance_scale_2
+    if use_resolution_binning is not None:
+        if "use_resolution_binning" not in _call_parameters(pipe):
+            raise GenerationError(f"{type(pipe).__name__} has no resolution binning (--no-resolution-binning is SANA's)")
+        extra["use_resolution_binning"] = bool(use_resolution_binning)
+    return pipe, {**extra, **_control_inputs(pipe, checkpoint, control, frames)}
+
+
+def _control_inputs(pipe, checkpoint, control: dict, frames: int) -> dict:
+    """Wan VACE's ``video`` / ``mask`` (frames) and ``reference_images`` (images), read; refused by other pipelines."""
+    given = {k: v for k, v in control.items() if v is not None}
+    if not given:
+        return {}
+    missing = [k for k in given if k not in _call_parameters(pipe)]
+    if missing:
+        flags = ", ".join("--" + k.replace("_", "-").replace("reference-images", "reference-image") for k in missing)
+        raise GenerationError(
+            f"{checkpoint} holds a {type(pipe).__name__}, which takes no {', '.join(missing)}: {flags} are for Wan VACE "
+            "(WanVACEPipeline) checkpoints"
+        )
+    out = {}
+    if "mask" in given and "video" not in given:
+        raise GenerationError("--mask marks which pixels of --video to generate: give the video too")
+    for name in ("video", "mask"):
+        if name in given:
+            out[name] = load_frames(given[name], f"--{name}")
+            if len(out[name]) != frames:
+                raise GenerationError(
+                    f"--{name} has {len(out[name])} frames and the request {frames}: give --frames {len(out[name])} "
+                    f"(a {_frames_argument(pipe)} the pipeline takes) or a {name} of {frames} frames"
+                )
+    if "reference_images" in given:
+        images = given["reference_images"]
+        images = [images] if isinstance(images, (str, os.PathLike)) or not isinstance(images, Sequence) else images
+        out["reference_images"] = [load_first_frame(i, "--reference-image") for i in images]
+    if "conditioning_scale" in given:
+        out["conditioning_scale"] = float(given["conditioning_scale"])
+    return out
+
+
+def _check_frame_count(pipe, frames: int) -> None:
+    """Refuse a frame count the VAE cannot encode (``k * temporal factor + 1``), naming the nearest valid ones."""
     factor = int(getattr(pipe, "vae_scale_factor_temporal", 1))
     if frames < 1 or (frames - 1) % factor:
         low = max(1, (frames - 1) // factor * factor + 1)
@@ -368,19 +455,6 @@ def generate_videos(
             f"{type(pipe).__name__} generates {factor}k + 1 frames (1, {1 + factor}, {1 + 2 * factor}, ...); got {frames}. "
             f"Nearest valid counts: {low} or {low + factor}"
         )
-    result = _run(
-        pipe, device, seed,
-        prompt=prompts,
-        negative_prompt=negative_prompt,
-        height=height,
-        width=width,
-        num_frames=frames,
-        num_inference_steps=steps,
-        guidance_scale=guidance_scale,
-        output_type="np",
-        **extra,
-    )
-    return [video for video in result.frames]
 
 
 def _needs_image(pipe) -> bool:
@@ -388,9 +462,9 @@ def _needs_image(pipe) -> bool:
     return image is not None and image.default is inspect.Parameter.empty
 
 
-def load_first_frame(image):
-    """The first frame of an image-to-video request as an RGB ``PIL.Image``: ``image`` is a path (any format
-    PIL reads: png, jpg, webp, ...) or a ``PIL.Image``.
+def load_first_frame(image, flag: str = "--image"):
+    """An image input (the first frame of an image-to-video request, a reference image) as an RGB ``PIL.Image``:
+    ``image`` is a path (any format PIL reads: png, jpg, webp, ...) or a ``PIL.Image``; ``flag`` names it in errors.
 
     Raises:
         GenerationError: a path that does not exist, is not a file, or that PIL cannot read as an image.
@@ -402,12 +476,49 @@ def load_first_frame(image):
     path = Path(image)
     if not path.is_file():
         what = "not a file" if path.exists() else "no such file"
-        raise GenerationError(f"--image {image}: {what}; give the first frame as an image file")
+        raise GenerationError(f"{flag} {image}: {what}; give an image file")
     try:
         with Image.open(path) as img:
             return img.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError) as err:
-        raise GenerationError(f"--image {image} is not an image this Pillow can read ({type(err).__name__}); use png or jpg") from None
+        raise GenerationError(f"{flag} {image} is not an image this Pillow can read ({type(err).__name__}); use png or jpg") from None
+
+
+def load_frames(source, flag: str = "--video") -> list:
+    """The frames of a video input as RGB ``PIL.Image`` s: ``source`` is a video file (mp4, webm, gif, ...: diffusers'
+    ``load_video``, imageio for mp4), a folder of frame images (read in file-name order) or a list of frames (paths or
+    ``PIL.Image``); ``flag`` names it in errors.
+
+    Raises:
+        GenerationError: a path that does not exist, an empty folder, a file no reader takes, a frame PIL cannot read.
+    """
+    if not isinstance(source, (str, os.PathLike)):
+        frames = [load_first_frame(f, flag) for f in source]
+    elif Path(source).is_dir():
+        names = sorted(p for p in Path(source).iterdir() if p.suffix.lower() in _FRAME_SUFFIXES)
+        frames = [load_first_frame(p, flag) for p in names]
+    elif Path(source).is_file():
+        frames = _read_video(Path(source), flag)
+    else:
+        raise GenerationError(f"{flag} {source}: no such file or folder; give a video file or a folder of frames")
+    if not frames:
+        raise GenerationError(f"{flag} {source}: no frames ({', '.join(sorted(_FRAME_SUFFIXES))} files in the folder)")
+    return frames
+
+
+_FRAME_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp"})
+
+
+def _read_video(path: Path, flag: str) -> list:
+    from diffusers.utils import load_video
+
+    try:
+        return [frame.convert("RGB") for frame in load_video(str(path))]
+    except Exception as err:  # imageio / PIL raise many kinds for a file they cannot decode
+        raise GenerationError(
+            f"{flag} {path} could not be read as a video ({type(err).__name__}: {err}); give an mp4 (imageio-ffmpeg), a gif, "
+            "or a folder of frame images"
+        ) from None
 
 
 def _video_family(pipe):

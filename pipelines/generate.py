@@ -5,15 +5,19 @@
     python pipelines/generate.py --checkpoint sana-mhla --prompt "a cat on a red chair" --height 1024 --width 512 --out cat.png
     python pipelines/generate.py --checkpoint wan-mhla --prompt "a cat walking in the snow" --frames 81 --out clip.mp4
     python pipelines/generate.py --checkpoint wan-i2v-mhla --prompt "the cat turns its head" --image first_frame.png --out clip.mp4
+    python pipelines/generate.py --checkpoint sana-video-mhla --prompt "a cat walking in the snow" --frames 81 --out clip.mp4
+    python pipelines/generate.py --checkpoint wan-vace-mhla --prompt "a cat" --video source.mp4 --mask mask.mp4 --out clip.mp4
     torchrun --nproc_per_node 4 pipelines/generate.py --checkpoint wan-mhla --prompt "a cat" --context-parallel ring --out clip.mp4
 
 --class-labels for class-conditional pipelines (DiT): integers or, when the pipeline knows them
 (id2label), class names. --prompt for text-to-image pipelines (SANA): one image per prompt. Images
 go into one grid, saved in the format the --out suffix names: .png, .jpg / .jpeg or .webp (any other
 suffix, .mp4 included, is refused with exit code 2 before anything is generated). For text-to-video
-pipelines (Wan, recognised from the checkpoint, or --frames given): one mp4 per prompt (clip.mp4, or
-clip_0.mp4, clip_1.mp4, ... for several prompts). --image: image-to-video from that first frame (Wan 2.1 I2V,
-Wan 2.2 I2V A14B, Wan 2.2 TI2V-5B); a checkpoint that cannot take an image is refused with exit code 2.
+pipelines (Wan, SANA-Video, Wan VACE, recognised from the checkpoint, or --frames given): one mp4 per prompt
+(clip.mp4, or clip_0.mp4, clip_1.mp4, ... for several prompts). --image: image-to-video from that first frame
+(Wan 2.1 I2V, Wan 2.2 I2V A14B, Wan 2.2 TI2V-5B, SANA-Video); a checkpoint that cannot take an image is refused
+with exit code 2. --video / --mask / --reference-image: Wan VACE's control inputs (video editing, inpainting,
+reference-to-video); other checkpoints refuse them with exit code 2.
 """
 
 from __future__ import annotations
@@ -59,11 +63,23 @@ def main(argv=None) -> int:
         "--image", default=None,
         help="video: the first frame (png, jpg, ...) for image-to-video checkpoints (Wan I2V, Wan 2.2 TI2V-5B)",
     )
+    parser.add_argument(
+        "--video", default=None,
+        help="Wan VACE: the source / control video (an mp4, a gif or a folder of frame images), --frames frames",
+    )
+    parser.add_argument(
+        "--mask", default=None, help="Wan VACE, with --video: a mask video or frame folder (white: generate, black: keep)"
+    )
+    parser.add_argument("--reference-image", nargs="+", default=None, help="Wan VACE: reference images (png, jpg, ...)")
+    parser.add_argument(
+        "--conditioning-scale", type=float, default=None, help="Wan VACE: strength of the control hints (default 1)"
+    )
     parser.add_argument("--fps", type=int, default=16, help="video: frames per second of the mp4 (default 16, Wan's)")
     parser.add_argument(
         "--no-resolution-binning",
         action="store_true",
-        help="--prompt only: generate at exactly --height x --width instead of the nearest trained aspect ratio",
+        help="--prompt only (SANA, SANA-Video): generate at exactly --height x --width instead of the nearest trained "
+        "aspect ratio",
     )
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: 25 DiT, 20 SANA, 50 Wan)")
     parser.add_argument(
@@ -119,18 +135,22 @@ def _generate(args) -> int:
         common["guidance_scale"] = args.guidance_scale
     try:
         _check_out_folder(args.out)  # before any compute: the file must be writable where it is asked for
-        if args.image is not None and args.prompt is None:
-            raise GenerationError("--image (image-to-video) needs --prompt")
-        video = args.frames is not None or args.image is not None or is_video_checkpoint(args.checkpoint)
+        control = {"video": args.video, "mask": args.mask, "reference_images": args.reference_image,
+                   "conditioning_scale": args.conditioning_scale}
+        video_only = [f"--{k.replace('_', '-')}" for k, v in {"image": args.image, **control}.items() if v is not None]
+        if video_only and args.prompt is None:
+            raise GenerationError(f"{', '.join(video_only)} (video generation) need --prompt")
+        video = args.frames is not None or bool(video_only) or is_video_checkpoint(args.checkpoint)
         if args.prompt is not None and video:
-            if args.no_resolution_binning or args.rows is not None:
-                raise GenerationError("--no-resolution-binning and --rows only apply to image generation")
+            if args.rows is not None:
+                raise GenerationError("--rows only applies to image generation")
             if not args.out.lower().endswith(".mp4"):
                 raise GenerationError(f"videos are written as mp4: --out must end in .mp4; got {args.out}")
             size = {k: v for k, v in (("height", args.height), ("width", args.width), ("frames", args.frames)) if v is not None}
             videos = generate_videos(
                 args.checkpoint, args.prompt, negative_prompt=args.negative_prompt, image=args.image,
-                guidance_scale_2=args.guidance_scale_2, **size, **common,
+                guidance_scale_2=args.guidance_scale_2, use_resolution_binning=False if args.no_resolution_binning else None,
+                **{k: v for k, v in control.items() if v is not None}, **size, **common,
             )
             if not is_main_process():  # context parallelism: every rank holds the same result, rank 0 writes it
                 return 0
