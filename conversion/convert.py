@@ -107,7 +107,7 @@ def parse_block_grid(text: str):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", required=True, help="model family: dit | sana | wan")
+    parser.add_argument("--family", required=True, help="model family: dit | sana | wan | sana_video | wan_vace")
     parser.add_argument(
         "--from",
         dest="source_kind",

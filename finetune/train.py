@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Fine-tune DiT, SANA or Wan (2.1; 2.2 one expert per run, model.expert) with or without MHLA on
+"""Fine-tune DiT, SANA, Wan (2.1; 2.2 one expert per run, model.expert) or SANA-Video with or without MHLA on
 accelerate (or train a DiT from scratch).
 
     accelerate launch --config_file finetune/accelerate/single_gpu.yaml \\

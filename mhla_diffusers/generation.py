@@ -23,6 +23,7 @@ from PIL import features
 from mhla_diffusers.checkpoint import format as checkpoint_format
 from mhla_diffusers.checkpoint.io import atomic_output
 from mhla_diffusers.families import FAMILIES, GenerationError, find_family, wan_native_video
+from mhla_diffusers.families.base import call_default
 
 __all__ = [
     "GenerationError",
@@ -320,7 +321,7 @@ def generate_videos(
     width: int | None = None,
     frames: int | None = None,
     steps: int = 50,
-    guidance_scale: float = 5.0,
+    guidance_scale: float | None = None,
     seed: int = 0,
     dtype: str = "fp32",
     device: str | None = None,
@@ -351,7 +352,8 @@ def generate_videos(
             call (diffusers' pipeline takes no list), prompt ``i`` with seed ``seed + i``.
         use_resolution_binning: SANA-Video's snapping to a trained aspect ratio (``None``: the pipeline's, on).
         negative_prompt: the classifier-free guidance negative prompt.
-        steps, guidance_scale, seed, dtype, device, context_parallel: as :func:`generate_class_images`.
+        guidance_scale: classifier-free guidance (``None``: the pipeline's own default, Wan 5.0, SANA-Video 6.0).
+        steps, seed, dtype, device, context_parallel: as :func:`generate_class_images`.
 
     Returns:
         One float32 array ``[frames, height, width, 3]`` in ``[0, 1]`` per prompt.
@@ -381,6 +383,8 @@ def generate_videos(
     control = dict(video=video, mask=mask, reference_images=reference_images, conditioning_scale=conditioning_scale)
     pipe, extra = _video_inputs(pipe, checkpoint, image, guidance_scale_2, use_resolution_binning, control, frames)
     _check_frame_count(pipe, frames)
+    if guidance_scale is None:
+        guidance_scale = call_default(pipe, "guidance_scale")
     call = dict(negative_prompt=negative_prompt, height=height, width=width, num_inference_steps=steps,
                 guidance_scale=guidance_scale, output_type="np", **{_frames_argument(pipe): frames}, **extra)
     if "video" in _call_parameters(pipe):  # WanVACEPipeline takes one prompt per call: prompt i with seed + i
@@ -423,8 +427,8 @@ def _control_inputs(pipe, checkpoint, control: dict, frames: int) -> dict:
     if missing:
         flags = ", ".join("--" + k.replace("_", "-").replace("reference-images", "reference-image") for k in missing)
         raise GenerationError(
-            f"{checkpoint} holds a {type(pipe).__name__}, which takes no {', '.join(missing)}: {flags} are for Wan VACE "
-            "(WanVACEPipeline) checkpoints"
+            f"{checkpoint} holds a {type(pipe).__name__}, which takes no {', '.join(missing)}: {flags} "
+            f"{'is' if len(missing) == 1 else 'are'} for Wan VACE (WanVACEPipeline) checkpoints"
         )
     out = {}
     if "mask" in given and "video" not in given:
@@ -432,11 +436,13 @@ def _control_inputs(pipe, checkpoint, control: dict, frames: int) -> dict:
     for name in ("video", "mask"):
         if name in given:
             out[name] = load_frames(given[name], f"--{name}")
-            if len(out[name]) != frames:
-                raise GenerationError(
-                    f"--{name} has {len(out[name])} frames and the request {frames}: give --frames {len(out[name])} "
-                    f"(a {_frames_argument(pipe)} the pipeline takes) or a {name} of {frames} frames"
-                )
+            count, factor = len(out[name]), int(getattr(pipe, "vae_scale_factor_temporal", 1))
+            if count != frames:
+                low = max(1, (count - 1) // factor * factor + 1)
+                fix = (f"give --frames {count}, or a {name} of {frames} frames" if (count - 1) % factor == 0 else
+                       f"{type(pipe).__name__} takes {factor}k + 1 frames: give a {name} of {frames} frames, or one of "
+                       f"{low} or {low + factor} frames with --frames to match")
+                raise GenerationError(f"--{name} has {count} frames and the request {frames}: {fix}")
     if "reference_images" in given:
         images = given["reference_images"]
         images = [images] if isinstance(images, (str, os.PathLike)) or not isinstance(images, Sequence) else images
@@ -539,6 +545,8 @@ def image_to_video_pipeline(pipe, checkpoint="the pipeline"):
         GenerationError: a text-to-video-only pipeline, or an I2V one missing what its transformer needs.
     """
     family, _ = _video_family(pipe)
+    if family.image_to_video is None:
+        raise GenerationError(f"{checkpoint} holds a {type(pipe).__name__}, which cannot take a first frame (--image)")
     return family.image_to_video(pipe, checkpoint)
 
 

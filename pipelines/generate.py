@@ -86,7 +86,7 @@ def main(argv=None) -> int:
         "--guidance-scale",
         type=float,
         default=None,
-        help="classifier-free guidance, 1 = off (default: 4.0 DiT, 4.5 SANA, 5.0 Wan)",
+        help="classifier-free guidance, 1 = off (default: 4.0 DiT, 4.5 SANA, 5.0 Wan, 6.0 SANA-Video: the pipeline's)",
     )
     parser.add_argument(
         "--guidance-scale-2", type=float, default=None,

@@ -9,6 +9,7 @@ read by diffusers' ``from_single_file`` with a diffusers ``config``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 from pathlib import Path
@@ -122,6 +123,27 @@ def _check_weight_files(path: Path) -> None:
             read_safetensors_header(file)
 
 
+def _single_file_loadable(cls) -> bool:
+    """``cls`` has a diffusers single-file loader: ``from_single_file`` and a class (or base) in diffusers'
+    ``SINGLE_FILE_LOADABLE_CLASSES`` (``FromOriginalModelMixin`` alone is not enough: SANA-Video has it, no loader)."""
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    if not isinstance(cls, type) or not hasattr(cls, "from_single_file"):
+        return False
+    return any(isinstance(base, type) and issubclass(cls, base)
+               for base in (getattr(diffusers, name, None) for name in SINGLE_FILE_LOADABLE_CLASSES))
+
+
+def _no_single_file(src: Path, class_name: str, config: str | None) -> ValueError:
+    """The error for a single file of a class diffusers cannot read from one: convert from the diffusers folder."""
+    folder = f"--src {config}" if config is not None else "--src <its diffusers folder or Hub id>"
+    return ValueError(
+        f"{src}: diffusers {diffusers.__version__} has no single-file loader for {class_name} (it is not in "
+        f"diffusers.loaders.single_file_model.SINGLE_FILE_LOADABLE_CLASSES), so this file cannot be converted; nothing "
+        f"was written. Convert from the model's diffusers folder or Hub id instead ({folder}, without --config)"
+    )
+
+
 def _load_single_file(src: Path, config: str | None, family: str | None, torch_dtype: torch.dtype | None):
     """``(pipeline or None, transformer)`` from an original single-file checkpoint and a diffusers ``config``."""
     if (src.parent / "mhla_config.json").is_file():
@@ -129,6 +151,8 @@ def _load_single_file(src: Path, config: str | None, family: str | None, torch_d
             f"{src} belongs to an MHLA checkpoint ({src.parent / 'mhla_config.json'}); nothing was written. Convert "
             "from the original checkpoint, or load this one with mhla_diffusers.load_mhla_transformer."
         )
+    if family is not None and not any(_single_file_loadable(getattr(diffusers, n, None)) for n in get_family(family).model_classes):
+        raise _no_single_file(src, get_family(family).model_classes[0], config)
     if config is None:
         raise ValueError(
             f"{src} is a single-file checkpoint: pass config= (--config) naming a diffusers folder or Hub id with "
@@ -136,13 +160,14 @@ def _load_single_file(src: Path, config: str | None, family: str | None, torch_d
             "diffusers would otherwise guess a model and fetch its config from the Hub"
         )
     cls, load_kwargs, pipeline_folder = single_file_target(src, config, family)
-    if not hasattr(cls, "from_single_file"):
-        raise ValueError(f"{cls.__name__} cannot be read from a single-file checkpoint (diffusers has no from_single_file for it)")
+    if not _single_file_loadable(cls):
+        raise _no_single_file(src, cls.__name__, config)
     _check_weight_files(src)
     if torch_dtype is None:
         torch_dtype = stored_dtype(src)  # None for pickled files: diffusers' float32
     try:
-        model = cls.from_single_file(str(src), **load_kwargs, **dtype_kwargs(torch_dtype))
+        with _unused_weights() as unused:
+            model = cls.from_single_file(str(src), **load_kwargs, **dtype_kwargs(torch_dtype))
     except OSError as err:  # diffusers' "Unable to load weights from checkpoint file": a damaged or foreign file
         raise _unreadable(src, err) from err
     except (KeyError, IndexError) as err:  # diffusers' key mapping fails on another model's file
@@ -152,9 +177,39 @@ def _load_single_file(src: Path, config: str | None, family: str | None, torch_d
             f"{src} does not match the config {config} (layers or sizes differ; diffusers said: {type(err).__name__}: "
             f"{str(err).splitlines()[0] if str(err) else ''}); pass the config of the model this file belongs to"
         ) from err
+    if unused:  # diffusers only logs them: a Wan VACE file read with a plain Wan config would lose its VACE branch
+        names = ", ".join(unused[:3]) + (f", ... ({len(unused)} tensors)" if len(unused) > 3 else "")
+        raise ValueError(
+            f"{src} holds weights the {cls.__name__} of the config {config} has no place for ({names}): they would be "
+            "dropped and nothing was written. Pass the config of the model this file belongs to"
+        )
     if pipeline_folder is None:
         return None, model
     return pipeline_around(pipeline_folder, model, torch_dtype), None
+
+
+@contextlib.contextmanager
+def _unused_weights():
+    """Collects the checkpoint tensors diffusers' ``from_single_file`` left unused (it logs them, at WARNING, and
+    loads the model without them); the names of every such report, in a list the block may read afterwards."""
+    unused: list[str] = []
+    logger = logging.getLogger("diffusers.loaders.single_file_model")
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            text = record.getMessage()
+            if text.startswith("Some weights of the model checkpoint were not used"):
+                listed = re.search(r"\['(.*)'\]", text, flags=re.S)
+                unused.extend(n.strip() for n in (listed[1] if listed else text).split(",") if n.strip())
+
+    handler, level = Collect(logging.WARNING), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(min(level or logging.WARNING, logging.WARNING))  # seen even when diffusers' verbosity is ERROR
+    try:
+        yield unused
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def single_file_target(src, config: str, family: str | None):

@@ -175,6 +175,9 @@ class Family(FamilyAttention):
     noise: str = "ddpm"
     #: ``(pipe, prompts, device) -> {keyword: tensor}`` via the pipeline's ``encode_prompt``; ``None``: class families.
     encode_prompts: Callable[[object, list, object], dict] | None = None
+    #: ``(config, latent, draw) -> {forward keyword: tensor}``: the further forward inputs of one calibration sample
+    #: (Wan VACE: its control latent); ``draw(shape)`` is a smooth random ``[1, *shape]`` from calibration's generator.
+    calibration_extras: Callable[[Mapping, torch.Tensor, Callable], dict] | None = None
     #: token split of :func:`~mhla_diffusers.context_parallel_plan`: ``"model"``, ``"trunk"``, ``"layers"`` or ``None``.
     context_parallel: str | None = None
     #: ``(first module, last module)`` of the ``"trunk"`` plan.

@@ -16,10 +16,12 @@ two experts), with its own context-parallel plan (diffusers gives this class non
 
 from __future__ import annotations
 
-from mhla_diffusers.families.base import Family, grid_3d, register_family
+import torch
+
+from mhla_diffusers.families.base import Family, GenerationError, grid_3d, register_family
 from mhla_diffusers.families.wan import WAN, wan_native_video
 
-__all__ = ["WAN_VACE", "vace_context_parallel_plan"]
+__all__ = ["WAN_VACE", "vace_context_parallel_plan", "vace_calibration_control"]
 
 
 def vace_context_parallel_plan(model) -> dict:
@@ -40,6 +42,31 @@ def vace_context_parallel_plan(model) -> dict:
         "blocks.0": {"hidden_states": tokens},
         "proj_out": ContextParallelOutput(gather_dim=1, expected_dims=3),
     }
+
+
+def vace_calibration_control(config, latent: torch.Tensor, draw) -> dict:
+    """``{"control_hidden_states": [1, vace_in_channels, F, H, W]}`` of one calibration sample (``latent``: its
+    ``[1, C, F, H, W]`` noisy latent; ``draw(shape)``: a smooth random ``[1, *shape]``).
+
+    Laid out as ``WanVACEPipeline`` lays out a control latent for a whole-video control task (a control video, no
+    region kept, no reference image): the inactive video latent (``C`` channels) zero (the pipeline would encode
+    the masked-out, all-grey video there), the reactive one a smooth random latent standing in for the encoded
+    control video, and the VAE's ``8 x 8`` mask folded into the remaining channels, all ones (generate
+    everywhere). A config with ``vace_in_channels <= 2 C`` gets one smooth random latent of that many channels.
+    """
+    channels, z, grid = int(config.get("vace_in_channels") or 96), int(latent.shape[1]), tuple(latent.shape[2:])
+    if channels <= 2 * z:
+        return {"control_hidden_states": draw((channels, *grid))}
+    inactive, mask = torch.zeros(1, z, *grid), torch.ones(1, channels - 2 * z, *grid)
+    return {"control_hidden_states": torch.cat([inactive, draw((z, *grid)), mask], dim=1)}
+
+
+def _no_image_to_video(pipe, checkpoint):
+    """``Family.image_to_video``: always a ``GenerationError`` (VACE takes its first frame in its own inputs)."""
+    raise GenerationError(
+        f"{checkpoint} holds a {type(pipe).__name__}: Wan VACE takes no first frame (--image); give it as a reference "
+        "image (--reference-image), or as the first frame of --video with a --mask black on it and white elsewhere"
+    )
 
 
 WAN_VACE = register_family(Family(
@@ -67,9 +94,11 @@ WAN_VACE = register_family(Family(
     conditioning="text",
     noise="flow",
     encode_prompts=WAN.encode_prompts,
+    calibration_extras=vace_calibration_control,  # the forward needs control latents
     context_parallel="model",
     cp_plan=vace_context_parallel_plan,
     max_grid=WAN.max_grid,
     experts=WAN.experts,  # Wan 2.2 VACE pipelines: transformer / transformer_2 around boundary_ratio
     native_video=wan_native_video,
+    image_to_video=_no_image_to_video,  # --image: a clear refusal naming VACE's own inputs
 ))

@@ -191,7 +191,8 @@ def calibration_inputs(
     ``source``: a DiT / SANA / Wan pipeline, or its transformer (SANA / Wan then need ``embeddings``,
     a mapping or safetensors file); ``latent_size``: ``(H, W)`` or ``(F, H, W)`` (default native);
     ``timestep_range``: ``(low, high)`` on the 0..1000 scale. Returns ``[{"hidden_states", "timestep",
-    "class_labels" | "encoder_hidden_states" (, "encoder_attention_mask")}]`` on the transformer's device.
+    "class_labels" | "encoder_hidden_states" (, "encoder_attention_mask")} + the family's
+    ``calibration_extras`` (Wan VACE: ``control_hidden_states``)]`` on the transformer's device.
 
     Raises:
         ValueError: unsupported model, ``num_samples < 1``, an empty ``timestep_range``, a bad ``latent_size``,
@@ -227,6 +228,8 @@ def calibration_inputs(
         frac = (low + (i + 0.5) / num_samples * (high - low)) / _TIMESTEPS
         latent, timestep = _noised(family, pipe, _smooth_latent(shape, generator), frac, generator)
         entry = {"hidden_states": latent, "timestep": timestep, **condition}
+        if family.calibration_extras is not None:  # e.g. Wan VACE's control latent
+            entry.update(family.calibration_extras(transformer.config, latent, lambda shape: _smooth_latent(shape, generator)))
         out.append({
             k: v.to(parameter.device, parameter.dtype if v.is_floating_point() and k != "timestep" else v.dtype)
             for k, v in entry.items()

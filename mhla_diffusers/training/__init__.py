@@ -1,4 +1,4 @@
-"""Fine-tuning DiT, SANA and Wan with or without MHLA, on accelerate (needs accelerate, peft, yaml).
+"""Fine-tuning DiT, SANA, Wan and SANA-Video with or without MHLA, on accelerate (needs accelerate, peft, yaml).
 
 :func:`train` runs a config (:func:`load_config`); :func:`retrofit` distils then fine-tunes a
 converted checkpoint. Module map and design: ``docs/training.md``.
