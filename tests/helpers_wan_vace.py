@@ -8,9 +8,12 @@ Reuse from any test module::
 
 from __future__ import annotations
 
+import re
+
 import torch
 
-__all__ = ["tiny_wan_vace", "wan_vace_inputs", "run_wan_vace", "tiny_wan_vace_pipeline", "VACE_IN_CHANNELS"]
+__all__ = ["tiny_wan_vace", "wan_vace_inputs", "run_wan_vace", "tiny_wan_vace_pipeline", "original_wan_vace_state_dict",
+           "VACE_IN_CHANNELS"]
 
 # the control latent's channels with the tiny Wan VAE (z_dim 16, spatial factor 8): inactive and reactive video
 # latents (2 x 16) and the 8 x 8 mask folded into channels (64), as WanVACEPipeline builds them
@@ -100,3 +103,33 @@ def tiny_wan_vace_pipeline(num_layers: int = 3, seed: int = 0):
     )
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def _to_original_vace() -> list[tuple[str, str]]:
+    """helpers_wan's diffusers -> original renames, extended to the VACE branch: in the original VACE model a VACE
+    block is a Wan block whose input projection is ``before_proj`` (block 0 only) and whose hint projection is
+    ``after_proj``, and its cross-attention norm is ``norm3`` as in the main blocks."""
+    from helpers_wan import _TO_ORIGINAL
+
+    renames = [(p, r) for p, r in _TO_ORIGINAL if "norm2" not in p]
+    return renames + [
+        (r"^((?:vace_)?blocks\.\d+)\.norm2\.", r"\1.norm3."),
+        (r"^(vace_blocks\.\d+)\.proj_in\.", r"\1.before_proj."),
+        (r"^(vace_blocks\.\d+)\.proj_out\.", r"\1.after_proj."),
+    ]
+
+
+def original_wan_vace_state_dict(model, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The state dict of a diffusers ``WanVACETransformer3DModel`` in the ORIGINAL Wan VACE layout
+    (``vace_blocks.0.before_proj.weight``, ``vace_blocks.1.after_proj.bias``, ``vace_blocks.0.self_attn.q.weight``,
+    ``vace_patch_embedding.weight``, ``blocks.0.norm3.weight``, ``head.head.weight``, ...: the inverse of diffusers'
+    ``convert_wan_transformer_to_diffusers``), for ``from_single_file`` tests; ``prefix`` as
+    :func:`helpers_wan.original_wan_state_dict`'s."""
+    renames = _to_original_vace()
+    out = {}
+    for key, value in model.state_dict().items():
+        new = key
+        for pattern, repl in renames:
+            new = re.sub(pattern, repl, new)
+        out[prefix + new] = value.detach().clone().contiguous()
+    return out

@@ -118,6 +118,8 @@ MODEL_FOLDERS = {
     "Wan2.2-T2V-A14B-Diffusers": _tiny("helpers_wan", "tiny_wan22_pipeline", kind="t2v"),
     "Wan2.2-I2V-A14B-Diffusers": _tiny("helpers_wan", "tiny_wan22_pipeline", kind="i2v"),
     "Wan2.2-TI2V-5B-Diffusers": _tiny("helpers_wan", "tiny_wan22_pipeline", kind="ti2v"),
+    "SANA-Video_2B_480p_diffusers": _tiny("helpers_sana_video", "tiny_sana_video_pipeline"),
+    "Wan2.1-VACE-1.3B-diffusers": _tiny("helpers_wan_vace", "tiny_wan_vace_pipeline"),
 }
 
 

@@ -21,6 +21,7 @@ SCRIPT_PAGES = {
     "benchmarks/bench_blocks.py": "docs/performance.md",
     "benchmarks/gpu_check.py": "docs/performance.md",
     "benchmarks/diagnose.py": "docs/diagnostics.md",
+    "benchmarks/bench_vace.py": "docs/families/wan-vace.md",
 }
 
 

@@ -318,6 +318,18 @@ def case_lepe_refused(world: int) -> dict:
     return errors
 
 
+def case_wan_vace_hybrid_ulysses(world: int) -> dict:
+    """Wan VACE, a hybrid over both kinds of layers by apply_mhla (softmax on main layer 0 and VACE layer 3:
+    diffusers' Ulysses attention; MHLA on 1, 2, 4), the family's own plan (Family.cp_plan), a training step."""
+    from helpers_wan_vace import tiny_wan_vace, wan_vace_inputs
+
+    model = tiny_wan_vace(num_layers=3, vace_layers=(0, 2), heads=6, head_dim=8)
+    mhla_diffusers.apply_mhla(model, layers="hybrid", block_grid=(1, 2, 3))
+    randomize_mixing_(model, low=0.0, high=1.0)
+    inputs = wan_vace_inputs(batch=1, frames=2, size=(12, 12))  # 2 x 6 x 6 = 72 tokens
+    return _compare(model, _wan_call(inputs), _config("ulysses", world), train=True)
+
+
 def _contract_case(family: str):
     """The family contract (tests/models/test_family_contract.py): the family's tiny model (helpers_families.TINY)
     with MHLA on every layer by apply_mhla, ring mode, forward: the single-process output."""
@@ -338,6 +350,7 @@ CASES = [
     case_wan_oneliner_ring, case_wan_hybrid_ulysses, case_wan_uneven_numerator, case_wan_uneven_ulysses, case_wan_indivisible_refused,
     case_ulysses_heads_refused, case_sana_oneliner_ring, case_dit_ulysses, case_wan_pipeline_generate, case_processor_changed_after_enable,
     case_hybrid_ring_native_refused, case_wan_options_ring, case_wan_options_ulysses, case_lepe_refused,
+    case_wan_vace_hybrid_ulysses,
 ] + [_contract_case(name) for name, family in FAMILIES.items() if family.context_parallel is not None]
 
 

@@ -414,26 +414,26 @@ def test_sana_and_dit_processors_take_what_their_stock_processors_take():
 
 
 def test_unknown_transformer_is_refused_before_any_computation():
-    """The bare one-liner on a class MHLA does not know (SANA-Video): refused at the first forward, naming
-    the supported classes, before the layer's projections run (it died in attn.norm_q before)."""
-    from diffusers import SanaVideoTransformer3DModel
+    """The bare one-liner on a class MHLA does not know (PixArt-alpha): refused at the first forward, naming
+    the supported classes, before the layer's projections run."""
+    from diffusers import PixArtTransformer2DModel
 
     torch.manual_seed(0)
-    model = SanaVideoTransformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=12, num_layers=1,
-        num_cross_attention_heads=2, cross_attention_head_dim=12, cross_attention_dim=24, caption_channels=8,
-        sample_size=8, patch_size=(1, 2, 2),
+    model = PixArtTransformer2DModel(
+        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=1, cross_attention_dim=16,
+        caption_channels=8, sample_size=8, patch_size=2,
     ).eval()
     model.set_attn_processor(MHLAProcessor(num_blocks=1))
     projected = []
     model.transformer_blocks[0].attn1.to_q.register_forward_hook(lambda *_: projected.append(1))
     inputs = dict(
-        hidden_states=torch.randn(1, 4, 2, 8, 8), encoder_hidden_states=torch.randn(1, 3, 8), timestep=torch.tensor([1.0])
+        hidden_states=torch.randn(1, 4, 8, 8), encoder_hidden_states=torch.randn(1, 3, 8), timestep=torch.tensor([1.0]),
+        added_cond_kwargs={"resolution": None, "aspect_ratio": None},
     )
-    with torch.no_grad(), pytest.raises(RuntimeError, match=r"outside a supported transformer.*SanaTransformer2DModel"):
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"outside a supported transformer.*SanaVideoTransformer3DModel"):
         model(**inputs)
     assert not projected
-    with pytest.raises(ValueError, match="SanaVideoTransformer3DModel is not a supported transformer"):
+    with pytest.raises(ValueError, match="PixArtTransformer2DModel is not a supported transformer"):
         materialize_mhla(model)
 
 

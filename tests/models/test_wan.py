@@ -732,7 +732,9 @@ def test_convert_folder_load_generate_mp4_refuse_again(base_pipeline, tmp_path, 
     cases = [
         (("--frames", "6"), "Nearest valid counts: 5 or 9"),
         (("--frames", "5", "--height", "40"), "divisible by 16"),
-        (("--frames", "5", "--rows", "2"), "only apply to image"),
+        (("--frames", "5", "--rows", "2"), "only applies to image"),
+        (("--frames", "5", "--no-resolution-binning"), "WanPipeline has no resolution binning"),
+        (("--frames", "5", "--video", tmp_path), "takes no video: --video is for Wan VACE"),
     ]
     for extra, message in cases:
         code, err = run_main("pipelines/generate.py", "--checkpoint", out, "--prompt", "a cat", *extra, "--steps", "1",
