@@ -7,10 +7,11 @@ For ONE transformer block of each family at its published width, random weights 
     sana-1600m   SANA-1600M     2,240 wide (70 x 32), 20 blocks      32^2, 64^2, 96^2, 128^2 (4K px)
     wan-1.3b     Wan2.1-1.3B    1,536 wide (12 x 128), 30 blocks     1, 5, 11, 21 latent frames of 30 x 52
     wan-14b      Wan2.1-14B     5,120 wide (40 x 128), 40 blocks     (21 frames = 81 video frames at 480 x 832)
+    sana-video   SANA-Video 2B  2,240 wide (20 x 112), 20 blocks     as Wan (its stock attention: linear, M = 1)
 
 it times the block (self-attention, cross-attention, MLP, norms: what diffusers runs per layer) with
 
-    stock    diffusers' own processor (DiT, Wan: softmax SDPA; SANA: ReLU linear attention)
+    stock    diffusers' own processor (DiT, Wan: softmax SDPA; SANA, SANA-Video: ReLU linear attention)
     mhla     apply_mhla(layers="all"), block grid choose_block_grid(token grid) (M ~ sqrt(N) / 2), torch backend
     linear   the same with one block, M = 1: plain linear attention (default only where stock is softmax)
 
@@ -60,7 +61,7 @@ for _p in (str(ROOT), str(HERE)):
 
 from bench_ops import _status_kib, _sync, isolated, machine_info  # noqa: E402  (machine description, device sync, fork)
 
-from mhla_diffusers.models.configs import DIT_XL_2, SANA_1600M, WAN_1_3B, WAN_14B  # noqa: E402
+from mhla_diffusers.models.configs import DIT_XL_2, SANA_1600M, SANA_VIDEO_2B, WAN_1_3B, WAN_14B  # noqa: E402
 
 VARIANTS = ("stock", "mhla", "linear")
 MODES = ("fwd", "fwdbwd")
@@ -68,6 +69,8 @@ MODES = ("fwd", "fwdbwd")
 _TINY_SANA = dict(num_attention_heads=2, attention_head_dim=8, num_cross_attention_heads=2, cross_attention_head_dim=8,
                   cross_attention_dim=16, caption_channels=16, in_channels=4, out_channels=4)
 _TINY_WAN = dict(num_attention_heads=2, attention_head_dim=12, ffn_dim=32, text_dim=32, freq_dim=16)
+_TINY_SANA_VIDEO = dict(num_attention_heads=2, attention_head_dim=12, num_cross_attention_heads=2, cross_attention_head_dim=12,
+                        cross_attention_dim=24, caption_channels=16, in_channels=4, out_channels=4)
 
 # name: class, config, tiny overrides, label, stock attention, token grids (T, H, W), --quick grids, text tokens
 MODELS = {
@@ -81,6 +84,9 @@ MODELS = {
                      grids=[(1, 30, 52), (5, 30, 52), (11, 30, 52), (21, 30, 52)], quick=[(1, 4, 6), (3, 4, 6)], text=512),
     "wan-14b": dict(cls="WanTransformer3DModel", config=WAN_14B, tiny=_TINY_WAN, label="Wan2.1-14B", stock="softmax",
                     grids=[(1, 30, 52), (5, 30, 52), (11, 30, 52), (21, 30, 52)], quick=[(1, 4, 6)], text=512),
+    "sana-video": dict(cls="SanaVideoTransformer3DModel", config=SANA_VIDEO_2B, tiny=_TINY_SANA_VIDEO,
+                       label="SANA-Video 2B", stock="linear", grids=[(1, 30, 52), (5, 30, 52), (11, 30, 52), (21, 30, 52)],
+                       quick=[(1, 4, 6), (3, 4, 6)], text=300),
 }
 
 
@@ -172,7 +178,7 @@ def make_inputs(name: str, model, grid, args) -> dict:
         return dict(hidden_states=x.to(dev, dtype), encoder_hidden_states=text.to(dev, dtype),
                     timestep=torch.full((b,), 500.0, device=dev), return_dict=False)
     x = torch.randn(b, cfg.in_channels, t, 2 * h, 2 * w, generator=g)
-    text = torch.randn(b, text_len, cfg.text_dim, generator=g)
+    text = torch.randn(b, text_len, cfg.text_dim if name.startswith("wan") else cfg.caption_channels, generator=g)
     return dict(hidden_states=x.to(dev, dtype), encoder_hidden_states=text.to(dev, dtype),
                 timestep=torch.full((b,), 500.0, device=dev), return_dict=False)
 
