@@ -22,6 +22,7 @@ __all__ = [
     "tiny_vae",
     "tiny_dit_pipeline",
     "AttnCapture",
+    "CallCapture",
     "stock_copy",
     "randomize_mixing_",
     "self_attn",
@@ -119,6 +120,36 @@ def realign_(module: nn.Module) -> nn.Module:
     for t in list(module.parameters()) + list(module.buffers()):
         t.data = t.data.clone()
     return module
+
+
+class CallCapture:
+    """Forward hooks on the modules whose name matches ``pattern`` (``re.search``): each call's ``(args, kwargs,
+    output)``, detached clones (tuples, such as a rotary embedding, cloned element by element), in
+    ``calls[name]``. Use as a context manager; hooks are removed on exit."""
+
+    def __init__(self, model: nn.Module, pattern: str):
+        self.modules = {n: m for n, m in model.named_modules() if re.search(pattern, n)}
+        self.calls: dict[str, list] = {n: [] for n in self.modules}
+        self._handles = []
+
+    def __enter__(self):
+        def clone(x):
+            if isinstance(x, tuple):
+                return tuple(clone(t) for t in x)
+            return x.detach().clone() if isinstance(x, torch.Tensor) else x
+
+        for name, module in self.modules.items():
+            def hook(module, args, kwargs, output, name=name):
+                self.calls[name].append((clone(tuple(args)), {k: clone(v) for k, v in kwargs.items()}, clone(output)))
+
+            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        return False
 
 
 class AttnCapture:

@@ -83,14 +83,16 @@ def sana_inputs(
     text_len: int = 6,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    frames: int | None = None,
 ):
-    """``(latent [B, C, H, W], encoder_hidden_states [B, L, caption], timestep [B], encoder_attention_mask [B, L])``.
+    """``(latent [B, C, H, W], encoder_hidden_states [B, L, caption], timestep [B], encoder_attention_mask [B, L])``;
+    with ``frames`` a video latent ``[B, C, frames, H, W]`` (SANA-Video).
 
     The mask hides the last two text tokens of sample 0 (so the cross-attention mask path runs).
     """
     h, w = (size, size) if isinstance(size, int) else size
     g = torch.Generator().manual_seed(seed)
-    latent = torch.randn(batch, in_channels, h, w, generator=g).to(dtype)
+    latent = torch.randn(batch, in_channels, *(() if frames is None else (frames,)), h, w, generator=g).to(dtype)
     text = torch.randn(batch, text_len, caption_channels, generator=g).to(dtype)
     timestep = torch.rand(batch, generator=g) * 1000
     mask = torch.ones(batch, text_len, dtype=torch.long)

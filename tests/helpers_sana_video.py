@@ -66,15 +66,9 @@ def sana_video_inputs(
 ):
     """``(latent [B, C, F, H, W], encoder_hidden_states [B, L, caption], timestep [B], encoder_attention_mask [B, L])``;
     tokens ``F x H/2 x W/2`` (default 3 x 4 x 6 = 72). The mask hides the last two text tokens of sample 0."""
-    h, w = (size, size) if isinstance(size, int) else size
-    g = torch.Generator().manual_seed(seed)
-    latent = torch.randn(batch, in_channels, frames, h, w, generator=g).to(dtype)
-    text = torch.randn(batch, text_len, caption_channels, generator=g).to(dtype)
-    timestep = torch.rand(batch, generator=g) * 1000
-    mask = torch.ones(batch, text_len, dtype=torch.long)
-    if text_len > 2:
-        mask[0, -2:] = 0
-    return latent, text, timestep, mask
+    from helpers_sana import sana_inputs
+
+    return sana_inputs(batch, size, in_channels, caption_channels, text_len, seed, dtype, frames=frames)
 
 
 def run_sana_video(model, inputs) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "tiny_wan_config",
     "WAN_1_3B",
     "tiny_wan",
     "wan_inputs",
@@ -40,6 +41,25 @@ __all__ = [
 from mhla_diffusers.models.configs import WAN_1_3B  # noqa: E402  (the published Wan2.1-1.3B config)
 
 
+def tiny_wan_config(num_layers: int = 2, heads: int = 2, head_dim: int = 12, text_dim: int = 32, ffn_dim: int = 32,
+                    in_channels: int = 16) -> dict:
+    """The constructor arguments of :func:`tiny_wan` (shared by Wan's other tiny transformers, Wan VACE)."""
+    return dict(
+        patch_size=(1, 2, 2),
+        num_attention_heads=heads,
+        attention_head_dim=head_dim,
+        in_channels=in_channels,
+        out_channels=in_channels,
+        text_dim=text_dim,
+        freq_dim=32,
+        ffn_dim=ffn_dim,
+        num_layers=num_layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+
+
 def tiny_wan(
     num_layers: int = 2,
     heads: int = 2,
@@ -58,20 +78,7 @@ def tiny_wan(
     is restored. The zero-initialised parts diffusers leaves (none of consequence) are kept."""
     from diffusers import WanTransformer3DModel
 
-    kwargs = dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=heads,
-        attention_head_dim=head_dim,
-        in_channels=in_channels,
-        out_channels=in_channels,
-        text_dim=text_dim,
-        freq_dim=32,
-        ffn_dim=ffn_dim,
-        num_layers=num_layers,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-    )
+    kwargs = tiny_wan_config(num_layers, heads, head_dim, text_dim, ffn_dim, in_channels)
     if image_dim is not None:
         kwargs.update(image_dim=image_dim, added_kv_proj_dim=heads * head_dim)
     kwargs.update(config)

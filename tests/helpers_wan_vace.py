@@ -36,23 +36,10 @@ def tiny_wan_vace(
     one VACE block per ``vace_layers`` entry (self-attention layers: the main ones, then the VACE ones). Weights from
     ``torch.manual_seed(seed)``; the global RNG is restored."""
     from diffusers import WanVACETransformer3DModel
+    from helpers_wan import tiny_wan_config
 
-    kwargs = dict(
-        patch_size=(1, 2, 2),
-        num_attention_heads=heads,
-        attention_head_dim=head_dim,
-        in_channels=in_channels,
-        out_channels=in_channels,
-        text_dim=text_dim,
-        freq_dim=32,
-        ffn_dim=ffn_dim,
-        num_layers=num_layers,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-        vace_layers=list(vace_layers),
-        vace_in_channels=VACE_IN_CHANNELS,
-    )
+    kwargs = dict(tiny_wan_config(num_layers, heads, head_dim, text_dim, ffn_dim, in_channels),
+                  vace_layers=list(vace_layers), vace_in_channels=VACE_IN_CHANNELS)
     kwargs.update(config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import ast
 import copy
-import re
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import no_grid_frames, randomize_mixing_, realign_
+from helpers import CallCapture, no_grid_frames, randomize_mixing_, realign_
 from helpers_families import TINY, install_one_liner
 
 from mhla_diffusers import MHLAProcessor, apply_mhla, load_mhla_transformer, materialize_mhla, mhla_spec, save_mhla_transformer
@@ -43,31 +42,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _mhla_state(model) -> dict:
     return {k: v for k, v in model.state_dict().items() if "mhla" in k}
-
-
-class CallCapture:
-    """Forward hooks on the modules matching ``pattern``: each call's ``(args, kwargs, output)`` (detached clones)."""
-
-    def __init__(self, model, pattern: str):
-        self.modules = {n: m for n, m in model.named_modules() if re.match(pattern, n)}
-        self.calls: dict[str, list] = {n: [] for n in self.modules}
-        self._handles = []
-
-    def __enter__(self):
-        def clone(x):
-            return x.detach().clone() if isinstance(x, torch.Tensor) else x
-
-        for name, module in self.modules.items():
-            def hook(module, args, kwargs, output, name=name):
-                self.calls[name].append(([clone(a) for a in args], {k: clone(v) for k, v in kwargs.items()}, clone(output)))
-
-            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
-        return self
-
-    def __exit__(self, *exc):
-        for h in self._handles:
-            h.remove()
-        return False
 
 
 def test_every_family_has_a_tiny_model():

@@ -17,12 +17,11 @@ context parallelism):
 from __future__ import annotations
 
 import copy
-import re
 
 import pytest
 import torch
 from diffusers.models.transformers.transformer_sana_video import SanaAttnProcessor2_0, SanaLinearAttnProcessor3_0
-from helpers import no_grid_frames, randomize_mixing_
+from helpers import CallCapture, no_grid_frames, randomize_mixing_
 from helpers_sana_video import run_sana_video, sana_video_inputs, tiny_sana_video, tiny_sana_video_pipeline
 
 import mhla_diffusers
@@ -68,33 +67,6 @@ DIFFERS = 1e-3
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
-
-
-class Calls:
-    """Forward hooks on the modules matching ``pattern``: each call's ``(args, kwargs, output)`` (detached clones)."""
-
-    def __init__(self, model, pattern: str = SELF):
-        self.modules = {n: m for n, m in model.named_modules() if re.search(pattern, n)}
-        self.calls: dict[str, list] = {n: [] for n in self.modules}
-        self._handles = []
-
-    def __enter__(self):
-        def clone(x):
-            if isinstance(x, tuple):
-                return tuple(clone(t) for t in x)
-            return x.detach().clone() if isinstance(x, torch.Tensor) else x
-
-        for name, module in self.modules.items():
-            def hook(module, args, kwargs, output, name=name):
-                self.calls[name].append((clone(tuple(args)), {k: clone(v) for k, v in kwargs.items()}, clone(output)))
-
-            self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
-        return self
-
-    def __exit__(self, *exc):
-        for handle in self._handles:
-            handle.remove()
-        return False
 
 
 def by_hand(attn, hidden: torch.Tensor, rotary_emb, grid) -> torch.Tensor:
@@ -159,7 +131,7 @@ def test_one_block_equals_stock(dtype):
         model.set_attn_processor(MHLAProcessor(num_blocks=1))
         latent, text, timestep, mask = sana_video_inputs(batch=2, frames=frames, size=size, seed=seed)
         inputs = ((latent * scale).to(dtype), text.to(dtype), timestep, mask)
-        with Calls(model) as cap, no_grid_frames():
+        with CallCapture(model, SELF) as cap, no_grid_frames():
             out = run_sana_video(model, inputs)
         ref = run_sana_video(stock, inputs)
         assert out.dtype == dtype and torch.isfinite(out).all()
@@ -188,7 +160,7 @@ def test_fp16_zero_query_token_is_finite():
     model = tiny_sana_video(num_layers=1, dtype=torch.float16)
     apply_mhla(model, num_blocks=1)  # its processor knows the family: the layer is called alone below
     inputs = sana_video_inputs(batch=1, frames=3, size=(8, 12), dtype=torch.float16)
-    with Calls(model) as cap:
+    with CallCapture(model, SELF) as cap:
         run_sana_video(model, inputs)
     [(args, kwargs, _)] = cap.calls["transformer_blocks.0.attn1"]
     attn = model.transformer_blocks[0].attn1
@@ -259,7 +231,7 @@ def test_blocks_on_the_latent_grid_are_mhla_with_rope(frames, size, block_grid):
     randomize_mixing_(model)
     inputs = sana_video_inputs(batch=2, frames=frames, size=size)
     grid = (frames, size[0] // 2, size[1] // 2)
-    with Calls(model) as cap, no_grid_frames():
+    with CallCapture(model, SELF) as cap, no_grid_frames():
         out = run_sana_video(model, inputs)
     assert torch.isfinite(out).all() and _rel(out, run_sana_video(stock, inputs)) > DIFFERS
     with torch.no_grad():
@@ -357,7 +329,7 @@ def test_diagnostics_on_a_sana_video_layer(tmp_path):
     apply_mhla(model, layers=[1], block_grid=(1, 2, 3))
     randomize_mixing_(model, low=0.0, high=1.0)
     captured = D.capture_query_key(model, names, inputs)
-    with Calls(model) as cap:
+    with CallCapture(model, SELF) as cap:
         D.capture_query_key(model, names, inputs)
     for name in names:
         qk, attn = captured[name], model.get_submodule(name)
