@@ -619,7 +619,8 @@ def main(argv=None) -> dict:
         return result
     if args.merge:
         reports = [json.loads(path.read_text()) for path in args.merge]
-        report = {"settings": dict(reports[0]["settings"], merged=[r["settings"]["argv"] for r in reports]),
+        commands = [argv for r in reports for argv in r["settings"].get("merged", [r["settings"]["argv"]])]  # merged files keep theirs
+        report = {"settings": dict(reports[0]["settings"], merged=commands),
                   "runs": _joined([run for r in reports for run in r["runs"]])}
         write(report, args.out or args.merge[0].parent)
         return report

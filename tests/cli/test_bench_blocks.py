@@ -85,6 +85,9 @@ def test_merge_and_render_rewrite_the_report(bench, quick, tmp_path):
     (tmp_path / "m" / "bench_blocks.md").unlink()
     bench.main(["--render", str(tmp_path / "m" / "bench_blocks.json")])
     assert (tmp_path / "m" / "bench_blocks.md").read_text() == md
+    again = bench.main(["--merge", str(tmp_path / "m" / "bench_blocks.json"), str(tmp_path / "b" / "bench_blocks.json"),
+                        "--out", str(tmp_path / "m2")])
+    assert len(again["settings"]["merged"]) == 3  # a merged report keeps the commands of every run in it
 
 
 def test_published_configs(bench):
@@ -93,5 +96,8 @@ def test_published_configs(bench):
     assert (big["num_layers"], big["num_attention_heads"], big["ffn_dim"]) == (40, 40, 13824)
     assert (sana["num_layers"], sana["num_attention_heads"], sana["attention_head_dim"]) == (20, 70, 32)
     assert (sana["num_cross_attention_heads"], sana["cross_attention_head_dim"]) == (20, 112)
+    video = bench.MODELS["sana-video"]["config"]
+    assert (video["num_layers"], video["num_attention_heads"], video["attention_head_dim"], video["caption_channels"]) == (
+        20, 20, 112, 2304)
     assert max(math.prod(g) for g in bench.MODELS["wan-1.3b"]["grids"]) == 32760  # 81 frames at 480 x 832
     assert max(math.prod(g) for g in bench.MODELS["sana-1600m"]["grids"]) == 128 * 128  # 4,096 px
