@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import json
+import math
 import os
 from pathlib import Path
 from typing import Sequence
@@ -216,6 +217,18 @@ def _run(pipe, device, seed: int, **call_kwargs):
         return pipe(generator=torch.Generator("cpu").manual_seed(seed), **call_kwargs)
 
 
+def _prompt_list(prompts) -> list[str]:
+    """``prompts`` as a list of strings: one string is one prompt (not one per character).
+
+    Raises:
+        GenerationError: no prompt.
+    """
+    prompts = [prompts] if isinstance(prompts, str) else [str(p) for p in prompts]
+    if not prompts:
+        raise GenerationError("give at least one prompt")
+    return prompts
+
+
 def _takes_prompt(pipe) -> bool:
     return "prompt" in inspect.signature(pipe.__call__).parameters
 
@@ -252,9 +265,7 @@ def generate_text_images(
         GenerationError: not a text-to-image pipeline, no prompts, bad steps or dtype.
         ValueError: from the pipeline, e.g. a size SANA does not take.
     """
-    prompts = [str(p) for p in prompts]
-    if not prompts:
-        raise GenerationError("give at least one prompt")
+    prompts = _prompt_list(prompts)
     pipe, device = _prepare(checkpoint, pipe, steps, dtype, device, context_parallel)
     if is_video_pipeline(pipe):
         raise GenerationError(f"{checkpoint} holds a {type(pipe).__name__}, a video pipeline: generate videos (--frames)")
@@ -367,9 +378,7 @@ def generate_videos(
 
     Sizes and family details: ``docs/generation.md``.
     """
-    prompts = [str(p) for p in prompts]
-    if not prompts:
-        raise GenerationError("give at least one prompt")
+    prompts = _prompt_list(prompts)
     pipe, device = _prepare(checkpoint, pipe, steps, dtype, device, context_parallel)
     if not is_video_pipeline(pipe) or not _takes_prompt(pipe):
         raise GenerationError(
@@ -446,9 +455,14 @@ def _control_inputs(pipe, checkpoint, control: dict, frames: int) -> dict:
     if "reference_images" in given:
         images = given["reference_images"]
         images = [images] if isinstance(images, (str, os.PathLike)) or not isinstance(images, Sequence) else images
+        if not images:
+            raise GenerationError("--reference-image: an empty list; give one or more images, or leave it out")
         out["reference_images"] = [load_first_frame(i, "--reference-image") for i in images]
     if "conditioning_scale" in given:
-        out["conditioning_scale"] = float(given["conditioning_scale"])
+        scale = float(given["conditioning_scale"])
+        if not math.isfinite(scale):
+            raise GenerationError(f"--conditioning-scale must be a finite number (1: the trained strength); got {scale}")
+        out["conditioning_scale"] = scale
     return out
 
 

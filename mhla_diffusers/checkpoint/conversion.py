@@ -156,8 +156,9 @@ def _load_single_file(src: Path, config: str | None, family: str | None, torch_d
     if config is None:
         raise ValueError(
             f"{src} is a single-file checkpoint: pass config= (--config) naming a diffusers folder or Hub id with "
-            "the model's config.json, e.g. a local copy of Efficient-Large-Model/Sana_600M_1024px_diffusers; "
-            "diffusers would otherwise guess a model and fetch its config from the Hub"
+            "the model's config.json (a local copy of the model's diffusers release, e.g. "
+            "Wan-AI/Wan2.1-T2V-1.3B-Diffusers for a Wan file); diffusers would otherwise guess a model and fetch its "
+            "config from the Hub"
         )
     cls, load_kwargs, pipeline_folder = single_file_target(src, config, family)
     if not _single_file_loadable(cls):

@@ -280,6 +280,7 @@ class TextRecipe(_Recipe):
             objective=objective, pipeline=pipe, text=text, expert=expert,
         )
         self.spec.finish_load(parts, config)
+        _check_clip_frames(pipe, config["data"])
         return parts
 
     def prepare(self, parts, dataset, config):
@@ -340,6 +341,25 @@ class TextRecipe(_Recipe):
         config = {k: parts.pipeline.config[k] for k in ("boundary_ratio", "expand_timesteps") if k in parts.pipeline.config}
         save_mhla_pipeline(type(parts.pipeline)(**components, **config), out_dir, overwrite=True)
 
+
+
+def _check_clip_frames(pipe, data: Mapping) -> None:
+    """Video data must have ``k * t + 1`` frames per clip for a VAE compressing time by ``t`` (the pipeline's
+    ``vae_scale_factor_temporal``; Wan, SANA-Video: 4): the VAE would drop the frames beyond.
+
+    Raises:
+        ValueError: another count, naming the nearest valid ones.
+    """
+    factor = int(getattr(pipe, "vae_scale_factor_temporal", 1) or 1)
+    frames = data.get("num_frames")
+    if data.get("kind") != "video" or frames is None or (int(frames) - 1) % factor == 0:
+        return
+    low = max(1, (int(frames) - 1) // factor * factor + 1)
+    raise ValueError(
+        f"data.num_frames={frames}: the VAE of this {type(pipe).__name__} compresses time by {factor} and encodes "
+        f"{factor}k + 1 frames (1, {1 + factor}, {1 + 2 * factor}, ...); a clip of {frames} would lose its last frames. "
+        f"Nearest valid counts: {low} or {low + factor}"
+    )
 
 
 def _recipe_class(family: Family) -> type:

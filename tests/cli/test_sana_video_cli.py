@@ -74,6 +74,10 @@ def test_convert_pipeline_folder_then_generate_t2v_and_i2v(base, tmp_path, capsy
     realign_(pipe.transformer), realign_(expected.transformer)
     converted = _video(pipe)
     assert converted.shape == (5, 64, 64, 3) and np.array_equal(converted, _video(expected))
+    # one string is one prompt, not one per character (the same video as the list of it)
+    one = generate_videos(None, "a cat in the snow", pipe=pipe, height=64, width=64, frames=5, steps=2, device="cpu",
+                          use_resolution_binning=False)
+    assert len(one) == 1 and np.array_equal(one[0], converted)
 
     clip = tmp_path / "clip.mp4"
     code, err = run_main("pipelines/generate.py", "--checkpoint", out, "--prompt", "a cat in the snow", *SIZE,

@@ -245,6 +245,7 @@ def test_generate_refusals(files, converted, tmp_path, capsys):
         (converted, ("--video", files["six"]), "--video has 6 frames and the request 5: WanVACEPipeline takes 4k + 1 frames"),
         (converted, ("--video", files["frames"], "--mask", files["six"]), "--mask has 6 frames and the request 5"),
         (converted, ("--image", files["ref.png"]), "Wan VACE takes no first frame (--image)"),
+        (converted, ("--video", files["frames"], "--conditioning-scale", "nan"), "--conditioning-scale must be a finite number"),
     ]
     for checkpoint, extra, message in cases:
         code, err = run_main(GENERATE, "--checkpoint", checkpoint, "--prompt", "a cat", *extra, *SIZE, "--out", out, capsys=capsys)
@@ -253,7 +254,12 @@ def test_generate_refusals(files, converted, tmp_path, capsys):
                          "--frames", "9", "--out", out, capsys=capsys)
     assert code == 2 and "--video has 5 frames and the request 9: give --frames 5" in err, err
     assert not out.exists()
-    assert mhla_diffusers.is_mhla_model(load_mhla_pipeline(converted).transformer)
+    pipe = load_mhla_pipeline(converted)
+    assert mhla_diffusers.is_mhla_model(pipe.transformer)
+    from mhla_diffusers.generation import GenerationError, generate_videos
+
+    with pytest.raises(GenerationError, match="--reference-image: an empty list"):  # diffusers: a bare StopIteration
+        generate_videos(converted, "a cat", pipe=pipe, reference_images=[], frames=5, height=64, width=64, steps=1)
 
 
 def test_generate_under_torchrun_ulysses(files, converted, tmp_path):

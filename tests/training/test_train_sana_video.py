@@ -134,3 +134,15 @@ def test_images_train_as_one_frame_videos_and_another_vae_is_refused(tmp_path, s
     parts = SimpleNamespace(vae=tiny_dc_ae(latent_channels=16), text={"complex_human_instruction": None}, pipeline=None)
     with pytest.raises(ValueError, match="AutoencoderDC; the SANA-Video recipe trains with the Wan VAE"):
         spec.finish_load(parts, {"model": {"pretrained": "sana-video-dc-ae"}})
+
+
+def test_a_clip_length_the_vae_cannot_encode_is_refused(tmp_path, setup):
+    """data.num_frames=6 on a video folder: the Wan VAE encodes 4k + 1 frames, so a 6-frame clip would lose its
+    last frame; refused at load, naming the nearest valid counts (5 or 9), before any step."""
+    converted, videos = setup
+    config = load_config(ROOT / "finetune" / "configs" / "sana_video_all.yaml", [
+        f"output_dir={tmp_path / 'six'}", f"model.pretrained={converted}", f"data.root={videos}", *TINY, "data.kind=video",
+        "data.num_frames=6"])
+    with pytest.raises(ValueError, match=r"data.num_frames=6: .* Nearest valid counts: 5 or 9"):
+        training.build_models(config)
+    assert not (tmp_path / "six").exists()
