@@ -510,7 +510,8 @@ def load_frames(source, flag: str = "--video") -> list:
     ``PIL.Image``); ``flag`` names it in errors.
 
     Raises:
-        GenerationError: a path that does not exist, an empty folder, a file no reader takes, a frame PIL cannot read.
+        GenerationError: a path that does not exist, an empty folder, a file no reader takes, a frame PIL cannot read,
+            frames of different sizes.
     """
     if not isinstance(source, (str, os.PathLike)):
         frames = [load_first_frame(f, flag) for f in source]
@@ -523,6 +524,12 @@ def load_frames(source, flag: str = "--video") -> list:
         raise GenerationError(f"{flag} {source}: no such file or folder; give a video file or a folder of frames")
     if not frames:
         raise GenerationError(f"{flag} {source}: no frames ({', '.join(sorted(_FRAME_SUFFIXES))} files in the folder)")
+    odd = next((i for i, f in enumerate(frames) if f.size != frames[0].size), None)
+    if odd is not None:  # the pipeline would resize each frame alone, stretching the odd one
+        raise GenerationError(
+            f"{flag} {source}: frame {odd} is {frames[odd].size[0]} x {frames[odd].size[1]} px and frame 0 "
+            f"{frames[0].size[0]} x {frames[0].size[1]}; give frames of one size"
+        )
     return frames
 
 

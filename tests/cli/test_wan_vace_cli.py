@@ -260,6 +260,11 @@ def test_generate_refusals(files, converted, tmp_path, capsys):
 
     with pytest.raises(GenerationError, match="--reference-image: an empty list"):  # diffusers: a bare StopIteration
         generate_videos(converted, "a cat", pipe=pipe, reference_images=[], frames=5, height=64, width=64, steps=1)
+    from PIL import Image
+
+    mixed = [Image.new("RGB", (64, 64))] * 4 + [Image.new("RGB", (80, 64))]  # diffusers would stretch the last one
+    with pytest.raises(GenerationError, match="frame 4 is 80 x 64 px and frame 0 64 x 64; give frames of one size"):
+        generate_videos(converted, "a cat", pipe=pipe, video=mixed, frames=5, height=64, width=64, steps=1)
 
 
 def test_generate_under_torchrun_ulysses(files, converted, tmp_path):
