@@ -154,6 +154,9 @@ class Family(FamilyAttention):
     processor_call: str = "keywords"
     #: ``rotary_emb -> callable`` rotating ``[B, heads, N, d]`` features (Wan: ``WanRotary``); ``None``: no RoPE.
     rotary: Callable[[object], Callable[[torch.Tensor], torch.Tensor]] | None = None
+    #: the stock self-attention cannot run without ``rotary_emb`` (SANA-Video's): MHLA refuses a call without it
+    #: too instead of computing without RoPE (``rope="none"`` asks for that explicitly).
+    rotary_required: bool = False
     #: attention classes only this family has (``WanAttention``): such a module follows this family.
     attention_classes: tuple[str, ...] = ()
     #: target ``M`` without ``num_blocks`` / ``block_grid`` (``None``: :func:`~mhla_diffusers.default_num_blocks`).

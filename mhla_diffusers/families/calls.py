@@ -50,6 +50,7 @@ class FamilyAttention:
     fp16_output_clip: float | None
     processor_call: str
     rotary: Callable | None
+    rotary_required: bool
     empty_blocks: bool
     stock_signature: StockSignature
 
@@ -124,9 +125,15 @@ class FamilyAttention:
         """The map rotating ``phi(q)``, ``phi(k)`` ``[B, heads, N, d]`` (Wan), or ``None`` without ``rotary_emb``.
 
         Raises:
-            ValueError: a rotary embedding for a family without RoPE.
+            ValueError: a rotary embedding for a family without RoPE; none for a family whose stock layer needs one.
         """
         if rotary_emb is None:
+            if self.rotary_required:
+                raise ValueError(
+                    f"this {self.title} self-attention was called without rotary_emb, which its stock processor needs too: "
+                    "call it inside its transformer (which passes model.rope(latent)), pass rotary_emb=, or build the "
+                    "processor with rope='none' to compute MHLA without RoPE"
+                )
             return None
         if self.rotary is None:
             raise ValueError(

@@ -105,6 +105,7 @@ SANA_VIDEO = register_family(Family(
     qk_norm_across_heads=True,  # rms_norm_across_heads on [B, N, heads * d]
     attention_output_dtype="input",  # .to(original_dtype), the layer input's
     rotary=WanRotary,  # rotary_emb: (cos, sin) of shape (1, N, 1, d), Wan's WanRotaryPosEmbed
+    rotary_required=True,  # SanaLinearAttnProcessor3_0 fails without it
     empty_blocks=True,
     lepe_kernel=(3, 3, 3),
     stock_attention="linear",

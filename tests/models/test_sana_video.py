@@ -390,6 +390,12 @@ def test_bad_inputs_get_clear_errors():
             attn(hidden)
         with pytest.raises(RuntimeError, match=r"token grid \(3, 4, 5\) of this forward has 60 tokens but"), token_grid((3, 4, 5)):
             attn(hidden)
+        # without rotary_emb the stock layer fails (UnboundLocalError inside diffusers); MHLA refuses rather than
+        # computing without RoPE
+        with pytest.raises(UnboundLocalError):
+            SanaLinearAttnProcessor3_0()(attn, hidden)
+        with pytest.raises(ValueError, match="SANA-Video self-attention was called without rotary_emb"), token_grid((3, 4, 6)):
+            attn(hidden)
     for block_grid, message in (((2, 2, 2, 2), "1, 2 or 3 axes"), ((0, 1, 1), ">= 1"), ("paper", "no block-grid preset")):
         with pytest.raises(ValueError, match=message):
             apply_mhla(copy.deepcopy(stock), block_grid=block_grid)
