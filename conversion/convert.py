@@ -24,10 +24,13 @@ converted with the same settings; --layers-2 gives transformer_2 its own layer s
 scored on calibration at its own timesteps (transformer: t >= boundary_ratio x 1000, transformer_2: below).
 
 --from authors imports the authors' released Wan MHLA weights (DAGroup-PKU/MHLA): layers, blocks,
-normaliser, feature epsilon, output norm, gate and LePE are theirs, read from the file (mhla_diffusers.checkpoint.authors);
---layers, --num-blocks, --no-normalize, --output-norm and --eps do not apply there. With --family dit it imports
-a DiT trained with their mhla_dit code (their MHLA4DiT layers: input LayerNorm, LePE, their normaliser;
+feature epsilon, output norm, gate and LePE are theirs, read from the file (mhla_diffusers.checkpoint.authors);
+--layers, --num-blocks, --no-normalize, --output-norm and --eps do not apply there. Their layer's normaliser
+(norm_output) is not in the file: numerator only, as their release, unless --norm-output. With --family dit it
+imports a DiT trained with their mhla_dit code (their MHLA4DiT layers: input LayerNorm, LePE, their normaliser, the
+run's eps from the checkpoint's args.model_kwargs, else --eps, else their default 1e-6;
 mhla_diffusers.checkpoint.authors_dit) into diffusers' DiT; --block-grid does not apply either.
+--src is their checkpoint file, or a folder holding that one weights file.
 Their training checkpoints (.pth / .pt, numpy RNG state or the run's argparse arguments beside the weights) are
 read with torch.load(weights_only=True).
 
@@ -121,6 +124,11 @@ def main(argv=None) -> int:
         "--state-dict-key", default=None, help="--from authors: the entry of a nested training checkpoint to import"
     )
     parser.add_argument(
+        "--norm-output", action="store_true",
+        help="--from authors --family wan: their layers were built with norm_output=True (their constructors' default; "
+        "the released config sets it false, the default here): import their normaliser. The weights cannot tell",
+    )
+    parser.add_argument(
         "--src", required=True, help="Hub id, local pipeline folder, local transformer folder, or original single file"
     )
     parser.add_argument(
@@ -194,7 +202,11 @@ def main(argv=None) -> int:
         help="per-head RMSNorm on the attention output (default: wan with --no-normalize, as the authors)",
     )
     norm.add_argument("--no-output-norm", dest="output_norm", action="store_false", help="no output RMSNorm")
-    parser.add_argument("--eps", type=float, default=None, help="denominator epsilon (default: family default)")
+    parser.add_argument(
+        "--eps", type=float, default=None,
+        help="denominator epsilon (default: family default); --from authors --family dit: their run's eps, for a file "
+        "without the run's arguments (default: read from the checkpoint's args.model_kwargs, else their 1e-6)",
+    )
     parser.add_argument(
         "--mixing-init", default=None, metavar="NAME",
         help="start of the mixing matrices: a MixingMatrix init name (default locality, the paper's; uniform; ...) or "
@@ -236,9 +248,10 @@ def main(argv=None) -> int:
 
     if args.source_kind == "authors":
         return _import_authors(args)
-    if args.state_dict_key is not None:
-        print("convert.py: --state-dict-key only applies with --from authors", file=sys.stderr)
-        return 2
+    for flag, given in (("--state-dict-key", args.state_dict_key is not None), ("--norm-output", args.norm_output)):
+        if given:
+            print(f"convert.py: {flag} only applies with --from authors", file=sys.stderr)
+            return 2
     if args.lepe_init is not None and not args.lepe:
         print("convert.py: --lepe-init only applies with --lepe", file=sys.stderr)
         return 2
@@ -315,7 +328,6 @@ def _import_authors(args) -> int:
         "--num-blocks": args.num_blocks is not None,
         "--no-normalize": args.no_normalize,
         "--output-norm / --no-output-norm": args.output_norm is not None,
-        "--eps": args.eps is not None,
         "--keep-softmax / --attention-budget": args.keep_softmax is not None or args.attention_budget is not None,
         "--calibration-*": any(v is not None for v in (args.calibration_samples, args.calibration_seed, args.calibration_embeddings,
                                                        args.calibration_latent_size)),
@@ -328,6 +340,9 @@ def _import_authors(args) -> int:
     }
     if args.family == "dit":
         given["--block-grid"] = args.block_grid is not None
+        given["--norm-output"] = args.norm_output
+    else:  # their DiT run's eps is read from the file (--eps when it holds no run arguments); their Wan layer's is 1e-6
+        given["--eps"] = args.eps is not None
     fixed = [flag for flag, on in given.items() if on]
     problem = None
     if args.family not in ("wan", "dit"):
@@ -353,7 +368,7 @@ def _import_authors(args) -> int:
         from mhla_diffusers.checkpoint.authors_dit import import_authors_dit
 
         return _report(import_authors_dit, args.src, args.out, config=args.config, torch_dtype=dtype,
-                       overwrite=args.overwrite, state_dict_key=args.state_dict_key)
+                       overwrite=args.overwrite, state_dict_key=args.state_dict_key, eps=args.eps)
 
     from mhla_diffusers.checkpoint.authors import AUTHORS_BLOCK_GRID, import_authors_wan
 
@@ -363,7 +378,7 @@ def _import_authors(args) -> int:
               file=sys.stderr)
         return 2
     return _report(import_authors_wan, args.src, args.out, config=args.config, torch_dtype=dtype, overwrite=args.overwrite,
-                   state_dict_key=args.state_dict_key, block_grid=tuple(block_grid))
+                   state_dict_key=args.state_dict_key, block_grid=tuple(block_grid), norm_output=args.norm_output)
 
 
 def _report(importer, *args, **kwargs) -> int:

@@ -41,13 +41,13 @@ _EXPORTS = {
     "calibration_inputs": "mhla_diffusers.selection.calibration",
     "encode_calibration_prompts": "mhla_diffusers.selection.calibration",
     "MHLAProcessor": "mhla_diffusers.models.processor",
-    "apply_mhla": "mhla_diffusers.models.install",
+    "apply_mhla": "mhla_diffusers.apply",
     "attention_cost": "mhla_diffusers.selection.cost",
     "MeasuredCost": "mhla_diffusers.selection.cost",
-    "materialize_mhla": "mhla_diffusers.models.install",
+    "materialize_mhla": "mhla_diffusers.models.lazy",
     "remove_mhla": "mhla_diffusers.models.installer",
     "set_attn_processor": "mhla_diffusers.models.installer",
-    "attention_modules": "mhla_diffusers.models.install",
+    "attention_modules": "mhla_diffusers.families.base",
     "is_mhla_model": "mhla_diffusers.models.installer",
     "mhla_spec": "mhla_diffusers.models.installer",
     "context_parallel_plan": "mhla_diffusers.models.parallel",
@@ -85,6 +85,7 @@ def __dir__() -> list[str]:
 
 
 if _TYPE_CHECKING:  # static analysers and IDEs see the eager imports
+    from mhla_diffusers.apply import apply_mhla
     from mhla_diffusers.autoencoder import SpaceToDepthAutoencoder
     from mhla_diffusers.checkpoint.authors import import_authors_wan, load_authors_wan
     from mhla_diffusers.checkpoint.authors_dit import import_authors_dit, load_authors_dit
@@ -96,9 +97,10 @@ if _TYPE_CHECKING:  # static analysers and IDEs see the eager imports
         save_mhla_pipeline,
         save_mhla_transformer,
     )
+    from mhla_diffusers.families.base import attention_modules
     from mhla_diffusers.models.grid import token_grid
-    from mhla_diffusers.models.install import apply_mhla, attention_modules, materialize_mhla
     from mhla_diffusers.models.installer import is_mhla_model, mhla_spec, remove_mhla, set_attn_processor
+    from mhla_diffusers.models.lazy import materialize_mhla
     from mhla_diffusers.models.parallel import context_parallel_plan, enable_context_parallel
     from mhla_diffusers.models.processor import MHLAProcessor
     from mhla_diffusers.ops import InterleavedRotary, available_backends, mhla_attention, mhla_attention_reference

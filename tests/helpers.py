@@ -265,3 +265,9 @@ class WarningLog(logging.Handler):
 
     def __exit__(self, *exc):
         logging.getLogger("diffusers").removeHandler(self)
+
+
+def legacy_key(key: str) -> str:
+    """The checkpoint-format 1 / 2 name of an MHLA key: ``<attention>.mhla.mixing.weight`` was
+    ``<attention>.mhla_mixing.weight`` (each part a child of the attention module then), written here from that format."""
+    return re.sub(r"\.mhla\.(mixing|output_norm|gate|lepe|input_norm)\.", r".mhla_\1.", key)

@@ -107,10 +107,9 @@ def add_lora(
 
 
 def mhla_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters MHLA adds to a model: every parameter of an ``mhla_*`` submodule of an
-    attention layer (the mixing matrices ``mhla_mixing``, the output norms ``mhla_output_norm``, the output
-    gates ``mhla_gate``, the LePE convolutions ``mhla_lepe``)."""
-    return [p for name, p in model.named_parameters() if ".mhla_" in f".{name}"]
+    """The parameters MHLA adds to a model: every parameter of an attention layer's MHLA (``<attention>.mhla``: the
+    mixing matrix, and the output norm, gate, LePE, input norm where it has them)."""
+    return [p for name, p in model.named_parameters() if ".mhla." in f".{name}"]
 
 
 def _tuner_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:

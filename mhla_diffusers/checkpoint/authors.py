@@ -6,6 +6,8 @@ layer as: stock q/k/v/o and q/k norms (renamed by diffusers' converter), ``featu
 (``ReLU(x) + 1e-6``), ``normalize=False`` (numerator only, RoPE on the features), block grid
 ``(3, 5, 10)`` (``M = 150``) with ``W = block_attn.conv.weight[:, :, 0, 0]`` unclamped
 (``mixing_clamp=False``), and their ``g_norm`` as our per-head :class:`~mhla_diffusers.OutputRMSNorm`.
+Their layer's ``norm_output`` (default ``True`` in their constructors, ``false`` in the release) is not in the
+weights: ``norm_output=False`` is assumed, ``norm_output=True`` (``--norm-output``) imports their normaliser.
 Checkpoints of their gated / LePE variant (``is_gated``: ``g_norm(out) * SiLU(g(x))``; ``is_lepe``: a 3 x 3 x 3
 depthwise ``Conv3d`` of v added before ``o``) map onto our ``gate="authors"`` and ``lepe`` with their weights.
 The MHLA layers are those whose weights the file holds; the native
@@ -25,20 +27,24 @@ from pathlib import Path
 import torch
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
+from mhla_diffusers.apply import apply_mhla
 from mhla_diffusers.checkpoint.conversion import load_failure, pipeline_around, single_file_target
 from mhla_diffusers.checkpoint.format import check_loaded, save_mhla_pipeline, save_mhla_transformer
 from mhla_diffusers.checkpoint.safetensors_file import MHLACheckpointError, load_safetensors
 from mhla_diffusers.families import NATIVE_SIZE_KEY, WAN, family_of, self_attention_modules
 from mhla_diffusers.families.wan import AUTHORS_BLOCK_GRID, AUTHORS_NATIVE_SIZE
-from mhla_diffusers.models.install import apply_mhla, mhla_spec
+from mhla_diffusers.models.installer import mhla_spec
 
 __all__ = [
     "AUTHORS_BLOCK_GRID",
     "AUTHORS_FEATURE_EPS",
+    "AUTHORS_EPS",
     "AUTHORS_NATIVE_SIZE",
     "NATIVE_SIZE_KEY",
     "AuthorsCheckpointError",
     "read_authors_state_dict",
+    "read_authors_checkpoint",
+    "authors_file",
     "split_authors_state_dict",
     "install_authors_mhla",
     "load_authors_wan",
@@ -51,6 +57,8 @@ __all__ = [
 # AUTHORS_BLOCK_GRID (3, 5, 10), AUTHORS_NATIVE_SIZE (480 x 800 px, 81 frames): the Wan family's (families/wan.py);
 # NATIVE_SIZE_KEY: the config key recording a native size (families/base.py).
 AUTHORS_FEATURE_EPS = 1e-6
+AUTHORS_EPS = 1e-6  # their layer's eps: in the features and, with norm_output, in the normaliser
+WEIGHTS_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt")
 
 # Key prefixes of wrapped models (DDP, torch.compile, FSDP, ComfyUI-style files), stripped when every key has one.
 _WRAPPER_PREFIXES = ("module.", "model.", "_orig_mod.", "_fsdp_wrapped_module.", "diffusion_model.")
@@ -81,20 +89,60 @@ def read_authors_state_dict(path: str | os.PathLike, state_dict_key: str | None 
     (``module.``, ``model.``, ``_orig_mod.``, ...) is removed. Tensors keep their stored dtype.
 
     Raises:
-        FileNotFoundError: no such file.
+        FileNotFoundError: no such file or folder.
         AuthorsCheckpointError: an unknown suffix, a damaged or truncated file, a pickle ``weights_only``
-            refuses, no dict of tensors, several candidates without ``state_dict_key``, or a missing key.
+            refuses, no dict of tensors, several candidates without ``state_dict_key``, or a missing key; a
+            folder as :func:`authors_file`.
+    """
+    path = authors_file(path)
+    return strip_wrapper_prefix(unwrap_state_dict(read_authors_checkpoint(path), state_dict_key, path))
+
+
+def authors_file(path: str | os.PathLike) -> Path:
+    """The checkpoint file ``path`` names: itself, or the one weights file (:data:`WEIGHTS_SUFFIXES`) a folder holds
+    at its top level (a Hub download of their release: ``model.safetensors`` beside a README).
+
+    Raises:
+        FileNotFoundError: no such file or folder.
+        AuthorsCheckpointError: a folder holding no weights file or several (naming them), or a diffusers model
+            folder (``config.json`` / ``model_index.json``: not their layout).
+    """
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} does not exist")
+    if (path / "config.json").is_file() or (path / "model_index.json").is_file():
+        raise AuthorsCheckpointError(
+            f"{path} is a diffusers model folder (config.json / model_index.json), not the authors' checkpoint: give "
+            "it as --config (config=), and as --src (src=) their checkpoint file"
+        )
+    files = sorted(f.name for f in path.iterdir() if f.is_file() and f.suffix in WEIGHTS_SUFFIXES)
+    if len(files) != 1:
+        held = f"holds the weights files {files}" if files else f"holds no weights file ({', '.join(WEIGHTS_SUFFIXES)})"
+        raise AuthorsCheckpointError(
+            f"{path} is a folder and {held}: give the authors' checkpoint file itself as --src (src=), e.g. "
+            f"{path / (files[0] if files else 'model.safetensors')}"
+        )
+    return path / files[0]
+
+
+def read_authors_checkpoint(path: str | os.PathLike):
+    """The object stored in the checkpoint file ``path`` (a safetensors dict, or what ``torch.load`` returns
+    under :func:`_torch_load_weights`), unwrapped by nothing.
+
+    Raises:
+        FileNotFoundError: no such file.
+        AuthorsCheckpointError: an unknown suffix, a damaged or truncated file, a pickle ``weights_only`` refuses.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist")
     if path.suffix == ".safetensors":
-        obj = _load_safetensors(path)
-    elif path.suffix in (".pth", ".pt", ".bin", ".ckpt"):
-        obj = _torch_load_weights(path)
-    else:
-        raise AuthorsCheckpointError(f"{path}: expected a .safetensors, .pth, .pt, .bin or .ckpt file")
-    return strip_wrapper_prefix(unwrap_state_dict(obj, state_dict_key, path))
+        return _load_safetensors(path)
+    if path.suffix in WEIGHTS_SUFFIXES:
+        return _torch_load_weights(path)
+    raise AuthorsCheckpointError(f"{path}: expected a .safetensors, .pth, .pt, .bin or .ckpt file")
 
 
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -282,18 +330,23 @@ def storage_dtype(state: Mapping[str, torch.Tensor]) -> torch.dtype:
 
 
 def install_authors_mhla(
-    transformer, mhla: Mapping[int, Mapping[str, torch.Tensor]], block_grid=AUTHORS_BLOCK_GRID
+    transformer, mhla: Mapping[int, Mapping[str, torch.Tensor]], block_grid=AUTHORS_BLOCK_GRID, *, norm_output: bool = False
 ) -> list[int]:
     """Install MHLA on a diffusers ``WanTransformer3DModel`` as the authors' layers run, with their weights.
 
     ``apply_mhla`` on the layers of ``mhla`` (numerator only, per-head output RMSNorm,
     ``feature_eps=1e-6``, unclamped); mixing ``<- block_attn.conv.weight[:, :, 0, 0]``, output norm
     ``<- g_norm.weight`` on every head, float32. Their gated variant: ``gate="authors"`` (``SiLU``),
-    ``mhla_gate <- g``; their LePE: ``lepe=True`` (3 x 3 x 3), ``mhla_lepe <- lepe``.
+    ``mhla.gate <- g``; their LePE: ``lepe=True`` (3 x 3 x 3), ``mhla.lepe <- lepe``. ``norm_output=True``:
+    their normaliser ``sum_j W[i, j] (phi(q[j, l]) . z_j) + 1e-6`` on the un-rotated features, the form of their DiT
+    layer's (``normalize=True``, ``denominator="authors_dit"``, ``eps=1e-6``; blocks of equal size only).
 
     Args:
         mhla: as :func:`split_authors_state_dict` returns it.
         block_grid: ``(bt, bh, bw)`` with ``bt * bh * bw = M``; their code always builds (3, 5, 10).
+        norm_output: their layer's ``norm_output`` (``normalize_out``): ``False`` in their released config (the
+            default here), ``True`` the default of their constructors. The weights are the same either way: the file
+            cannot tell.
 
     Returns:
         The MHLA layer indices.
@@ -339,18 +392,18 @@ def install_authors_mhla(
                 raise AuthorsCheckpointError(f"blocks.{i}.self_attn.{name} holds NaN or infinite values")
     layers = sorted(mhla)
     options = _authors_variant(mhla, heads * head_dim)
+    normaliser = {"normalize": True, "denominator": "authors_dit", "eps": AUTHORS_EPS} if norm_output else {"normalize": False}
     apply_mhla(
-        transformer, layers, block_grid=tuple(block_grid), normalize=False, output_norm=True,
-        feature_eps=AUTHORS_FEATURE_EPS, mixing_clamp=False, gate="authors" if options["gate"] else None,
-        lepe=options["lepe"],
+        transformer, layers, block_grid=tuple(block_grid), output_norm=True, feature_eps=AUTHORS_FEATURE_EPS,
+        mixing_clamp=False, gate="authors" if options["gate"] else None, lepe=options["lepe"], **normaliser,
     )
     with torch.no_grad():
         for i in layers:
             attn = modules[i][1]
-            attn.mhla_mixing.weight.copy_(mhla[i]["block_attn.conv.weight"][:, :, 0, 0].float())
-            attn.mhla_output_norm.weight.copy_(mhla[i]["g_norm.weight"].float().expand(heads, head_dim))
-            for module, (weight, bias) in ((getattr(attn, "mhla_gate", None), _OPTIONAL["gate"]),
-                                           (getattr(attn, "mhla_lepe", None), _OPTIONAL["lepe"])):
+            attn.mhla.mixing.weight.copy_(mhla[i]["block_attn.conv.weight"][:, :, 0, 0].float())
+            attn.mhla.output_norm.weight.copy_(mhla[i]["g_norm.weight"].float().expand(heads, head_dim))
+            for module, (weight, bias) in ((attn.mhla.gate, _OPTIONAL["gate"]),
+                                           (attn.mhla.lepe, _OPTIONAL["lepe"])):
                 if module is not None:
                     module.weight.copy_(mhla[i][weight].float())
                     module.bias.copy_(mhla[i][bias].float())
@@ -402,15 +455,18 @@ def load_authors_wan(
     torch_dtype: torch.dtype | None = None,
     state_dict_key: str | None = None,
     block_grid=AUTHORS_BLOCK_GRID,
+    norm_output: bool = False,
 ):
     """The authors' Wan MHLA model as a diffusers pipeline (or transformer) with our MHLA layers.
 
     Args:
-        src: their checkpoint file (:func:`read_authors_state_dict`) or the loaded object.
+        src: their checkpoint file, a folder holding just that one (:func:`authors_file`), or the loaded object.
         config: a local diffusers Wan2.1-T2V-1.3B pipeline or transformer folder, or a Hub id.
         torch_dtype: base weights' dtype (``None``: the file's); MHLA parameters are float32.
         state_dict_key: see :func:`read_authors_state_dict`.
         block_grid (tuple[int, int, int]): see :func:`install_authors_mhla`.
+        norm_output: their layers' ``norm_output`` (:func:`install_authors_mhla`): ``False`` (their release, the
+            default) runs the numerator only, ``True`` (their constructors' default) their normaliser.
 
     Returns:
         (tuple): ``(pipeline or None, transformer)``, the transformer in eval mode with ``config._mhla_native_size``.
@@ -420,7 +476,7 @@ def load_authors_wan(
         MHLACheckpointError: tensors left on the meta device.
         FileNotFoundError: ``src`` or ``config`` does not exist.
     """
-    name, state = authors_state(src, state_dict_key)
+    name, state, _ = authors_state(src, state_dict_key)
     stock, mhla = split_authors_state_dict(state)
     cls, load_kwargs, pipeline_folder = single_file_target(name, str(config), "wan")
     if cls.__name__ != "WanTransformer3DModel":
@@ -431,7 +487,7 @@ def load_authors_wan(
     # the checked stock weights through diffusers' own single-file loader (its key mapping and dtype handling)
     model = cls.from_single_file(dict(stock), **load_kwargs, dtype=dtype)
     check_loaded(model, name)  # never a model without values (the stock keys were checked above)
-    install_authors_mhla(model, mhla, block_grid)
+    install_authors_mhla(model, mhla, block_grid, norm_output=norm_output)
     model.register_to_config(**{NATIVE_SIZE_KEY: dict(AUTHORS_NATIVE_SIZE)})
     model.eval()
     if pipeline_folder is None:
@@ -448,6 +504,7 @@ def import_authors_wan(
     overwrite: bool = False,
     state_dict_key: str | None = None,
     block_grid=AUTHORS_BLOCK_GRID,
+    norm_output: bool = False,
 ) -> dict:
     """Convert the authors' checkpoint file into a converted checkpoint at ``out`` (atomic).
 
@@ -463,15 +520,20 @@ def import_authors_wan(
     Otherwise raises as :func:`load_authors_wan`.
     """
     model = write_import(src, out, overwrite, lambda: load_authors_wan(
-        src, config, torch_dtype=torch_dtype, state_dict_key=state_dict_key, block_grid=block_grid))
+        src, config, torch_dtype=torch_dtype, state_dict_key=state_dict_key, block_grid=block_grid,
+        norm_output=norm_output))
     return {**mhla_spec(model), "native_size": dict(AUTHORS_NATIVE_SIZE), "out": str(out)}
 
 
-def authors_state(src, state_dict_key: str | None) -> tuple[str, dict[str, torch.Tensor]]:
-    """``(name for messages, state dict)`` of a checkpoint file (:func:`read_authors_state_dict`) or a loaded object."""
+def authors_state(src, state_dict_key: str | None) -> tuple[str, dict[str, torch.Tensor], object]:
+    """``(name for messages, state dict, the whole stored object)`` of a checkpoint file or folder
+    (:func:`read_authors_state_dict`) or a loaded object (the object: e.g. their DiT trainer's ``args`` beside the
+    weights)."""
     if isinstance(src, Mapping):
-        return "the state dict", strip_wrapper_prefix(unwrap_state_dict(src, state_dict_key, "the state dict"))
-    return str(src), read_authors_state_dict(src, state_dict_key)
+        return "the state dict", strip_wrapper_prefix(unwrap_state_dict(src, state_dict_key, "the state dict")), src
+    path = authors_file(src)
+    obj = read_authors_checkpoint(path)
+    return str(path), strip_wrapper_prefix(unwrap_state_dict(obj, state_dict_key, path)), obj
 
 
 def write_import(src, out, overwrite: bool, load) -> torch.nn.Module:

@@ -5,10 +5,12 @@ Their model is the original DiT (facebookresearch/DiT key layout: ``x_embedder``
 
 - a LayerNorm ``attn.norm`` (weight and bias, eps 1e-5) on the layer's input: our ``input_norm``;
 - one fused ``attn.to_qkv`` with bias: split into diffusers' ``to_q`` / ``to_k`` / ``to_v``;
-- features ``ReLU(x) + 1e-6`` (``feature_eps``), no scale, no RoPE;
-- the mixing matrix ``attn.piece_attn.conv.weight[:, :, 0, 0]`` (rows = query blocks; clamped to [0, 1] after every
-  step of their training, as ours is) over square blocks of ``block_size`` tokens;
-- their normaliser ``sum_j Mc[i, j] phi(q[j, l]) . z_j + 1e-6`` (``denominator="authors_dit"``,
+- features ``ReLU(x) + eps`` (``feature_eps``), no scale, no RoPE; ``eps`` their layer's constructor argument (default
+  1e-6), read from their training checkpoint's ``args.model_kwargs``;
+- the mixing matrix ``attn.piece_attn.conv.weight[:, :, 0, 0]`` (rows = query blocks) over square blocks of
+  ``block_size`` tokens: their training clamps it to [0, 1] after every step, their forward uses it as stored; clamped
+  here too (``mixing_clamp``) unless the file holds values outside [0, 1], which then run as stored, unclamped;
+- their normaliser ``sum_j Mc[i, j] phi(q[j, l]) . z_j + eps`` (``denominator="authors_dit"``,
   :mod:`~mhla_diffusers.ops.positional`);
 - LePE ``attn.lepe``: a depthwise 3 x 3 ``Conv2d`` with bias of v over the image, added: our ``lepe``;
 - ``attn.to_out.0``: diffusers' ``to_out.0``.
@@ -23,19 +25,21 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 from collections.abc import Mapping
 
 import torch
 
+from mhla_diffusers.apply import apply_mhla
 from mhla_diffusers.checkpoint.authors import AuthorsCheckpointError, authors_state, storage_dtype, write_import
 from mhla_diffusers.checkpoint.conversion import pipeline_around, single_file_target
 from mhla_diffusers.families import DIT, family_of, self_attention_modules
-from mhla_diffusers.models.install import apply_mhla, mhla_spec
+from mhla_diffusers.models.installer import mhla_spec
 
 __all__ = ["AUTHORS_DIT_EPS", "split_authors_dit_state_dict", "install_authors_dit_mhla", "load_authors_dit",
-           "import_authors_dit"]
+           "import_authors_dit", "run_eps"]
 
-AUTHORS_DIT_EPS = 1e-6  # their MHLA4DiT's eps: added to the features and to the normaliser
+AUTHORS_DIT_EPS = 1e-6  # their MHLA4DiT's default eps (kwargs.get("eps", 1e-6)): added to the features and the normaliser
 
 # their keys -> diffusers' (shared embedders are copied into every block's AdaLayerNormZero, as diffusers' DiT holds them)
 _TOP = {
@@ -137,12 +141,17 @@ def _block_to_diffusers(i: int, parts: dict[str, torch.Tensor], mhla: dict) -> d
     return out
 
 
-def install_authors_dit_mhla(transformer, mhla: Mapping[int, Mapping[str, torch.Tensor]]) -> list[int]:
+def install_authors_dit_mhla(transformer, mhla: Mapping[int, Mapping[str, torch.Tensor]], eps: float = AUTHORS_DIT_EPS) -> list[int]:
     """MHLA on the layers of ``mhla`` of a diffusers ``DiTTransformer2DModel`` as their ``MHLA4DiT`` runs, with their weights.
 
     ``apply_mhla`` with their block grid (``M = sqrt(M) x sqrt(M)`` square blocks over the token grid),
-    ``input_norm=True``, ``lepe=True`` (3 x 3), ``feature_eps=eps=1e-6``, ``denominator="authors_dit"``, clamped
-    mixing; then ``mhla_input_norm <- norm``, ``mhla_lepe <- lepe``, mixing ``<- piece_attn.conv.weight[:, :, 0, 0]``.
+    ``input_norm=True``, ``lepe=True`` (3 x 3), ``feature_eps=eps``, ``denominator="authors_dit"``; then
+    ``mhla.input_norm <- norm``, ``mhla.lepe <- lepe``, mixing ``<- piece_attn.conv.weight[:, :, 0, 0]``. The mixing
+    is clamped to [0, 1] as in their training (a no-op on what it saves) unless a matrix holds values outside it:
+    their forward runs those as stored, so then every matrix is unclamped (``mixing_clamp=False``, with a warning).
+
+    Args:
+        eps: their layer's ``eps`` (features and normaliser): the run's (:func:`run_eps`).
 
     Returns:
         The MHLA layer indices.
@@ -172,18 +181,71 @@ def install_authors_dit_mhla(transformer, mhla: Mapping[int, Mapping[str, torch.
             if not torch.isfinite(value).all():
                 raise AuthorsCheckpointError(f"blocks.{i}.attn.{name} holds NaN or infinite values")
     layers = sorted(mhla)
-    apply_mhla(transformer, layers, block_grid=block_grid, eps=AUTHORS_DIT_EPS, feature_eps=AUTHORS_DIT_EPS,
-               input_norm=True, lepe=True, denominator="authors_dit")
+    apply_mhla(transformer, layers, block_grid=block_grid, eps=eps, feature_eps=eps, input_norm=True, lepe=True,
+               denominator="authors_dit", mixing_clamp=_keeps_clamp(mhla))
     modules = self_attention_modules(transformer, DIT)
     with torch.no_grad():
         for i in layers:
             attn = modules[i][1]
-            attn.mhla_mixing.weight.copy_(mhla[i]["piece_attn.conv.weight"][:, :, 0, 0].float())
-            attn.mhla_input_norm.weight.copy_(mhla[i]["norm.weight"].float())
-            attn.mhla_input_norm.bias.copy_(mhla[i]["norm.bias"].float())
-            attn.mhla_lepe.weight.copy_(mhla[i]["lepe.weight"].float())
-            attn.mhla_lepe.bias.copy_(mhla[i]["lepe.bias"].float())
+            attn.mhla.mixing.weight.copy_(mhla[i]["piece_attn.conv.weight"][:, :, 0, 0].float())
+            attn.mhla.input_norm.weight.copy_(mhla[i]["norm.weight"].float())
+            attn.mhla.input_norm.bias.copy_(mhla[i]["norm.bias"].float())
+            attn.mhla.lepe.weight.copy_(mhla[i]["lepe.weight"].float())
+            attn.mhla.lepe.bias.copy_(mhla[i]["lepe.bias"].float())
     return layers
+
+
+def _keeps_clamp(mhla: Mapping[int, Mapping[str, torch.Tensor]]) -> bool:
+    """Whether every mixing matrix lies in [0, 1] (clamping changes nothing their forward computes); else warns that
+    the matrices run unclamped, as their forward runs them."""
+    weights = {i: params["piece_attn.conv.weight"] for i, params in sorted(mhla.items())}
+    outside = {i: w for i, w in weights.items() if bool((w < 0).any() or (w > 1).any())}
+    if not outside:
+        return True
+    low = min(float(w.min()) for w in outside.values())
+    high = max(float(w.max()) for w in outside.values())
+    warnings.warn(
+        f"the mixing matrices of blocks {sorted(outside)} hold values outside [0, 1] (from {low:.4g} to {high:.4g}); their "
+        "layer's forward uses them as stored (their training clamps after each step), so the imported layers run them "
+        "unclamped (mixing_clamp=False, recorded): fine-tuning here will not clamp them either",
+        stacklevel=3,
+    )
+    return False
+
+
+def run_eps(obj, eps: float | None, src) -> float:
+    """Their layer's ``eps`` for the checkpoint object ``obj``: ``args.model_kwargs["eps"]`` of their ``train.py``
+    checkpoint (their default 1e-6 when the run set none); ``eps`` when given; 1e-6 with a warning when the file holds
+    no run arguments (a bare state dict).
+
+    Raises:
+        AuthorsCheckpointError: ``eps`` contradicting the run's, or a run's ``eps`` that is not a number >= 0.
+    """
+    kwargs = _model_kwargs(obj)
+    if kwargs is None:
+        if eps is None:
+            warnings.warn(
+                f"{src} holds no run arguments (their train.py saves args.model_kwargs beside the weights): their layers' "
+                f"eps is taken as their default {AUTHORS_DIT_EPS:g}; if the run set another, give it (eps=, --eps)",
+                stacklevel=3,
+            )
+        return AUTHORS_DIT_EPS if eps is None else float(eps)
+    recorded = kwargs.get("eps", AUTHORS_DIT_EPS)
+    if isinstance(recorded, bool) or not isinstance(recorded, (int, float)) or not 0 <= recorded < math.inf:
+        raise AuthorsCheckpointError(f"{src}: args.model_kwargs['eps'] is {recorded!r}, not a number >= 0; nothing was written")
+    if eps is not None and float(eps) != float(recorded):
+        raise AuthorsCheckpointError(
+            f"eps={eps} contradicts the run's eps={recorded} (args.model_kwargs of {src}); leave eps (--eps) out to use the "
+            "run's; nothing was written"
+        )
+    return float(recorded)
+
+
+def _model_kwargs(obj) -> Mapping | None:
+    """``obj["args"].model_kwargs`` (their ``train.py``'s argparse ``Namespace``, or a dict), else ``None``."""
+    args = obj.get("args") if isinstance(obj, Mapping) else None
+    kwargs = args.get("model_kwargs") if isinstance(args, Mapping) else getattr(args, "model_kwargs", None)
+    return kwargs if isinstance(kwargs, Mapping) else None
 
 
 def _authors_dit_block_grid(transformer, mhla) -> tuple[int, int, int]:
@@ -209,24 +271,29 @@ def load_authors_dit(
     *,
     torch_dtype: torch.dtype | None = None,
     state_dict_key: str | None = None,
+    eps: float | None = None,
 ):
     """A DiT of the authors' ``mhla_dit`` code as a diffusers pipeline (or transformer) with our MHLA layers.
 
     Args:
         src: their checkpoint (``.pt`` of their ``train.py``: choose ``state_dict_key="ema"`` or ``"model"``;
-            or a ``.safetensors``) or the loaded state dict.
+            or a ``.safetensors``), a folder holding just that file, or the loaded checkpoint (or state dict).
         config: a local diffusers DiT pipeline or transformer folder of the same architecture, or a Hub id.
         torch_dtype: base weights' dtype (``None``: the file's); MHLA parameters are float32.
+        eps: their layers' ``eps`` for a file without the run's arguments (:func:`run_eps`; ``None``: the run's, else
+            their default 1e-6).
 
     Returns:
         (tuple): ``(pipeline or None, transformer)``, the transformer in eval mode.
 
     Raises:
-        AuthorsCheckpointError: as :func:`split_authors_dit_state_dict` and :func:`install_authors_dit_mhla`; diffusers
-            keys missing or mis-shaped for the config; a ``pos_embed`` that is not the config's sin-cos table.
+        AuthorsCheckpointError: as :func:`split_authors_dit_state_dict`, :func:`install_authors_dit_mhla` and
+            :func:`run_eps`; diffusers keys missing or mis-shaped for the config; a ``pos_embed`` that is not the config's
+            sin-cos table.
         FileNotFoundError: ``src`` or ``config`` does not exist.
     """
-    name, state = authors_state(src, state_dict_key)
+    name, state, obj = authors_state(src, state_dict_key)
+    eps = run_eps(obj, eps, name)
     cls, load_kwargs, pipeline_folder = single_file_target(name, str(config), "dit")
     if cls.__name__ != "DiTTransformer2DModel":
         raise AuthorsCheckpointError(f"config {config} describes a {cls.__name__}; the authors' MHLA DiT needs a DiT config")
@@ -235,7 +302,7 @@ def load_authors_dit(
     _check_against(model, stock, pos_embed, name)
     model.load_state_dict(stock, strict=True)
     model.to(torch_dtype or storage_dtype(state))
-    install_authors_dit_mhla(model, mhla)
+    install_authors_dit_mhla(model, mhla, eps)
     model.eval()
     if pipeline_folder is None:
         return None, model
@@ -282,6 +349,7 @@ def import_authors_dit(
     torch_dtype: torch.dtype | None = None,
     overwrite: bool = False,
     state_dict_key: str | None = None,
+    eps: float | None = None,
 ) -> dict:
     """Convert their DiT checkpoint into a converted checkpoint at ``out`` (atomic); arguments as :func:`load_authors_dit`.
 
@@ -293,5 +361,5 @@ def import_authors_dit(
         Otherwise as :func:`load_authors_dit`.
     """
     model = write_import(src, out, overwrite, lambda: load_authors_dit(
-        src, config, torch_dtype=torch_dtype, state_dict_key=state_dict_key))
+        src, config, torch_dtype=torch_dtype, state_dict_key=state_dict_key, eps=eps))
     return {**mhla_spec(model), "out": str(out)}

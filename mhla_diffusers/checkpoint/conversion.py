@@ -19,6 +19,7 @@ import diffusers
 import torch
 from diffusers import DiffusionPipeline
 
+from mhla_diffusers.apply import apply_mhla
 from mhla_diffusers.checkpoint.format import (
     TRANSFORMER_COMPONENTS,
     MHLACheckpointError,
@@ -36,7 +37,7 @@ from mhla_diffusers.checkpoint.format import (
     transformer_folder,
 )
 from mhla_diffusers.families import FAMILIES, family_of, get_family
-from mhla_diffusers.models.install import apply_mhla, mhla_spec, record_selection
+from mhla_diffusers.models.installer import mhla_spec, record_selection
 from mhla_diffusers.models.provenance import is_hub_id
 from mhla_diffusers.models.spec import check_lepe_init, check_mixing_init, check_settings
 from mhla_diffusers.selection.calibration import calibration_inputs, clip_timestep_range

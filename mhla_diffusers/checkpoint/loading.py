@@ -18,21 +18,25 @@ import torch
 from diffusers import DiffusionPipeline
 from torch import nn
 
+from mhla_diffusers.apply import apply_mhla
 from mhla_diffusers.checkpoint.lora_guard import load_saved_lora
 from mhla_diffusers.checkpoint.marker import forget_marker, loading_converted
 from mhla_diffusers.checkpoint.safetensors_file import MHLACheckpointError, load_safetensors, read_safetensors_header
 from mhla_diffusers.checkpoint.spec import (
     MHLA_CONFIG_NAME,
     MHLA_WEIGHTS_NAME,
+    READABLE_VERSIONS,
     TRANSFORMER_COMPONENTS,
     check_config_against_weights,
+    current_key,
     mhla_parameters,
     read_mhla_config,
     sha256,
     transformer_folder,
 )
 from mhla_diffusers.families import canonical_model_class, family_of, pipeline_quirks, pipeline_transformers, self_attention_modules
-from mhla_diffusers.models.install import apply_mhla, record_selection
+from mhla_diffusers.models.installer import record_selection
+from mhla_diffusers.models.layer import holds_values
 from mhla_diffusers.ops import available_backends, get_backend
 
 __all__ = [
@@ -66,15 +70,17 @@ def check_base_weights(folder: Path) -> None:
 
 
 def _meta_tensors(model: nn.Module) -> list[str]:
-    """Names of the parameters and buffers of ``model`` on the meta device (no values), outside modules whose
-    weights accelerate's offload hooks (``_hf_hook``, ``device_map`` / sequential offload) hold elsewhere."""
+    """Names of the parameters and buffers of ``model`` without values (:func:`holds_values`: on the meta device, or
+    a quantized weight whose inner tensors are), outside modules whose weights accelerate's offload hooks
+    (``_hf_hook``, ``device_map`` / sequential offload) hold elsewhere."""
     offloaded = [f"{name}." if name else "" for name, m in model.named_modules() if hasattr(m, "_hf_hook")]
     tensors = [*model.named_parameters(), *model.named_buffers()]
-    return [name for name, t in tensors if t.is_meta and not any(name.startswith(p) for p in offloaded)]
+    return [name for name, t in tensors if not holds_values(t) and not any(name.startswith(p) for p in offloaded)]
 
 
 def check_loaded(model: nn.Module, source: str | os.PathLike) -> None:
-    """Refuse a loaded model with a parameter or buffer on the meta device (outside accelerate's offload hooks).
+    """Refuse a loaded model with a parameter or buffer without values (on the meta device, quantized weights
+    included: :func:`holds_values`), outside accelerate's offload hooks.
 
     Raises:
         MHLACheckpointError: naming ``source``'s weights file(s) and the tensors.
@@ -109,14 +115,16 @@ def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike, expecte
     Raises:
         MHLACheckpointError: file missing or corrupted (``expected_sha256`` mismatch included), keys
             missing or unexpected, a dtype other than float32, shapes differ, non-finite values, MHLA
-            parameters on the meta device.
+            parameters on the meta device in a layer without values (:func:`_meta_mhla_homes`: an MHLA on the meta
+            device beside quantized weights that hold values is moved to their device).
     """
     path = Path(folder) / MHLA_WEIGHTS_NAME
     if not path.is_file():
         raise MHLACheckpointError(f"{path} is missing: the MHLA mixing matrices of this checkpoint are lost")
-    tensors = load_safetensors(path, "MHLA weights")
+    version = _written_version(path)
+    tensors = {current_key(key, version): tensor for key, tensor in load_safetensors(path, "MHLA weights").items()}
     params = mhla_parameters(transformer)
-    meta = [key for key, param in params.items() if param.is_meta]
+    meta = [key for key, param in params.items() if not holds_values(param)]
     if meta:  # copy_ into a meta tensor is a no-op: the model would keep no values
         raise MHLACheckpointError(
             f"{path}: the model's {meta[0]} (and {len(meta) - 1} more) are on the meta device, so the weights cannot be "
@@ -143,6 +151,21 @@ def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike, expecte
     with torch.no_grad():
         for key, param in params.items():
             param.copy_(tensors[key])
+
+
+def _written_version(path: Path) -> int:
+    """The format version ``mhla.safetensors`` was written in (its header's ``mhla_format_version``; 1 without one).
+
+    Raises:
+        MHLACheckpointError: a version this mhla_diffusers cannot read.
+    """
+    recorded = read_safetensors_header(path).get("__metadata__", {}).get("mhla_format_version", "1")
+    if not recorded.isdigit() or int(recorded) not in READABLE_VERSIONS:
+        raise MHLACheckpointError(
+            f"{path} was written in format version {recorded!r}; this mhla_diffusers reads versions "
+            f"{', '.join(str(v) for v in READABLE_VERSIONS)} (a newer version: upgrade mhla_diffusers)"
+        )
+    return int(recorded)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

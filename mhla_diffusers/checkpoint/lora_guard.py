@@ -14,7 +14,7 @@ from torch import nn
 
 from mhla_diffusers.checkpoint.adapter import describe_lora, has_lora, load_lora, lora_is_fused, lora_merged
 from mhla_diffusers.checkpoint.safetensors_file import MHLACheckpointError
-from mhla_diffusers.models.install import idle_mhla_layers
+from mhla_diffusers.models.installer import idle_mhla_layers
 
 __all__: list[str] = []
 

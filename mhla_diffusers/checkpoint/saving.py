@@ -30,19 +30,19 @@ from mhla_diffusers.checkpoint.spec import (
     sha256,
 )
 from mhla_diffusers.families import pipeline_quirks, pipeline_transformers, self_attention_modules
-from mhla_diffusers.models.install import materialize_mhla, mhla_spec, pending_mhla_layers
+from mhla_diffusers.models.installer import mhla_spec
+from mhla_diffusers.models.lazy import materialize_mhla, pending_mhla_layers
 
 __all__ = ["save_mhla_transformer", "save_mhla_pipeline"]
 
 
 @contextlib.contextmanager
 def _without_mixing(model: nn.Module) -> Iterator[dict[tuple[str, str], nn.Module]]:
-    """Temporarily detach every MHLA submodule (``mhla_mixing``, ``mhla_output_norm``, any ``mhla_*``)
-    so that ``save_pretrained`` writes the base model."""
+    """Temporarily detach every layer's MHLA (``<attention>.mhla``) so that ``save_pretrained`` writes the base model."""
     detached = {}
     for name, module in list(model.named_modules()):
-        for child in [c for c in module._modules if c.startswith("mhla_")]:
-            detached[(name, child)] = module._modules.pop(child)
+        if module._modules.get("mhla") is not None:
+            detached[(name, "mhla")] = module._modules.pop("mhla")
     try:
         yield detached
     finally:
@@ -70,7 +70,7 @@ def _write_mhla_files(transformer: nn.Module, folder: Path) -> None:
         return
     tensors = {key: t.detach().to("cpu", torch.float32).contiguous() for key, t in mhla_parameters(transformer).items()}
     names = [name for name, _ in self_attention_modules(transformer)]
-    without = [names[i] for i in spec["layers"] if not any(k.startswith(f"{names[i]}.mhla_mixing.") for k in tensors)]
+    without = [names[i] for i in spec["layers"] if f"{names[i]}.mhla.mixing.weight" not in tensors]
     if without or pending_mhla_layers(transformer):  # never write a checkpoint that loads as another model
         raise MHLACheckpointError(
             f"the MHLA layers {without or pending_mhla_layers(transformer)} have no mixing matrix to save; run one forward "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -32,10 +33,14 @@ MHLA_WEIGHTS_NAME = "mhla.safetensors"
 
 
 # 2: the per-layer options lepe, gate, rope, feature_power, input_norm, denominator (absent: off, as every version-1
-# checkpoint).
-FORMAT_VERSION = 2
+# checkpoint). 3: a layer's MHLA is one module, ``<attention>.mhla``: keys ``<attention>.mhla.mixing.weight``,
+# ``.mhla.output_norm.weight``, ``.mhla.gate.*``, ``.mhla.lepe.*``, ``.mhla.input_norm.*`` (versions 1 and 2:
+# ``<attention>.mhla_mixing.weight``, ``.mhla_output_norm.weight``, ...; read under the new names, LEGACY_KEY).
+FORMAT_VERSION = 3
 # The versions this mhla_diffusers reads (a version-1 folder loads with the version-2 options off).
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
+# A version-1 / 2 key of a layer's MHLA part: ``<attention>.mhla_<part>.<name>``, read as ``<attention>.mhla.<part>.<name>``.
+LEGACY_KEY = re.compile(r"\.mhla_(mixing|output_norm|gate|lepe|input_norm)\.")
 # The keys each version added to mhla_config.json (and to the header's recorded settings).
 ADDED_IN = {2: ("lepe", "gate", "rope", "feature_power", "input_norm", "denominator")}
 
@@ -75,17 +80,21 @@ def checked_settings(config: dict) -> dict:
 
 
 def mhla_parameters(transformer: nn.Module) -> dict[str, torch.Tensor]:
-    """``{state-dict key: tensor}`` of every MHLA parameter / buffer of the self-attention layers that run
-    MHLA: ``<attention path>.<mhla_* submodule>.<name>`` (e.g. ``blocks.1.attn1.mhla_mixing.weight``)."""
+    """``{state-dict key: tensor}`` of every parameter / buffer of the MHLA of the self-attention layers that run
+    MHLA: ``<attention path>.mhla.<part>.<name>`` (e.g. ``blocks.1.attn1.mhla.mixing.weight``)."""
     out = {}
     for name, attn in self_attention_modules(transformer):
-        if not isinstance(getattr(attn, "processor", None), MHLAProcessor):
+        layer = getattr(attn, "mhla", None)
+        if layer is None or not isinstance(getattr(attn, "processor", None), MHLAProcessor):
             continue  # idle matrices (the layer runs another processor) are not part of the model it computes
-        for child, sub in attn._modules.items():
-            if child.startswith("mhla_") and sub is not None:
-                for key, tensor in sub.state_dict(keep_vars=True).items():
-                    out[f"{name}.{child}.{key}"] = tensor
+        for key, tensor in layer.state_dict(keep_vars=True).items():
+            out[f"{name}.mhla.{key}"] = tensor
     return out
+
+
+def current_key(key: str, version: int) -> str:
+    """``key`` of an ``mhla.safetensors`` written in format ``version``, under today's name (:data:`LEGACY_KEY`)."""
+    return LEGACY_KEY.sub(r".mhla.\1.", key) if version < 3 else key
 
 
 def sha256(path: Path) -> str:
@@ -269,5 +278,5 @@ def _mhla_keys_in_base(folder: Path) -> list[str]:
     found = []
     for file in sorted(folder.glob("*.safetensors")):
         if file.name != MHLA_WEIGHTS_NAME:
-            found += [key for key in read_safetensors_header(file) if ".mhla_" in key]
+            found += [key for key in read_safetensors_header(file) if ".mhla." in key or LEGACY_KEY.search(key)]
     return found

@@ -72,7 +72,7 @@ def attention_matrix(
     if mixing is None or layout is None:
         missing = " and ".join(name for name, x in (("mixing", mixing), ("layout", layout)) if x is None)
         raise ValueError(
-            f"kind='mhla' needs the {missing}: mixing=[M, M] (e.g. attn.mhla_mixing.clamped() or "
+            f"kind='mhla' needs the {missing}: mixing=[M, M] (e.g. attn.mhla.mixing.clamped() or "
             f"mhla_diffusers.mixing_init(layout)) and layout=BlockLayout(grid, block_grid)"
         )
     if layout.num_tokens != n:

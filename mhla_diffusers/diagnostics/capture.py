@@ -229,9 +229,10 @@ def qk_statistics(
 
 def layer_mixing(attn) -> tuple[torch.Tensor | None, tuple[int, int, int] | None]:
     """``(clamped mixing [M, M] float64, block grid)`` of an MHLA layer, or ``(None, None)``."""
-    mixing = getattr(attn, "mhla_mixing", None)
-    if mixing is None:
+    layer = getattr(attn, "mhla", None)
+    if layer is None:
         return None, None
+    mixing = layer.mixing
     return mixing.clamped().detach().to(torch.float64), tuple(mixing.block_grid)
 
 

@@ -11,7 +11,7 @@ from diffusers import DDPMScheduler
 
 from mhla_diffusers.autoencoder import vae_scale_factor
 from mhla_diffusers.checkpoint.io import atomic_write_json, atomic_write_text
-from mhla_diffusers.data import PHOTO_NAMES, PhotoCrops
+from mhla_diffusers.data.photos import PHOTO_NAMES, PhotoCrops
 from mhla_diffusers.diagnostics.attention import KINDS
 from mhla_diffusers.diagnostics.capture import capture_query_key, layer_mixing, qk_statistics
 from mhla_diffusers.diagnostics.plots import plot_mixing_matrix, plot_rank_entropy

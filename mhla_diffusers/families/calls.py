@@ -2,9 +2,9 @@
 
 :class:`~mhla_diffusers.MHLAProcessor` runs, for every self-attention call, ``split_arguments`` and
 ``check_arguments`` (what the family's stock processor accepts), ``tokens`` (``[B, N, C]``),
-``project`` (q, k, v with the layer's own weights and q/k norms), ``feature_rotary`` (Wan's RoPE),
-``blocks`` (the layer's block grid on this call's token grid) and ``finish`` (the stock output path).
-Each reads only the :class:`~mhla_diffusers.models.families.Family` fields, so a family is data.
+``project`` (q, k, v with the layer's own weights and q/k norms), ``feature_rotary`` (Wan's RoPE) and
+``finish`` (the stock output path).
+Each reads only the :class:`~mhla_diffusers.families.base.Family` fields, so a family is data.
 """
 
 from __future__ import annotations
@@ -13,9 +13,6 @@ import inspect
 from typing import Callable, NamedTuple
 
 import torch
-
-from mhla_diffusers.ops.layout import BlockLayout, get_layout, occupied_layout
-from mhla_diffusers.ops.mixing import MixingMatrix
 
 __all__ = ["FamilyAttention", "StockSignature"]
 
@@ -140,18 +137,6 @@ class FamilyAttention:
                 f"a rotary embedding was passed but the model family {self.name or None!r} has no RoPE handling in MHLA"
             )
         return self.rotary(rotary_emb)
-
-    def blocks(self, mixing: MixingMatrix, grid: tuple[int, int, int]) -> tuple[BlockLayout, torch.Tensor]:
-        """``(layout, Mc)``: the layer's block grid on this call's token grid and the clamped mixing matrix,
-        restricted to the blocks holding tokens where some axis has fewer tokens than blocks."""
-        block_grid = mixing.block_grid
-        compiling = torch.compiler.is_compiling()  # traced: plain constructions, never the lru caches
-        if self.empty_blocks and any(b > n for b, n in zip(block_grid, grid)):
-            layout, index = (occupied_layout.__wrapped__ if compiling else occupied_layout)(grid, block_grid)
-            weight = mixing.clamped()
-            index = index.to(weight.device)
-            return layout, weight.index_select(0, index).index_select(1, index)
-        return (BlockLayout(grid, block_grid) if compiling else get_layout(grid, block_grid)), mixing.clamped()
 
     def finish(self, attn, hidden_states: torch.Tensor, call: CallInput, dtype: torch.dtype) -> torch.Tensor:
         """Attention output ``[B, heads, N, dv]`` -> the layer output, as the stock processor returns it:

@@ -16,7 +16,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-from mhla_diffusers.models.families import family_name_of_type, family_of, supported_model_classes
+from mhla_diffusers.families import family_name_of_type, family_of, supported_model_classes
 from mhla_diffusers.ops.layout import normalize_grid
 
 __all__ = [
@@ -73,10 +73,10 @@ def current_model() -> nn.Module | None:
     return frames[-1].model if frames else None
 
 
-def grid_of_call(mixing, num_tokens: int) -> tuple[int, int, int]:
+def grid_of_call(layer, num_tokens: int) -> tuple[int, int, int]:
     """The token grid of this self-attention call: the one published for the running forward, else (a
-    layer recomputed in the backward pass outside diffusers' checkpointing) the one grid ``mixing``
-    ran on with ``num_tokens`` tokens, if it saw only one. Records it in ``mixing.seen_grids``.
+    layer recomputed in the backward pass outside diffusers' checkpointing) the one grid ``layer`` (the
+    layer's MHLA) ran on with ``num_tokens`` tokens, if it saw only one. Records it in ``layer.seen_grids``.
 
     Raises:
         RuntimeError: no grid published, and none (or several) recorded for ``num_tokens``; never a guess.
@@ -84,7 +84,7 @@ def grid_of_call(mixing, num_tokens: int) -> tuple[int, int, int]:
     grid = current_grid()
     if grid is None:
         in_backward = torch._C._current_graph_task_id() != -1
-        grids = getattr(mixing, "seen_grids", {}).get(num_tokens, ()) if in_backward else ()
+        grids = layer.seen_grids.get(num_tokens, ()) if in_backward else ()
         if len(grids) == 1:
             return next(iter(grids))
         if len(grids) > 1:
@@ -103,9 +103,7 @@ def grid_of_call(mixing, num_tokens: int) -> tuple[int, int, int]:
     # Not while torch.compile traces: a traced dict update would make every call re-check it, and
     # there the grid is a constant of the graph.
     if not torch.compiler.is_compiling():
-        if getattr(mixing, "seen_grids", None) is None:
-            mixing.seen_grids = {}
-        mixing.seen_grids.setdefault(num_tokens, set()).add(grid)
+        layer.seen_grids.setdefault(num_tokens, set()).add(grid)
     return grid
 
 

@@ -1,20 +1,24 @@
 """MHLA on given self-attention layers of a diffusers transformer: install, remove, inspect.
 
-The mechanism under :func:`~mhla_diffusers.apply_mhla` (``models/install.py``, which turns ``layers=``
+The mechanism under :func:`~mhla_diffusers.apply_mhla` (``mhla_diffusers/apply.py``, which turns ``layers=``
 into indices with :mod:`mhla_diffusers.selection`); the sensitivity measurement installs MHLA one
-layer at a time with :func:`install_mhla`. ``set_attn_processor`` for any model.
+layer at a time with :func:`install_mhla`. ``set_attn_processor`` for any model. What a checkpoint records
+(:func:`mhla_spec`) is read from the layers' own MHLA (``attn.mhla``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Mapping, Sequence
 
 from torch import nn
 
+from mhla_diffusers.families import attention_modules, family_of, self_attention_modules, stock_processor
 from mhla_diffusers.models import spec as settings_spec
-from mhla_diffusers.models.families import attention_modules, family_of, self_attention_modules, stock_processor
 from mhla_diffusers.models.grid import install_grid_hooks, remove_grid_hooks
+from mhla_diffusers.models.layer import create_layer
 from mhla_diffusers.models.lazy import forget_first_forward, pending_mhla_layers, remove_load_hook
+from mhla_diffusers.models.offload import follow_group_offloading
 from mhla_diffusers.models.processor import MHLAProcessor
 from mhla_diffusers.models.provenance import warn_fresh_mixing
 
@@ -64,50 +68,42 @@ def install_mhla(
     reference = family.reference_grid(transformer.config)
     settings_spec.check_mixing_init(init)
     settings_spec.check_lepe_init(lepe_init)
-    for name, value in (("lepe", lepe), ("input_norm", input_norm)):
+    for name, value in (("lepe", lepe), ("input_norm", input_norm), ("normalize", normalize), ("mixing_clamp", mixing_clamp)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False; got {value!r}")
-    processor = _resolved_processor(family, reference, num_blocks=num_blocks, block_grid=block_grid, normalize=normalize,
-                                    eps=eps, backend=backend, output_norm=output_norm, feature_eps=feature_eps,
-                                    feature_power=feature_power, rope=rope, gate=gate, lepe=lepe, input_norm=input_norm,
-                                    denominator=denominator)
+    request = MHLAProcessor(num_blocks=num_blocks, block_grid=block_grid, normalize=normalize, eps=eps, family=family,
+                            output_norm=output_norm, feature_eps=feature_eps, feature_power=feature_power, rope=rope,
+                            gate=gate, lepe=lepe, input_norm=input_norm, denominator=denominator, mixing_clamp=mixing_clamp)
+    settings = _fitting_settings(request, family, reference)
     _refuse_installed(transformer, [modules[i] for i in chosen])
     warn_fresh_mixing(transformer)
+    runner = MHLAProcessor(backend=backend, family=family)  # the layers hold their settings; the processor runs them
     names = []
     for i in chosen:
         name, attn = modules[i]
-        mixing = processor.attach(attn, reference, init=init, family=family, lepe_init=lepe_init)
-        mixing.clamp = bool(mixing_clamp)
-        attn.set_processor(processor)
+        create_layer(attn, settings, family, init=init, lepe_init=lepe_init)
+        attn.set_processor(runner)
         names.append(name)
+    follow_group_offloading(transformer, [modules[i] for i in chosen])
     install_grid_hooks(transformer)
     return names
 
 
-def _resolved_processor(family, reference, *, eps, **settings) -> MHLAProcessor:
-    """The processor :func:`install_mhla` installs, block grid, output norm, gate and LePE resolved on ``reference``
-    (``rope="none"`` on a family without RoPE: the default, nothing to rotate)."""
-    processor = MHLAProcessor(eps=family.default_eps if eps is None else eps, family=family, **settings)
-    settings_spec.check_family_settings(processor, family)
-    resolved = processor.resolve_block_grid(reference, family)
-    processor.block_grid, processor.block_grid_preset = resolved, None
-    processor.output_norm = processor.resolve_output_norm(family)
-    processor.gate = settings_spec.resolve_gate(processor) or False
-    processor.lepe = settings_spec.resolve_lepe(processor)
-    processor.input_norm = settings_spec.resolve_input_norm(processor)
-    if family.rotary is None:
-        processor.rope = None
-    for axis, (n, b) in enumerate(zip(reference, resolved)):
+def _fitting_settings(request: MHLAProcessor, family, reference) -> settings_spec.LayerSettings:
+    """The layer settings ``request`` gives on ``family``'s native grid ``reference``; ``ValueError`` for a block grid
+    larger than that grid on some axis."""
+    settings = settings_spec.resolve_settings(request, family, reference)
+    for axis, (n, b) in enumerate(zip(reference, settings.block_grid)):
         if b > n:
             raise ValueError(
-                f"block grid {resolved} does not fit the model's native token grid {reference} on axis {'THW'[axis]}"
+                f"block grid {settings.block_grid} does not fit the model's native token grid {reference} on axis {'THW'[axis]}"
             )
-    return processor
+    return settings
 
 
 def _refuse_installed(transformer: nn.Module, chosen: list[tuple[str, nn.Module]]) -> None:
     """Raise ``ValueError`` naming ``remove_mhla`` if a chosen layer already has a mixing matrix."""
-    already = [name for name, attn in chosen if getattr(attn, "mhla_mixing", None) is not None]
+    already = [name for name, attn in chosen if getattr(attn, "mhla", None) is not None]
     if not already:
         return
     idle = idle_mhla_layers(transformer)
@@ -133,17 +129,17 @@ def record_selection(transformer: nn.Module, selection: dict) -> None:
 
 
 def remove_mhla(transformer: nn.Module) -> list[str]:
-    """Undo :func:`apply_mhla` / MHLA processors: stock processors back, mixing matrices (and output norms, gates,
-    LePE convolutions) removed.
+    """Undo :func:`apply_mhla` / MHLA processors: stock processors back, each layer's MHLA (``attn.mhla``: mixing
+    matrix, output norm, gate, LePE) removed.
 
     Returns the names of the attention modules that had MHLA.
     """
     family = family_of(transformer)
     removed = []
     for key, attn in attention_modules(transformer).items():
-        had = getattr(attn, "mhla_mixing", None) is not None
-        for name in [n for n in attn._modules if n.startswith("mhla_")]:  # mixing matrix, output norm, gate, LePE
-            delattr(attn, name)
+        had = getattr(attn, "mhla", None) is not None
+        if had:
+            delattr(attn, "mhla")
         if isinstance(attn.processor, MHLAProcessor):
             attn.set_processor(stock_processor(family, key[: -len(".processor")]))
             had = True
@@ -156,29 +152,15 @@ def remove_mhla(transformer: nn.Module) -> list[str]:
     return removed
 
 
-def _layer_settings(proc: MHLAProcessor, attn: nn.Module, family, reference) -> tuple:
-    """``(block grid, normalize, eps, backend, optional)`` of one MHLA layer, ``optional`` the values of
-    :data:`~mhla_diffusers.models.spec.SETTINGS_OFF`'s keys in its order (``""`` for ``None``: comparable);
-    a pending one-liner layer gives the settings its first forward will create."""
-    mixing = getattr(attn, "mhla_mixing", None)
-    if mixing is None:  # created at the first forward
-        block_grid = tuple(proc.resolve_block_grid(reference, family))
-        output_norm = getattr(attn, "mhla_output_norm", None) is not None or proc.resolve_output_norm(family)
-        gate, lepe = settings_spec.resolve_gate(proc), settings_spec.resolve_lepe(proc)
-        input_norm = settings_spec.resolve_input_norm(proc)
-    else:
-        proc.check_layer(attn, reference, family)  # a processor whose explicit spec the matrix contradicts
-        block_grid = mixing.block_grid
-        output_norm = getattr(attn, "mhla_output_norm", None) is not None
-        gate = getattr(getattr(attn, "mhla_gate", None), "form", None)
-        lepe = getattr(attn, "mhla_lepe", None) is not None
-        input_norm = getattr(attn, "mhla_input_norm", None) is not None
-    eps = family.default_eps if proc.eps is None else proc.eps
-    rope = proc.rope if family.rotary is not None and proc.rope in ("before", "none") else None
-    optional = dict(output_norm=bool(output_norm), feature_eps=proc.feature_eps, feature_power=proc.feature_power,
-                    mixing_clamp=True if mixing is None else mixing.clamp, rope=rope or "", gate=gate or "", lepe=lepe,
-                    input_norm=input_norm, denominator=proc.denominator)
-    return tuple(block_grid), proc.normalize, eps, proc.backend, tuple(optional[key] for key in settings_spec.SETTINGS_OFF)
+def _layer_record(proc: MHLAProcessor, attn: nn.Module, family, reference) -> tuple:
+    """``(LayerSettings, backend)`` of one MHLA layer: its own record, checked against its processor's explicit
+    settings, or, for a pending one-liner layer, what its first forward will create."""
+    layer = getattr(attn, "mhla", None)
+    if layer is None:  # created at the first forward
+        return settings_spec.resolve_settings(proc, family, reference), proc.backend
+    layer.settle(settings_spec.resolve_settings(proc, family, reference, block_grid=layer.mixing.block_grid))
+    settings_spec.check_layer(proc, layer, reference, family)  # a processor the layer contradicts: refused, never saved
+    return layer.settings, proc.backend
 
 
 def set_attn_processor(model: nn.Module, processor) -> None:
@@ -203,10 +185,14 @@ def set_attn_processor(model: nn.Module, processor) -> None:
         family = family_of(model)
         reference = family.reference_grid(model.config)
         warn_fresh_mixing(model)
-        for name, attn in self_attention_modules(model, family):
-            proc = mapping.get(f"{name}.processor")
+        modules = [(attn, mapping.get(f"{name}.processor")) for name, attn in self_attention_modules(model, family)]
+        for attn, proc in modules:  # every contradiction refused before any layer changes
+            if isinstance(proc, MHLAProcessor) and getattr(attn, "mhla", None) is not None:
+                settings_spec.check_layer(proc, attn.mhla, reference, family)
+        for attn, proc in modules:
             if isinstance(proc, MHLAProcessor):
                 proc.attach(attn, reference, family=family)
+        follow_group_offloading(model, self_attention_modules(model, family))
     if hasattr(model, "set_attn_processor"):
         model.set_attn_processor(dict(mapping))
     else:
@@ -230,12 +216,12 @@ def is_mhla_model(model: nn.Module) -> bool:
 
 
 def _runs_mhla(attn: nn.Module) -> bool:
-    return isinstance(getattr(attn, "processor", None), MHLAProcessor) and getattr(attn, "mhla_mixing", None) is not None
+    return isinstance(getattr(attn, "processor", None), MHLAProcessor) and getattr(attn, "mhla", None) is not None
 
 
 def idle_mhla_layers(model: nn.Module) -> dict[str, str]:
-    """``{attention path: processor class name}`` of the layers that keep MHLA parameters (a mixing
-    matrix, an output norm) but run another processor, e.g. after diffusers' own
+    """``{attention path: processor class name}`` of the layers that keep their MHLA (``attn.mhla``: a mixing
+    matrix, ...) but run another processor, e.g. after diffusers' own
     ``model.set_attn_processor(<stock processor>)``: those layers compute the stock attention, and
     neither :func:`is_mhla_model` nor :func:`mhla_spec` (so no saved checkpoint) counts them. Their
     matrices stay on the model: ``set_attn_processor(MHLAProcessor())`` runs them again,
@@ -243,7 +229,7 @@ def idle_mhla_layers(model: nn.Module) -> dict[str, str]:
     return {
         key[: -len(".processor")]: type(attn.processor).__name__
         for key, attn in attention_modules(model).items()
-        if any(name.startswith("mhla_") for name in attn._modules) and not isinstance(attn.processor, MHLAProcessor)
+        if getattr(attn, "mhla", None) is not None and not isinstance(attn.processor, MHLAProcessor)
     }
 
 
@@ -261,7 +247,7 @@ def mhla_spec(transformer: nn.Module) -> dict | None:
     """
     family = family_of(transformer)
     modules = self_attention_modules(transformer, family)
-    layers, specs = [], set()
+    layers, records = [], set()
     reference = None
     for i, (_, attn) in enumerate(modules):
         proc = getattr(attn, "processor", None)
@@ -269,30 +255,43 @@ def mhla_spec(transformer: nn.Module) -> dict | None:
             continue  # no MHLA, or another processor: a matrix there is idle, the layer computes that processor's attention
         reference = reference or family.reference_grid(transformer.config)
         layers.append(i)
-        specs.add(_layer_settings(proc, attn, family, reference))
+        records.add(_layer_record(proc, attn, family, reference))
     if not layers:
         return None
-    if len(specs) > 1:
-        raise ValueError(f"MHLA layers use different settings {sorted(specs)}; one checkpoint config holds one setting")
-    block_grid, normalize, eps, backend, optional = specs.pop()
-    extra = {}  # only the settings that are on
-    for key, value in zip(settings_spec.SETTINGS_OFF, optional):
-        if key in ("rope", "gate"):
-            value = value or None  # "" stood for None in the comparable tuple
-        if value != settings_spec.SETTINGS_OFF[key]:
-            extra[key] = value
-    selection = transformer.__dict__.get(_SELECTION)
-    if selection is not None and selection.get("softmax_layers") == [i for i in range(len(modules)) if i not in layers]:
-        extra["selection"] = selection  # absent: chosen by a fixed rule or by hand
+    if len(records) > 1:
+        raise ValueError(f"MHLA layers use different settings {sorted(records, key=repr)}; one checkpoint config holds one setting")
+    settings, backend = records.pop()
     return {
         "family": family.name,
         "model_class": type(transformer).__name__,
         "num_layers": len(modules),
         "layers": layers,
-        "block_grid": list(block_grid),
-        "num_blocks": block_grid[0] * block_grid[1] * block_grid[2],
-        "normalize": normalize,
-        "eps": eps,
+        "block_grid": list(settings.block_grid),
+        "num_blocks": math.prod(settings.block_grid),
+        "normalize": settings.normalize,
+        "eps": settings.eps,
         "backend": backend,
-        **extra,
+        **_settings_on(settings),
+        **_selection_of(transformer, layers, len(modules)),
     }
+
+
+def _settings_on(settings: settings_spec.LayerSettings) -> dict:
+    """The optional settings (:data:`~mhla_diffusers.models.spec.SETTINGS_OFF`) that are on; ``rope="after"``, the
+    default where the family has RoPE, is written as absent."""
+    out = {}
+    for key, off in settings_spec.SETTINGS_OFF.items():
+        value = getattr(settings, key)
+        if key == "rope" and value == "after":
+            value = None
+        if value != off:
+            out[key] = value
+    return out
+
+
+def _selection_of(transformer: nn.Module, layers: list[int], num_layers: int) -> dict:
+    """``{"selection": record}`` when :func:`record_selection`'s record still describes ``layers``, else ``{}``."""
+    selection = transformer.__dict__.get(_SELECTION)
+    if selection is not None and selection.get("softmax_layers") == [i for i in range(num_layers) if i not in layers]:
+        return {"selection": selection}
+    return {}  # chosen by a fixed rule or by hand

@@ -12,8 +12,7 @@ import weakref
 import torch
 from torch import nn
 
-from mhla_diffusers.models import spec
-from mhla_diffusers.models.families import (
+from mhla_diffusers.families import (
     attention_family,
     attention_modules,
     family_of,
@@ -21,15 +20,16 @@ from mhla_diffusers.models.families import (
     self_attention_modules,
     supported_model_classes,
 )
+from mhla_diffusers.models import spec
 from mhla_diffusers.models.grid import GridReader, await_model, close_frame, current_model, install_grid_hooks
-from mhla_diffusers.models.layer_state import attach, create_layer_state, layer_requires_grad
+from mhla_diffusers.models.layer import MHLALayer, attach, create_layer, layer_requires_grad
+from mhla_diffusers.models.offload import follow_group_offloading
 from mhla_diffusers.models.provenance import warn_fresh_mixing
-from mhla_diffusers.ops.mixing import MixingMatrix
 
 __all__ = [
     "forget_first_forward",
     "materialize_mhla",
-    "mixing_at_first_forward",
+    "layer_at_first_forward",
     "pending_mhla_layers",
     "remove_load_hook",
     "track_processor",
@@ -46,8 +46,8 @@ _NOT_MATERIALIZED = (
 )
 
 
-def mixing_at_first_forward(processor, attn) -> MixingMatrix:
-    """Create the mixing matrix of ``attn``, which has none, inside the running transformer's forward.
+def layer_at_first_forward(processor, attn) -> MHLALayer:
+    """Create the MHLA of ``attn`` (``attn.mhla``), which has none, inside the running transformer's forward.
 
     Raises:
         RuntimeError: outside a supported transformer, and under ``torch.export`` /
@@ -76,20 +76,21 @@ def mixing_at_first_forward(processor, attn) -> MixingMatrix:
     if not model.__dict__.get(_SOURCE_CHECKED):  # once per model, before its first matrix exists
         model.__dict__[_SOURCE_CHECKED] = True
         warn_fresh_mixing(model)
-    mixing = attach(processor, attn, running.reference_grid(model.config), family=running, requires_grad=layer_requires_grad(attn))
+    layer = attach(processor, attn, running.reference_grid(model.config), family=running, requires_grad=layer_requires_grad(attn))
+    follow_group_offloading(model, [(name, m) for name, m in model.named_modules() if m is attn])
     _warn_created_at_forward(model, compiled=False)
-    return mixing
+    return layer
 
 
 @torch.compiler.disable(reason=_NOT_MATERIALIZED.format(what="torch.compile(fullgraph=True)"))
-def _materialize_eagerly(processor, attn) -> MixingMatrix:
+def _materialize_eagerly(processor, attn) -> MHLALayer:
     """The running model's pending MHLA layers get their matrices now (outside the traced graph)."""
     model = current_model()
     if model is not None:
         materialize_mhla(model)
         _warn_created_at_forward(model, compiled=True)
-    mixing = getattr(attn, "mhla_mixing", None)
-    return mixing if mixing is not None else mixing_at_first_forward(processor, attn)
+    layer = getattr(attn, "mhla", None)
+    return layer if layer is not None else layer_at_first_forward(processor, attn)
 
 
 def _warn_created_at_forward(model: nn.Module, compiled: bool) -> None:
@@ -132,15 +133,17 @@ class _PendingMixingLoader:
     """``load_state_dict`` pre-hook creating a pending layer's matrix when its block grid is known without the model."""
 
     def __call__(self, attn, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        key = f"{prefix}mhla_mixing.weight"
+        key = f"{prefix}mhla.mixing.weight"
         processor = getattr(attn, "processor", None)
-        if key not in state_dict or getattr(attn, "mhla_mixing", None) is not None or not isinstance(processor, GridReader):
+        if key not in state_dict or getattr(attn, "mhla", None) is not None or not isinstance(processor, GridReader):
             return
         family = processor.family or attention_family(attn)
         block_grid = spec.explicit_block_grid(processor, None, family)
         if block_grid is not None:
-            create_layer_state(processor, attn, block_grid, family, "locality", layer_requires_grad(attn))
-            attn.mhla_mixing.verified = False  # made without the model: its first forward checks it against its family
+            settings = spec.resolve_settings(processor, family, None, block_grid=block_grid)
+            layer = create_layer(attn, settings, family, requires_grad=layer_requires_grad(attn))
+            layer.verified = False  # made without the model: its first forward checks it against its family
+            layer.unsettled = family is None  # and takes its family's defaults (eps, RoPE) there
             return
         if not any(_PENDING_LOAD in msg for msg in error_msgs):  # one message, not one per layer
             error_msgs.append(
@@ -168,12 +171,15 @@ def remove_load_hook(attn: nn.Module) -> None:
 # -- the registration hook, while an MHLAProcessor exists ------------------------------------------
 def _on_module_registration(module: nn.Module, name: str, submodule: nn.Module):
     """An ``MHLAProcessor`` set as a module's ``processor`` (diffusers' ``set_processor``): the layer can
-    load MHLA weights, its state is checked at its next forward, and it waits for its transformer."""
+    load MHLA weights, a setting the processor was given that contradicts the layer's MHLA is refused now
+    (``ValueError``, the processor not set), what needs the model (``num_blocks``) at the next forward, and
+    the layer waits for its transformer."""
     if name == "processor" and isinstance(submodule, GridReader):
+        layer = getattr(module, "mhla", None)
+        if layer is not None:
+            spec.check_layer(submodule, layer, None, submodule.family or attention_family(module), partial=True)
+            layer.verified = False
         _add_load_hook(module)
-        mixing = getattr(module, "mhla_mixing", None)
-        if mixing is not None:
-            mixing.verified = False
         await_model(module)
     return None
 
@@ -209,13 +215,13 @@ def pending_mhla_layers(model: nn.Module) -> list[str]:
     return [
         name
         for name, attn in self_attention_modules(model, family)
-        if isinstance(getattr(attn, "processor", None), GridReader) and getattr(attn, "mhla_mixing", None) is None
+        if isinstance(getattr(attn, "processor", None), GridReader) and getattr(attn, "mhla", None) is None
     ]
 
 
 def materialize_mhla(transformer: nn.Module) -> list[str]:
-    """Create now the mixing matrices (and output norms, gates, LePE) the first forward would create for
-    :func:`pending_mhla_layers`.
+    """Create now the layers' MHLA (``attn.mhla``: mixing matrix, and output norm, gate, LePE where asked) the first
+    forward would create for :func:`pending_mhla_layers`.
 
     Same block grid, locality init (gate and LePE at their neutral starts), fp32, ``requires_grad`` as the
     projection weights. Call it right after
@@ -246,5 +252,6 @@ def materialize_mhla(transformer: nn.Module) -> list[str]:
         if name in pending:
             attach(attn.processor, attn, reference, family=family, requires_grad=layer_requires_grad(attn))
             done.append(name)
+    follow_group_offloading(transformer, self_attention_modules(transformer, family))
     install_grid_hooks(transformer)
     return done

@@ -371,9 +371,17 @@ def _has_lepe(attn: nn.Module) -> bool:
     processor = getattr(attn, "processor", None)
     if not isinstance(processor, GridReader):
         return False
-    if getattr(attn, "mhla_lepe", None) is not None:
-        return True
-    return getattr(attn, "mhla_mixing", None) is None and bool(getattr(processor, "lepe", None))
+    layer = getattr(attn, "mhla", None)
+    return bool(getattr(processor, "lepe", None)) if layer is None else layer.lepe is not None
+
+
+def _denominator(attn: nn.Module) -> str:
+    """The normaliser the layer runs with MHLA (its own, or a pending one-liner layer's processor's), else ``"paper"``."""
+    processor = getattr(attn, "processor", None)
+    if not isinstance(processor, GridReader):
+        return "paper"
+    layer = getattr(attn, "mhla", None)
+    return (getattr(processor, "denominator", None) if layer is None else layer.denominator) or "paper"
 
 
 # diffusers 0.42 backends whose attention refuses return_lse=True (ring attention needs it); "native" is the default
@@ -412,9 +420,7 @@ def enable_context_parallel(model: nn.Module, config) -> None:
             "context parallelism a rank holds only its share of the tokens: LePE is not supported under context "
             "parallelism; run this model in one process, or convert without lepe"
         )
-    positional = [name for name, attn in self_attention_modules(model, family_of(model))
-                  if isinstance(getattr(attn, "processor", None), GridReader)
-                  and getattr(attn.processor, "denominator", "paper") != "paper"]
+    positional = [name for name, attn in self_attention_modules(model, family_of(model)) if _denominator(attn) != "paper"]
     if positional:
         raise ValueError(
             f"{positional} use the authors' DiT normaliser (denominator='authors_dit'), which pairs each query with the "

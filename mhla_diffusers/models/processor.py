@@ -1,32 +1,30 @@
 """``MHLAProcessor``: a diffusers attention processor computing self-attention with MHLA (paper Sec. 3.2).
 
-A call reads like the equation: the family projects q, k, v with the layer's own weights; MHLA mixes
-the block summaries of the call's token grid with the layer's matrix; the family finishes the output
-as its stock processor does. Installing (settings, block grid, per-layer state) lives in
-:mod:`~mhla_diffusers.models.spec`, :mod:`~mhla_diffusers.models.layer_state` and, for the bare
-one-liner, :mod:`~mhla_diffusers.models.lazy`.
+A call reads like the equation: the family projects q, k, v with the layer's own weights; the layer's
+MHLA mixes the block summaries of the call's token grid with its matrix; the family finishes the output
+as its stock processor does. The layer's own module, ``attn.mhla`` (:mod:`~mhla_diffusers.models.layer`),
+holds what it computes; settings and their checks live in :mod:`~mhla_diffusers.models.spec`, the bare
+one-liner's late creation in :mod:`~mhla_diffusers.models.lazy`.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import torch
 from torch import nn
 
-from mhla_diffusers.models import layer_state, lazy, spec
-from mhla_diffusers.models.families import GENERIC, attention_family, find_family, get_family
+from mhla_diffusers.families import GENERIC, attention_family, find_family, get_family
+from mhla_diffusers.models import lazy, spec
 from mhla_diffusers.models.grid import GridReader, await_model, current_model, grid_of_call
-from mhla_diffusers.models.layer_state import LePE, OutputGate, OutputRMSNorm
+from mhla_diffusers.models.layer import MHLALayer, attach
+from mhla_diffusers.models.layer_parts import LePE, OutputGate, OutputRMSNorm
 from mhla_diffusers.models.lazy import materialize_mhla, pending_mhla_layers
-from mhla_diffusers.models.parallel import context_shard, sharded_mhla_attention
-from mhla_diffusers.ops import mhla_attention
 from mhla_diffusers.ops.layout import get_layout, occupied_layout
-from mhla_diffusers.ops.mixing import MixingMatrix
 
 __all__ = [
     "MHLAProcessor",
+    "MHLALayer",
     "OutputRMSNorm",
     "OutputGate",
     "LePE",
@@ -41,71 +39,71 @@ class MHLAProcessor(GridReader, nn.Module):
     """Attention processor: MHLA (paper Sec. 3.2) on self-attention, the family's stock processor, unchanged, on cross-attention.
 
     Install with ``mhla_diffusers.apply_mhla(transformer)`` or ``transformer.set_attn_processor(MHLAProcessor())``
-    (matrices at the first forward, or ``materialize_mhla``). One processor may serve many layers; each
-    keeps its own ``mhla_mixing`` / ``mhla_output_norm`` / ``mhla_gate`` / ``mhla_lepe``. ``M = 1`` is plain
-    linear attention. An ``nn.Module`` without parameters. The contract: ``docs/processor.md``.
+    (layers made at the first forward, or ``materialize_mhla``). A layer's MHLA is its own module, ``attn.mhla``
+    (:class:`~mhla_diffusers.models.layer.MHLALayer`: settings, mixing matrix, output norm, gate, LePE), which the
+    processor runs as recorded; one processor may serve many layers. Settings given here are the defaults of
+    layers that have no MHLA yet; over a layer that has, a given setting must agree with its record. ``M = 1``
+    is plain linear attention. An ``nn.Module`` without parameters. The contract: ``docs/processor.md``.
     """
 
     _attention_backend = None  # set by diffusers' set_attention_backend; forwarded to the stock processors
-    # the settings added with checkpoint format 2, at their defaults for processors pickled before they existed
-    feature_power, rope, gate, lepe, input_norm, denominator = 1.0, None, None, None, None, "paper"
 
     def __init__(
         self,
         num_blocks: int | None = None,
         block_grid: Sequence[int] | str | None = None,
-        normalize: bool = True,
+        normalize: bool | None = None,
         eps: float | None = None,
         backend: str = "auto",
         family: str | None = None,
         output_norm: bool | None = None,
-        feature_eps: float = 0.0,
+        feature_eps: float | None = None,
         *,
-        feature_power: float = 1.0,
+        feature_power: float | None = None,
         rope: str | None = None,
         gate: bool | str | None = None,
         lepe: bool | None = None,
         input_norm: bool | None = None,
-        denominator: str = "paper",
+        denominator: str | None = None,
+        mixing_clamp: bool | None = None,
     ):
-        """Args:
-            num_blocks: target ``M`` without ``block_grid`` (``None``: family default, Wan 105, else ``round(sqrt(N) / 2)``).
+        """Each setting ``None`` (the default) is the layer's: as recorded on a layer with MHLA, the default below
+        for a layer without. Given, it is what a new layer gets and must agree with an existing layer's record.
+
+        Args:
+            num_blocks: target ``M`` without ``block_grid`` (fresh: family default, Wan 105, else ``round(sqrt(N) / 2)``).
             block_grid: ``(bt, bh, bw)`` / ``(bh, bw)`` or a family preset; fixed per layer, stretched at other sizes.
-            normalize: divide by ``phi(q) . z~ + eps`` (the paper's form) or numerator only.
-            eps: denominator epsilon (``None``: the family's, DiT / Wan 1e-6, SANA 1e-15).
-            backend: ``"auto"`` or one of :func:`~mhla_diffusers.available_backends`.
+            normalize: divide by ``phi(q) . z~ + eps`` (the paper's form; fresh: ``True``) or numerator only.
+            eps: denominator epsilon (fresh: the family's, DiT / Wan 1e-6, SANA 1e-15).
+            backend: ``"auto"`` or one of :func:`~mhla_diffusers.available_backends`: how this processor runs its
+                layers (a run-time choice, not a layer setting: every backend gives the same numbers).
             family: for attention modules called outside their transformer (``None``: the running one's).
-            output_norm: per-head RMSNorm on the output (``None``: Wan when ``normalize=False``).
-            feature_eps: ``phi(x) = ReLU(x) ** feature_power + feature_eps``.
-            feature_power: ``p`` of ``phi = ReLU(x) ** p`` (1: ReLU).
-            rope: families with RoPE (Wan): ``"after"`` the feature map, numerator only (``None``: the default),
-                ``"before"`` it (q, k rotated, then phi), ``"none"``; a family without RoPE takes ``None`` / ``"none"``.
+            output_norm: per-head RMSNorm on the output (fresh: on for Wan with ``normalize=False``, else off).
+            feature_eps: ``phi(x) = ReLU(x) ** feature_power + feature_eps`` (fresh: 0).
+            feature_power: ``p`` of ``phi = ReLU(x) ** p`` (fresh: 1, ReLU).
+            rope: families with RoPE (Wan): ``"after"`` the feature map, numerator only (fresh), ``"before"`` it
+                (q, k rotated, then phi), ``"none"``; a family without RoPE takes ``None`` / ``"none"``.
             gate: output gate from the layer's input tokens: ``"neutral"`` (``True``; ``out * 2 sigmoid(W x + b)``,
-                zero start) or ``"authors"`` (``out * SiLU(W x + b)``); ``False``: none; ``None``: the layer's (none fresh).
-            lepe: a depthwise convolution of the values over the token grid added to the output (``None``: the layer's).
-            input_norm: a LayerNorm (``mhla_input_norm``) on the tokens entering q, k, v, gate and LePE, as the
-                authors' DiT layer has (``None``: the layer's; none at a fresh install). For imported weights.
-            denominator: ``"paper"`` (``phi(q) . z~``) or ``"authors_dit"``, the authors' DiT layer's normaliser
-                (:mod:`~mhla_diffusers.ops.positional`; needs the normaliser and blocks of equal size).
+                zero start) or ``"authors"`` (``out * SiLU(W x + b)``); ``False``: none (fresh).
+            lepe: a depthwise convolution of the values over the token grid added to the output (fresh: none).
+            input_norm: a LayerNorm (``attn.mhla.input_norm``) on the tokens entering q, k, v, gate and LePE, as the
+                authors' DiT layer has (fresh: none). For imported weights.
+            denominator: ``"paper"`` (``phi(q) . z~``; fresh) or ``"authors_dit"``, the authors' DiT layer's
+                normaliser (:mod:`~mhla_diffusers.ops.positional`; needs the normaliser and blocks of equal size).
+            mixing_clamp: the mixing matrix used clamped to ``[0, 1]`` (fresh) or as stored.
 
         Raises:
-            ValueError: bad ``num_blocks``, ``block_grid``, ``eps``, ``feature_eps``, ``feature_power``, ``rope``,
-                ``gate``, ``lepe``, ``input_norm``, ``denominator`` or ``backend``; unknown preset; ``num_blocks``
-                contradicting ``block_grid``.
+            ValueError: a bad value of any setting; unknown preset; ``num_blocks`` contradicting ``block_grid``.
         """
         super().__init__()
         settings = spec.check_settings(
             num_blocks, block_grid, normalize, eps, backend, feature_eps, feature_power=feature_power, rope=rope,
-            gate=gate, lepe=lepe, input_norm=input_norm, denominator=denominator,
+            gate=gate, lepe=lepe, input_norm=input_norm, denominator=denominator, mixing_clamp=mixing_clamp,
+            output_norm=output_norm,
         )
-        self.num_blocks, self.block_grid = settings["num_blocks"], settings["block_grid"]
-        self.block_grid_preset, self.normalize = settings["block_grid_preset"], settings["normalize"]
-        self.eps, self.backend, self.feature_eps = settings["eps"], settings["backend"], settings["feature_eps"]
-        self.feature_power, self.rope = settings["feature_power"], settings["rope"]
-        self.gate, self.lepe = settings["gate"], settings["lepe"]
-        self.input_norm, self.denominator = settings["input_norm"], settings["denominator"]
+        for name, value in settings.items():
+            setattr(self, name, value)
         self.family = None if family is None else get_family(family)
-        self.output_norm = None if output_norm is None else bool(output_norm)
         self._stock: dict[str, object] = {}
         self._told_block_grids: set = set()  # (reference grid, block grid) already warned about
         lazy.track_processor(self)
@@ -116,21 +114,13 @@ class MHLAProcessor(GridReader, nn.Module):
         await_model(self)
 
     def __repr__(self) -> str:
-        grid = repr(self.block_grid_preset) if self.block_grid_preset is not None else self.block_grid
-        return (
-            f"MHLAProcessor(num_blocks={self.num_blocks}, block_grid={grid}, "
-            f"normalize={self.normalize}, eps={self.eps}, backend={self.backend!r}"
-            + ("" if self.output_norm is None else f", output_norm={self.output_norm}")
-            + ("" if not self.feature_eps else f", feature_eps={self.feature_eps}")
-            + ("" if self.feature_power == 1.0 else f", feature_power={self.feature_power}")
-            + ("" if self.rope is None else f", rope={self.rope!r}")
-            + ("" if self.gate is None else f", gate={self.gate!r}")
-            + ("" if self.lepe is None else f", lepe={self.lepe}")
-            + ("" if self.input_norm is None else f", input_norm={self.input_norm}")
-            + ("" if self.denominator == "paper" else f", denominator={self.denominator!r}")
-            + ("" if self.family is None else f", family={self.family.name!r}")
-            + ")"
-        )
+        names = ("num_blocks", "block_grid", "normalize", "eps", "backend", "output_norm", "feature_eps", "feature_power",
+                 "rope", "gate", "lepe", "input_norm", "denominator", "mixing_clamp", "family")
+        shown = {name: getattr(self, name) for name in names}
+        shown["block_grid"] = self.block_grid_preset or self.block_grid
+        shown["backend"] = None if self.backend == "auto" else self.backend
+        shown["family"] = None if self.family is None else self.family.name
+        return "MHLAProcessor(" + ", ".join(f"{k}={v!r}" for k, v in shown.items() if v is not None) + ")"
 
     # -- the computation ---------------------------------------------------------------------------
     def __call__(
@@ -151,7 +141,8 @@ class MHLAProcessor(GridReader, nn.Module):
 
         Raises:
             RuntimeError: unknown or mismatched token grid; ``family`` contradicting the transformer; unsupported class.
-            ValueError: an attention mask on self-attention; a rotary embedding for a family without RoPE.
+            ValueError: an attention mask on self-attention; a rotary embedding for a family without RoPE; a setting
+                contradicting the layer's MHLA.
             TypeError: an argument the stock processor would refuse.
         """
         family = self._family(attn)
@@ -164,61 +155,13 @@ class MHLAProcessor(GridReader, nn.Module):
         if attention_mask is not None:
             raise ValueError("MHLA self-attention takes no attention mask; remove MHLA from this layer or drop the mask")
 
+        mhla = self._layer(attn)  # attn.mhla: before any computation (refused outside a supported transformer)
         tokens, call = family.tokens(attn, hidden_states, temb)  # [B, N, C]
-        tokens = self._input_norm(attn, tokens)  # the authors' DiT layer normalises its input first
-        mixing = self._mixing(attn)  # before any computation: refused outside a supported transformer
-        grid = grid_of_call(mixing, tokens.shape[1])
-        shard = self._shard(attn, tokens.shape[1], grid)  # None unless under context parallelism
+        tokens = mhla.norm_input(tokens)  # the authors' DiT layer normalises its input first
+        grid = grid_of_call(mhla, tokens.shape[1])
         query, key, value = family.project(attn, tokens)  # [B, heads, N, d]
-        query, key, rotary = self._rope(family, query, key, rotary_emb)  # Wan: RoPE after the feature map by default
-        layout, weight = family.blocks(mixing, grid)  # the layer's M x M matrix on this call's blocks
-        hidden_states = self._mhla(attn, query, key, value, weight, layout, family, shard, rotary, rotary_emb)
-        hidden_states = self._gate_and_lepe(attn, hidden_states, tokens, value, grid)
+        hidden_states = mhla(query, key, value, grid, tokens=tokens, rotary_emb=rotary_emb, family=family, backend=self.backend)
         return family.finish(attn, hidden_states, call, query.dtype)
-
-    @staticmethod
-    def _input_norm(attn, tokens: torch.Tensor) -> torch.Tensor:
-        """``tokens`` through the layer's ``mhla_input_norm`` (a LayerNorm, computed in fp32), if it has one."""
-        norm = getattr(attn, "mhla_input_norm", None)
-        return tokens if norm is None else norm(tokens)
-
-    def _rope(self, family, query, key, rotary_emb):
-        """``(query, key, rotary)``: ``rope="after"`` (default) gives the map rotating ``phi(q)``, ``phi(k)`` in the
-        numerator; ``"before"`` rotates q and k now (no rotary for the operator); ``"none"`` drops the RoPE."""
-        if self.rope == "none":
-            return query, key, None
-        rotary = family.feature_rotary(rotary_emb)
-        if rotary is not None and self.rope == "before":
-            return rotary(query), rotary(key), None
-        return query, key, rotary
-
-    def _mhla(self, attn, query, key, value, weight, layout, family, shard, rotary, rotary_emb) -> torch.Tensor:
-        """``[B, heads, N, dv]``: MHLA (paper Eq. 6-7) on this call's blocks, then the output norm if any."""
-        norm = getattr(attn, "mhla_output_norm", None)
-        if norm is not None and query.dtype in (torch.float16, torch.bfloat16):
-            query = query.float()  # the un-normalised numerator can exceed the float16 range: keep it in fp32
-        options = dict(normalize=self.normalize, eps=family.default_eps if self.eps is None else self.eps,
-                       feature_eps=self.feature_eps, feature_power=self.feature_power, backend=self.backend)
-        if self.denominator != "paper":  # the keyword only where set: the sharded path has the paper's alone
-            options["denominator"] = self.denominator
-        if rotary is not None:
-            options["rotary"] = rotary
-        if shard is None:
-            out = mhla_attention(query, key, value, weight, layout, **options)
-        else:  # this rank's tokens: one exchange over the context-parallel group (models/parallel.py)
-            out = sharded_mhla_attention(query, key, value, weight, layout, shard, rotary_key=rotary_emb, **options)
-        return out if norm is None else norm(out)
-
-    @staticmethod
-    def _gate_and_lepe(attn, out, tokens, value, grid) -> torch.Tensor:
-        """The authors' order after the output norm: ``out * gate(x)`` (``mhla_gate``), then ``+ lepe(v)`` (``mhla_lepe``)."""
-        gate = getattr(attn, "mhla_gate", None)
-        if gate is not None:
-            out = gate(out, tokens)
-        lepe = getattr(attn, "mhla_lepe", None)
-        if lepe is not None:
-            out = out + lepe(value, grid)
-        return out
 
     # -- what a call needs, looked up -------------------------------------------------------------
     def _family(self, attn):
@@ -235,44 +178,22 @@ class MHLAProcessor(GridReader, nn.Module):
             )
         return self.family
 
-    def _mixing(self, attn) -> MixingMatrix:
-        """The layer's mixing matrix; created now for the bare one-liner, checked once after a processor change."""
-        mixing = getattr(attn, "mhla_mixing", None)
-        if mixing is None:
-            return lazy.mixing_at_first_forward(self, attn)
-        if not getattr(mixing, "verified", False):
+    def _layer(self, attn) -> MHLALayer:
+        """The layer's MHLA; created now for the bare one-liner, checked against this processor once after a change."""
+        layer = getattr(attn, "mhla", None)
+        if layer is None:
+            return lazy.layer_at_first_forward(self, attn)
+        if not layer.verified:
             model = current_model()
             running = None if model is None else find_family(model)
             reference = None if running is None else running.reference_grid(model.config)
-            spec.check_layer(self, attn, reference, running or self.family or attention_family(attn))
+            family = running or self.family or attention_family(attn)
+            if family is not None:
+                layer.settle(spec.resolve_settings(self, family, reference, block_grid=layer.mixing.block_grid))
+            spec.check_layer(self, layer, reference, family)
             if not torch.compiler.is_compiling():
-                mixing.verified = True
-        return mixing
-
-    def _shard(self, attn, num_tokens: int, grid: tuple[int, int, int]):
-        """This rank's shard under context parallelism, ``None`` when the call holds every token of the grid."""
-        total = math.prod(grid)
-        if num_tokens == total:
-            return None
-        shard = context_shard(num_tokens, total, attn.heads)
-        if shard is None and num_tokens != total:
-            raise RuntimeError(
-                f"the token grid {grid} of this forward has {total} tokens but the "
-                f"self-attention received {num_tokens}; MHLA only supports layers that attend over the latent grid"
-            )
-        if getattr(attn, "mhla_lepe", None) is not None:
-            raise RuntimeError(
-                f"this MHLA layer has a LePE convolution (lepe=True), which needs each token's neighbours on the token "
-                f"grid, but under context parallelism it holds only this rank's {num_tokens} of the {total} tokens: "
-                "LePE is not supported under context parallelism; run this model in one process, or convert without lepe"
-            )
-        if self.denominator != "paper":
-            raise RuntimeError(
-                f"denominator={self.denominator!r} pairs each query with the queries at its position in every other "
-                f"block, but under context parallelism this rank holds only {num_tokens} of the {total} tokens: not "
-                "supported under context parallelism; run this model in one process"
-            )
-        return shard
+                layer.verified = True
+        return layer
 
     def _stock_processor(self, family):
         key = "" if family is None else family.name
@@ -299,19 +220,10 @@ class MHLAProcessor(GridReader, nn.Module):
         """:func:`~mhla_diffusers.models.spec.resolve_block_grid` for this processor."""
         return spec.resolve_block_grid(self, reference_grid, family)
 
-    def resolve_output_norm(self, family=None) -> bool:
-        """:func:`~mhla_diffusers.models.spec.resolve_output_norm` for this processor."""
-        return spec.resolve_output_norm(self, family)
-
-    def check_layer(self, attn: nn.Module, reference_grid: Sequence[int] | None = None, family=None) -> None:
-        """:func:`~mhla_diffusers.models.spec.check_layer` for this processor (``ValueError`` on a contradiction)."""
-        spec.check_layer(self, attn, reference_grid, family)
-
-    def attach(self, attn: nn.Module, reference_grid: Sequence[int], init: str = "locality", family=None,
-               requires_grad: bool = True, lepe_init: str = "zeros") -> MixingMatrix:
-        """:func:`~mhla_diffusers.models.layer_state.attach`: the layer's matrix (and gate, LePE), created or checked."""
-        return layer_state.attach(self, attn, reference_grid, init=init, family=family, requires_grad=requires_grad,
-                                  lepe_init=lepe_init)
+    def attach(self, attn: nn.Module, reference_grid: Sequence[int] | None, init: str = "locality", family=None,
+               requires_grad: bool = True, lepe_init: str = "zeros") -> MHLALayer:
+        """:func:`~mhla_diffusers.models.layer.attach`: the layer's MHLA, created from this processor or checked against it."""
+        return attach(self, attn, reference_grid, init=init, family=family, requires_grad=requires_grad, lepe_init=lepe_init)
 
 
 @torch.compiler.disable  # first call under torch.compile: built outside the graph, then read from the cache

@@ -70,7 +70,7 @@ def warn_if_stock_loaded(model, consequence: str) -> bool:
     transformer = getattr(model, "transformer", model)
     if not isinstance(transformer, nn.Module):
         return False
-    if any(getattr(attn, "mhla_mixing", None) is not None for attn in attention_modules(transformer).values()):
+    if any(getattr(attn, "mhla", None) is not None for attn in attention_modules(transformer).values()):
         return False
     folder = converted_source(transformer) or converted_source(model)
     if folder is None:

@@ -1,29 +1,30 @@
-"""What an :class:`~mhla_diffusers.MHLAProcessor` asks of a layer: its settings, checked at construction,
-and the block grid, output norm, output gate and LePE they give a layer of a model whose native token
-grid is known.
+"""What an MHLA layer computes, as one value (:class:`LayerSettings`), and what a processor asks of a layer.
 
-Install-time only: nothing here runs on a forward once the layer's state exists and is checked.
+An :class:`~mhla_diffusers.MHLAProcessor`'s settings are checked at its construction (:func:`check_settings`);
+those given explicitly are defaults for a layer that has no MHLA yet (:func:`resolve_settings`) and, over a
+layer that has, must agree with the layer's record (:func:`check_layer`). Install-time only: nothing here
+runs on a forward once a layer exists and is checked.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from typing import Sequence
 
 import torch
 
-from mhla_diffusers.models.families import FAMILIES, block_grid_preset_names
+from mhla_diffusers.families import FAMILIES, block_grid_preset_names
 from mhla_diffusers.ops import available_backends
 from mhla_diffusers.ops.layout import choose_block_grid, normalize_grid
 from mhla_diffusers.ops.mixing import MixingMatrix
 from mhla_diffusers.ops.positional import DENOMINATORS
 
 __all__ = [
-    "GATE_FORMS", "ROPE_MODES", "LEPE_INITS", "AUTHORS_CONSTANT", "AUTHORS_CONSTANT_VALUE",
-    "check_settings", "check_mixing_init", "check_lepe_init", "check_family_settings", "resolve_block_grid",
-    "explicit_block_grid", "resolve_output_norm", "resolve_gate", "resolve_lepe", "resolve_input_norm", "check_layer",
-    "DENOMINATORS", "SETTINGS_OFF",
+    "GATE_FORMS", "ROPE_MODES", "LEPE_INITS", "AUTHORS_CONSTANT", "AUTHORS_CONSTANT_VALUE", "DENOMINATORS", "SETTINGS_OFF",
+    "LayerSettings", "check_settings", "check_mixing_init", "check_lepe_init", "check_family_settings",
+    "resolve_block_grid", "explicit_block_grid", "resolve_settings", "check_layer",
 ]
 
 # The output gate's forms: "neutral" multiplies by 2 sigmoid(W x + b) (W = 0, b = 0 at the start: exactly the
@@ -44,6 +45,38 @@ SETTINGS_OFF = {
     "output_norm": False, "feature_eps": 0.0, "feature_power": 1.0, "mixing_clamp": True, "rope": None, "gate": None,
     "lepe": False, "input_norm": False, "denominator": "paper",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSettings:
+    """Everything that defines what one MHLA layer computes (paper Sec. 3.2 and the authors' options).
+
+    Attributes:
+        block_grid: ``(bt, bh, bw)``, fixed per layer (stretched over the token grid of each call).
+        normalize: divide by ``phi(q) . z~ + eps`` (the paper) or the numerator alone.
+        eps: the denominator epsilon (resolved: the family's when the user gave none).
+        feature_eps, feature_power: ``phi(x) = ReLU(x) ** feature_power + feature_eps``.
+        mixing_clamp: the mixing matrix used clamped to ``[0, 1]`` (the paper) or as stored.
+        rope: families with RoPE: ``"after"`` / ``"before"`` the feature map or ``"none"``; ``None`` without RoPE.
+        denominator: ``"paper"`` or ``"authors_dit"`` (:mod:`~mhla_diffusers.ops.positional`).
+        output_norm: a per-head RMSNorm on the attention output.
+        gate: ``None`` or a form of :data:`GATE_FORMS`.
+        lepe: a depthwise convolution of the values added to the output.
+        input_norm: a LayerNorm on the tokens entering the layer (the authors' DiT layer).
+    """
+
+    block_grid: tuple[int, int, int]
+    normalize: bool = True
+    eps: float = 1e-6
+    feature_eps: float = 0.0
+    feature_power: float = 1.0
+    mixing_clamp: bool = True
+    rope: str | None = None
+    denominator: str = "paper"
+    output_norm: bool = False
+    gate: str | None = None
+    lepe: bool = False
+    input_norm: bool = False
 
 
 def check_mixing_init(init) -> str:
@@ -76,6 +109,7 @@ def check_lepe_init(lepe_init) -> str:
     )
 
 
+# -- a processor's settings, checked at its construction ---------------------------------------------
 def _check_gate(gate):
     """``None`` (the layer's), ``False`` (none) or a form of :data:`GATE_FORMS` (``True``: ``"neutral"``)."""
     if gate is None or gate is False:
@@ -90,31 +124,28 @@ def _check_gate(gate):
     )
 
 
-def _check_power(feature_power) -> float:
-    if (
-        isinstance(feature_power, bool) or not isinstance(feature_power, (int, float))
-        or not 0 < feature_power < math.inf
-    ):
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_numbers(eps, feature_eps, feature_power, normalize) -> None:
+    """``eps`` / ``feature_eps`` finite ``>= 0``, ``feature_power`` finite ``> 0`` (each ``None`` or given)."""
+    if eps is not None and not (_is_number(eps) and 0 <= eps < math.inf):
+        raise ValueError(f"eps must be a finite number >= 0 (or None: the layer's, the family default when fresh); got {eps!r}")
+    if eps is not None and eps == 0 and normalize is not False:
+        raise ValueError(
+            "eps=0 with the normaliser gives 0 / 0 = NaN for every query or block whose ReLU features are all "
+            "zero (any negative q or key block); use a small positive eps (or eps=None: the family default), or "
+            "normalize=False"
+        )
+    if feature_eps is not None and not (_is_number(feature_eps) and 0 <= feature_eps < math.inf):
+        raise ValueError(f"feature_eps must be a finite number >= 0; got {feature_eps!r}")
+    if feature_power is not None and not (_is_number(feature_power) and 0 < feature_power < math.inf):
         raise ValueError(f"feature_power must be a finite number > 0 (phi = ReLU(x) ** p; 1 = ReLU); got {feature_power!r}")
-    return float(feature_power)
 
 
-def check_settings(
-    num_blocks, block_grid, normalize: bool, eps, backend: str, feature_eps, *, feature_power=1.0, rope=None,
-    gate=None, lepe=None, input_norm=None, denominator="paper",
-) -> dict:
-    """The processor's settings, checked and normalised: ``num_blocks``, ``block_grid`` (a tuple or
-    ``None``), ``block_grid_preset`` (a name or ``None``), ``normalize``, ``eps``, ``backend``,
-    ``feature_eps``, ``feature_power``, ``rope`` (``None`` or one of :data:`ROPE_MODES`), ``gate`` (``None``,
-    ``False`` or one of :data:`GATE_FORMS`), ``lepe`` and ``input_norm`` (``None`` or a bool), ``denominator``
-    (one of :data:`DENOMINATORS`); see :class:`~mhla_diffusers.MHLAProcessor` for their meaning.
-
-    Raises:
-        ValueError: bad ``num_blocks``, ``block_grid``, ``eps``, ``feature_eps``, ``feature_power``, ``rope``,
-            ``gate``, ``lepe``, ``input_norm``, ``denominator`` (or ``"authors_dit"`` without the normaliser) or
-            ``backend``; an unknown preset name; ``num_blocks`` contradicting
-            ``block_grid``; ``eps=0`` with the normaliser.
-    """
+def _check_block_spec(num_blocks, block_grid) -> tuple:
+    """``(num_blocks, block grid tuple or None, preset name or None)``, checked."""
     if num_blocks is not None and (isinstance(num_blocks, bool) or int(num_blocks) != num_blocks or num_blocks < 1):
         raise ValueError(f"num_blocks must be a positive integer or None; got {num_blocks!r}")
     preset = None
@@ -132,35 +163,48 @@ def check_settings(
         raise ValueError(
             f"num_blocks={num_blocks} contradicts block_grid={block_grid} ({math.prod(block_grid)} blocks); give one of them"
         )
-    if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf):
-        raise ValueError(f"eps must be a finite number >= 0 (or None: the family default); got {eps!r}")
-    if eps is not None and eps == 0 and normalize:
-        raise ValueError(
-            "eps=0 with the normaliser gives 0 / 0 = NaN for every query or block whose ReLU features are all "
-            "zero (any negative q or key block); use a small positive eps (the family default: eps=None)"
-        )
+    return None if num_blocks is None else int(num_blocks), block_grid, preset
+
+
+def _check_choices(backend, rope, denominator, normalize, flags: dict) -> None:
+    """``backend``, ``rope``, ``denominator`` among their names; ``flags`` (``lepe``, ``input_norm``, ...) booleans."""
     if backend != "auto" and backend not in available_backends():
         raise ValueError(f"unknown backend {backend!r}; choose 'auto' or one of {available_backends()}")
-    if isinstance(feature_eps, bool) or not isinstance(feature_eps, (int, float)) or not 0 <= feature_eps < math.inf:
-        raise ValueError(f"feature_eps must be a finite number >= 0; got {feature_eps!r}")
     if rope is not None and not (isinstance(rope, str) and rope in ROPE_MODES):
-        raise ValueError(
-            f"rope must be one of {list(ROPE_MODES)} or None (the family's: 'after' where it has RoPE); got {rope!r}"
-        )
-    for name, value in (("lepe", lepe), ("input_norm", input_norm)):
+        raise ValueError(f"rope must be one of {list(ROPE_MODES)} or None (the layer's; 'after' where the family has RoPE); got {rope!r}")
+    for name, value in flags.items():
         if value is not None and not isinstance(value, bool):
-            raise ValueError(f"{name} must be True, False or None (the layer's: none at a fresh install); got {value!r}")
-    if not (isinstance(denominator, str) and denominator in DENOMINATORS):
+            raise ValueError(f"{name} must be True, False or None (the layer's; off at a fresh install); got {value!r}")
+    if denominator is not None and not (isinstance(denominator, str) and denominator in DENOMINATORS):
         raise ValueError(f"denominator must be one of {list(DENOMINATORS)} ('authors_dit': the authors' DiT layer's); "
                          f"got {denominator!r}")
-    if denominator != "paper" and not normalize:
+    if denominator not in (None, "paper") and normalize is False:
         raise ValueError(f"denominator={denominator!r} is a normaliser: it needs normalize=True")
-    return dict(
-        num_blocks=None if num_blocks is None else int(num_blocks), block_grid=block_grid, block_grid_preset=preset,
-        normalize=bool(normalize), eps=eps, backend=backend, feature_eps=float(feature_eps),
-        feature_power=_check_power(feature_power), rope=rope, gate=_check_gate(gate), lepe=lepe, input_norm=input_norm,
-        denominator=denominator,
-    )
+
+
+def check_settings(
+    num_blocks=None, block_grid=None, normalize=None, eps=None, backend: str = "auto", feature_eps=None, *,
+    feature_power=None, rope=None, gate=None, lepe=None, input_norm=None, denominator=None, mixing_clamp=None,
+    output_norm=None,
+) -> dict:
+    """The processor's settings, checked and normalised (``None``: not given, the layer's): ``num_blocks``,
+    ``block_grid`` (a tuple), ``block_grid_preset`` (a name), ``normalize``, ``eps``, ``backend``, ``feature_eps``,
+    ``feature_power`` (floats), ``rope`` (:data:`ROPE_MODES`), ``gate`` (``False`` or :data:`GATE_FORMS`), ``lepe``,
+    ``input_norm``, ``mixing_clamp``, ``output_norm`` (bools), ``denominator`` (:data:`DENOMINATORS`); meanings:
+    :class:`~mhla_diffusers.MHLAProcessor`.
+
+    Raises:
+        ValueError: a bad value of any of them; an unknown preset name; ``num_blocks`` contradicting
+            ``block_grid``; ``eps=0`` with the normaliser; ``"authors_dit"`` with ``normalize=False``.
+    """
+    num_blocks, block_grid, preset = _check_block_spec(num_blocks, block_grid)
+    _check_numbers(eps, feature_eps, feature_power, normalize)
+    flags = dict(normalize=normalize, lepe=lepe, input_norm=input_norm, mixing_clamp=mixing_clamp, output_norm=output_norm)
+    _check_choices(backend, rope, denominator, normalize, flags)
+    as_float = {name: None if value is None else float(value)
+                for name, value in (("eps", eps), ("feature_eps", feature_eps), ("feature_power", feature_power))}
+    return dict(num_blocks=num_blocks, block_grid=block_grid, block_grid_preset=preset, backend=backend, rope=rope,
+                gate=_check_gate(gate), denominator=denominator, **flags, **as_float)
 
 
 def check_family_settings(processor, family) -> None:
@@ -181,6 +225,7 @@ def check_family_settings(processor, family) -> None:
     )
 
 
+# -- the block grid ------------------------------------------------------------------------------------
 def resolve_block_grid(processor, reference_grid: Sequence[int], family=None) -> tuple[int, int, int]:
     """The block grid ``processor`` gives a layer of a model whose native token grid is ``reference_grid``.
 
@@ -241,42 +286,75 @@ def explicit_block_grid(processor, reference_grid: Sequence[int] | None, family)
     return None
 
 
-def resolve_output_norm(processor, family=None) -> bool:
-    """Whether layers installed by ``processor`` get a per-head output RMSNorm (its ``output_norm``; ``None``:
-    the family's default, on for Wan exactly when ``normalize=False``)."""
-    if processor.output_norm is not None:
-        return processor.output_norm
-    family = family or processor.family
-    return bool(family is not None and family.output_norm_without_normalize and not processor.normalize)
+# -- a processor's settings against a layer --------------------------------------------------------------
+def _rope_of(rope, family):
+    """``rope`` as a layer of ``family`` records it: ``None`` for a family without RoPE, else a mode (default "after")."""
+    if family is None or getattr(family, "rotary", None) is None:
+        return None
+    return rope or "after"
 
 
-def resolve_gate(processor) -> str | None:
-    """The gate form layers installed by ``processor`` get (:data:`GATE_FORMS`), or ``None`` for no gate."""
-    return processor.gate or None
+def requested_settings(processor, family) -> dict:
+    """The :class:`LayerSettings` fields ``processor`` was given explicitly, as a layer of ``family`` would record
+    them (the block grid apart: :func:`explicit_block_grid`)."""
+    wanted = {name: getattr(processor, name, None) for name in (
+        "normalize", "eps", "feature_eps", "feature_power", "mixing_clamp", "denominator", "output_norm", "lepe", "input_norm")}
+    wanted = {name: value for name, value in wanted.items() if value is not None}
+    if processor.gate is not None:
+        wanted["gate"] = processor.gate or None
+    if processor.rope is not None and family is not None:  # family unknown: checked once it is known
+        wanted["rope"] = _rope_of(processor.rope, family)
+    return wanted
 
 
-def resolve_lepe(processor) -> bool:
-    """Whether layers installed by ``processor`` get a LePE convolution (``lepe=None``: no, as a fresh install)."""
-    return bool(processor.lepe)
-
-
-def resolve_input_norm(processor) -> bool:
-    """Whether layers installed by ``processor`` get an input LayerNorm (``input_norm=None``: no, as a fresh install)."""
-    return bool(getattr(processor, "input_norm", None))
-
-
-def check_layer(processor, attn, reference_grid: Sequence[int] | None = None, family=None) -> None:
-    """Refuse a layer whose MHLA state (block grid, output norm, gate, LePE) contradicts ``processor``'s
-    explicit settings, or settings its family cannot run (:func:`check_family_settings`).
+def resolve_settings(processor, family, reference_grid: Sequence[int] | None, block_grid=None) -> LayerSettings:
+    """The :class:`LayerSettings` ``processor`` gives a layer without MHLA of a ``family`` model whose native token
+    grid is ``reference_grid``: its explicit settings, the defaults for the rest (``eps``: the family's;
+    ``output_norm``: the family's rule, Wan with ``normalize=False``). ``block_grid``: given instead of resolved.
 
     Raises:
-        ValueError: naming both settings and the fix, ``mhla_diffusers.remove_mhla(model)`` first.
+        ValueError: settings the family cannot run (:func:`check_family_settings`), a preset it lacks.
+    """
+    check_family_settings(processor, family)
+    wanted = requested_settings(processor, family)
+    normalize = wanted.get("normalize", True)
+    defaults = dict(
+        normalize=normalize,
+        eps=getattr(family, "default_eps", 1e-6),
+        rope=_rope_of(None, family),
+        output_norm=bool(family is not None and family.output_norm_without_normalize and not normalize),
+    )
+    grid = block_grid if block_grid is not None else resolve_block_grid(processor, reference_grid, family)
+    return LayerSettings(block_grid=tuple(normalize_grid(tuple(grid))), **{**defaults, **wanted})
+
+
+def check_layer(processor, layer, reference_grid: Sequence[int] | None = None, family=None, *, partial=False) -> None:
+    """Refuse a layer whose MHLA record (``layer``, an :class:`~mhla_diffusers.models.layer.MHLALayer`)
+    contradicts a setting ``processor`` was given explicitly, or settings its family cannot run. ``partial``: the
+    model is not known yet (a processor being set): a ``num_blocks`` without the native grid is left for later.
+
+    Raises:
+        ValueError: naming the setting, both values and the fixes (a processor without that setting runs the
+            layer as recorded; ``mhla_diffusers.remove_mhla(model)`` first installs afresh).
     """
     family = family or processor.family
     check_family_settings(processor, family)
-    mixing = getattr(attn, "mhla_mixing", None)
-    if mixing is None:
-        return
+    if not (partial and reference_grid is None and processor.block_grid is None and processor.num_blocks is not None):
+        _check_block_grid(processor, layer, reference_grid, family)
+    have = layer.settings
+    for name, value in requested_settings(processor, family).items():
+        if getattr(have, name) != value:
+            raise ValueError(
+                f"this layer's MHLA was made with {name}={getattr(have, name)!r} but the processor asks for "
+                f"{name}={getattr(processor, name)!r}. MHLA never changes what an existing layer computes: use an MHLAProcessor without "
+                f"{name}= to run the layer as recorded, or call mhla_diffusers.remove_mhla(model) first to install MHLA "
+                "afresh (new parameters)"
+            )
+
+
+def _check_block_grid(processor, layer, reference_grid, family) -> None:
+    """The block-grid part of :func:`check_layer`."""
+    mixing = layer.mixing
     wanted = explicit_block_grid(processor, reference_grid, family)
     if wanted is None and processor.num_blocks is not None and reference_grid is None:
         mismatch = mixing.num_blocks != processor.num_blocks
@@ -288,33 +366,6 @@ def check_layer(processor, attn, reference_grid: Sequence[int] | None = None, fa
             f"for {_spec_text(processor, wanted)}. MHLA neither keeps the old matrix under a new spec nor replaces it "
             "silently: call mhla_diffusers.remove_mhla(model) first to install the new block grid (fresh locality-init "
             "matrices), or use an MHLAProcessor without num_blocks / block_grid to keep the layer's matrix"
-        )
-    has_norm = getattr(attn, "mhla_output_norm", None) is not None
-    if processor.output_norm is not None and has_norm != processor.output_norm:
-        raise ValueError(
-            f"this layer {'has' if has_norm else 'has no'} MHLA output norm but the processor asks for "
-            f"output_norm={processor.output_norm}; call mhla_diffusers.remove_mhla(model) first to change it"
-        )
-    gate = getattr(attn, "mhla_gate", None)
-    has_gate = None if gate is None else gate.form
-    if processor.gate is not None and has_gate != (processor.gate or None):
-        now = f"an output gate of the form {has_gate!r}" if has_gate else "no output gate"
-        raise ValueError(
-            f"this layer has {now} but the processor asks for gate={processor.gate!r}; call "
-            "mhla_diffusers.remove_mhla(model) first to change it (or use an MHLAProcessor without gate= to run the layer's)"
-        )
-    has_norm_in = getattr(attn, "mhla_input_norm", None) is not None
-    if getattr(processor, "input_norm", None) is not None and has_norm_in != processor.input_norm:
-        raise ValueError(
-            f"this layer {'has' if has_norm_in else 'has no'} MHLA input LayerNorm but the processor asks for "
-            f"input_norm={processor.input_norm}; call mhla_diffusers.remove_mhla(model) first to change it (or use an "
-            "MHLAProcessor without input_norm= to run the layer's)"
-        )
-    has_lepe = getattr(attn, "mhla_lepe", None) is not None
-    if processor.lepe is not None and has_lepe != processor.lepe:
-        raise ValueError(
-            f"this layer {'has' if has_lepe else 'has no'} LePE convolution but the processor asks for lepe={processor.lepe}; "
-            "call mhla_diffusers.remove_mhla(model) first to change it (or use an MHLAProcessor without lepe= to run the layer's)"
         )
 
 

@@ -8,6 +8,7 @@ Math, backends, numerics: ``docs/operator.md``.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -87,7 +88,10 @@ def mhla_attention(
         ValueError: mismatched shapes, layout or mixing; non-float dtypes; mixed devices; ``eps < 0``;
             an unknown backend or feature map; a bad ``feature_eps`` or ``feature_power`` (or ``p != 1`` without
             ``feature_map="relu"``); a shape-changing ``rotary``; an unknown ``denominator``, ``"authors_dit"``
-            without ``normalize`` or on blocks of unequal size.
+            without ``normalize`` or on blocks of unequal size; with ``feature_power != 1`` or ``feature_eps``, an
+            output that is not finite though q, k, v and ``mixing`` are (the features or their products overflowed
+            the accumulation dtype: the message names ``feature_power``, the dtype and the fix; not checked while
+            ``torch.compile`` traces, where such an output is returned as computed).
     """
     _check_inputs(q, k, v, mixing, layout, eps, feature_map)
     _check_features(feature_eps, feature_power, feature_map)
@@ -166,7 +170,27 @@ def _with_features(q, k, v, mixing, layout, feature_eps, feature_power, *, featu
     features computed here in the accumulation dtype and handed to the backend as ready features."""
     phi_q, phi_k = _features(q, k, feature_map, feature_eps, feature_power)
     out = mhla_attention(phi_q, phi_k, v, mixing, layout, feature_map=None, **kwargs)
+    _check_finite(out, (q, k, v, mixing), feature_eps, feature_power)
     return out.to(q.dtype)
+
+
+def _check_finite(out, inputs, feature_eps, feature_power) -> None:
+    """Raises ``ValueError`` when ``out`` (accumulation dtype) is not finite though every input is: the features
+    ``ReLU(x) ** feature_power + feature_eps`` or their products overflowed. Skipped under ``torch.compile``
+    (no sync, no graph break); non-finite inputs are left to the caller (not the feature map's doing)."""
+    if torch.compiler.is_compiling() or bool(torch.isfinite(out).all()):
+        return
+    if not all(bool(torch.isfinite(t).all()) for t in inputs):
+        return
+    peak = max(float(inputs[0].detach().amax()), float(inputs[1].detach().amax()))
+    itself = peak > 0 and feature_power * math.log(peak) > math.log(torch.finfo(out.dtype).max)
+    what = "the features themselves" if itself else "their products"
+    dtype = str(out.dtype).replace("torch.", "")
+    raise ValueError(
+        f"feature_power={feature_power} overflows {dtype}: phi = ReLU(x) ** {feature_power} + {feature_eps} of q, k "
+        f"(largest x {peak:.3g}) leaves the {dtype} range in {what}, so MHLA's output is NaN / inf; lower feature_power, "
+        f"scale q and k down, or compute in float64 (float64 q, k, v)"
+    )
 
 
 def _features(q, k, feature_map, feature_eps, feature_power):
@@ -194,7 +218,10 @@ def _authors_dit_attention(q, k, v, mixing, layout, feature_eps, feature_power, 
     num = mhla_attention(phi_q, phi_k, v, mixing, layout, normalize=False, eps=eps, backend=backend, feature_map=None,
                          rotary=rotary)
     den = positional_denominator(phi_q, phi_k, mixing, layout)
-    return (num / (den + eps)).to(q.dtype)
+    out = num / (den + eps)
+    if feature_eps or feature_power != 1:
+        _check_finite(out, (q, k, v, mixing), feature_eps, feature_power)
+    return out.to(q.dtype)
 
 
 def _rotary_attention(fn, q, k, v, mixing, layout, rotary, *, normalize, eps, feature_map):

@@ -90,12 +90,12 @@ def _distance_transform(dist: torch.Tensor, kind: str, exp_scale: float, local_r
 
 
 class MixingMatrix(nn.Module):
-    """Per-layer MHLA state: the mixing matrix ``weight`` ``[M, M]`` of ``block_grid``.
+    """The mixing matrix ``weight`` ``[M, M]`` of ``block_grid`` (fp32, rows = query blocks); called, it gives the
+    matrix the operator uses.
 
-    Installed as ``<attention module>.mhla_mixing``. ``init``: one of :data:`MIXING_INITS` (see
-    :func:`mixing_init`; ``"locality"``, the paper's, by default; ``"uniform"`` is plain linear attention);
-    ``clamp=False`` uses the matrix as stored (the
-    authors' Wan model, trained unclamped). ``seen_grids`` and ``verified`` are bookkeeping, not state.
+    Installed as ``<attention module>.mhla.mixing``. ``init``: one of :data:`MIXING_INITS` (see :func:`mixing_init`;
+    ``"locality"``, the paper's, by default; ``"uniform"`` is plain linear attention); ``clamp=False`` uses the matrix
+    as stored (the authors' Wan model, trained unclamped).
     """
 
     def __init__(self, block_grid: Iterable[int], init: str = "locality", clamp: bool = True):
@@ -103,16 +103,27 @@ class MixingMatrix(nn.Module):
         self.block_grid = normalize_grid(tuple(block_grid), "block_grid")
         self.clamp = bool(clamp)
         self.weight = nn.Parameter(mixing_init(self.block_grid, kind=init))
-        self.seen_grids: dict[int, set[tuple[int, int, int]]] = {}
-        self.verified = False
 
     @property
     def num_blocks(self) -> int:
         return self.block_grid[0] * self.block_grid[1] * self.block_grid[2]
 
     def clamped(self) -> torch.Tensor:
-        """The matrix the operator uses: clamped to ``[0, 1]``, or as stored when ``clamp=False``."""
+        """The matrix the operator uses: clamped to ``[0, 1]``, or as stored when ``clamp=False`` (no hook runs)."""
         return self.weight.clamp(0.0, 1.0) if self.clamp else self.weight
+
+    def forward(self, blocks: torch.Tensor | None = None) -> torch.Tensor:
+        """The matrix the operator uses (:meth:`clamped`), as a new tensor ``[M, M]``, differentiable in ``weight``.
+
+        Called as a module, so that hooks on it (diffusers' group offloading, accelerate's device hooks) move the
+        weight first. Never the parameter itself: an offloading hook may swap the parameter's storage after the call.
+        ``blocks``: ``[M']`` long, the rows and columns kept (the blocks that hold tokens), giving ``[M', M']``.
+        """
+        weight = self.weight.clamp(0.0, 1.0) if self.clamp else self.weight.clone()
+        if blocks is None:
+            return weight
+        blocks = blocks.to(weight.device)
+        return weight.index_select(0, blocks).index_select(1, blocks)
 
     def extra_repr(self) -> str:
         return f"block_grid={self.block_grid}, num_blocks={self.num_blocks}" + ("" if self.clamp else ", clamp=False")

@@ -14,6 +14,8 @@ from their equations, not from their code; ``mhla_attention(..., denominator="au
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mhla_diffusers.ops.layout import BlockLayout
@@ -25,18 +27,28 @@ DENOMINATORS = ("paper", "authors_dit")
 
 
 def check_equal_blocks(layout: BlockLayout) -> None:
-    """Raises ``ValueError`` unless every block of ``layout`` has the same number of tokens."""
-    sizes = layout.block_sizes
-    if not bool((sizes == sizes[0]).all()):
-        raise ValueError(
-            f'denominator="authors_dit" pairs the tokens of different blocks by their position, so it needs blocks of '
-            f"equal size; {layout} has blocks of {int(sizes.min())} to {int(sizes.max())} tokens. Use a token grid the "
-            f"block grid {layout.block_grid} divides (as the authors' DiT code requires)"
-        )
+    """Raises ``ValueError`` unless every block of ``layout`` has the same number of tokens.
+
+    Read from the layout's static sizes (no tensor, so nothing to trace under ``torch.compile``): blocks are equal
+    exactly when the block grid divides the token grid on every axis (an axis of ``n`` tokens in ``m`` blocks
+    has blocks of ``n // m`` and ``ceil(n / m)`` tokens).
+    """
+    if all(n % m == 0 for n, m in zip(layout.grid, layout.block_grid)):
+        return
+    smallest = math.prod([n // m for n, m in zip(layout.grid, layout.block_grid)])  # lists: dynamo traces no generator here
+    largest = math.prod([-(-n // m) for n, m in zip(layout.grid, layout.block_grid)])
+    raise ValueError(
+        f'denominator="authors_dit" pairs the tokens of different blocks by their position, so it needs blocks of '
+        f"equal size; {layout} has blocks of {smallest} to {largest} tokens. Use a token grid the "
+        f"block grid {layout.block_grid} divides (as the authors' DiT code requires)"
+    )
 
 
 def positional_denominator(phi_q: torch.Tensor, phi_k: torch.Tensor, mixing: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     """``sum_j Mc[b, j] phi(q[j, l]) . z_j`` ``[B, heads, N, 1]`` for every token (block ``b``, position ``l``), without eps.
+
+    Views and einsums only (the blocks are equal, so block-major order is a reshape of the token grid): it traces
+    under ``torch.compile(fullgraph=True)`` without a graph break.
 
     Args:
         phi_q, phi_k: features ``[B, heads, N, d]`` (already through the feature map), one dtype.
@@ -47,11 +59,25 @@ def positional_denominator(phi_q: torch.Tensor, phi_k: torch.Tensor, mixing: tor
         ValueError: blocks of unequal size.
     """
     check_equal_blocks(layout)
-    b, h, n, d = phi_q.shape
-    m = layout.num_blocks
-    order = torch.argsort(layout.block_index.to(phi_q.device), stable=True)  # block-major, row-major inside a block
-    q_blocks = phi_q[:, :, order].reshape(b, h, m, n // m, d)
-    z = phi_k[:, :, order].reshape(b, h, m, n // m, d).sum(dim=3)  # [B, heads, M, d]
+    q_blocks, k_blocks = _to_blocks(phi_q, layout), _to_blocks(phi_k, layout)  # [B, heads, M, L, d]
+    z = k_blocks.sum(dim=3)  # [B, heads, M, d]
     products = torch.einsum("bhjld,bhjd->bhjl", q_blocks, z)  # phi(q[j, l]) . z_j
-    mixed = torch.einsum("ij,bhjl->bhil", mixing.to(phi_q.dtype), products).reshape(b, h, n)
-    return mixed[:, :, torch.argsort(order)].unsqueeze(-1)  # back to the tokens' order
+    mixed = torch.einsum("ij,bhjl->bhil", mixing.to(phi_q.dtype), products)  # [B, heads, M, L]
+    return _from_blocks(mixed, layout).unsqueeze(-1)  # back to the tokens' order
+
+
+def _to_blocks(x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    """``[B, heads, N, c]`` (row-major ``(T, H, W)`` tokens) -> ``[B, heads, M, L, c]``: blocks row-major, and the
+    tokens of each block row-major inside it (the layout's order, for blocks of equal size)."""
+    (t, h, w), (bt, bh, bw) = layout.grid, layout.block_grid
+    b, heads, _, c = x.shape
+    x = x.reshape(b, heads, bt, t // bt, bh, h // bh, bw, w // bw, c)
+    return x.permute(0, 1, 2, 4, 6, 3, 5, 7, 8).reshape(b, heads, bt * bh * bw, (t // bt) * (h // bh) * (w // bw), c)
+
+
+def _from_blocks(x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    """The inverse of :func:`_to_blocks` for one value per token: ``[B, heads, M, L]`` -> ``[B, heads, N]``."""
+    (t, h, w), (bt, bh, bw) = layout.grid, layout.block_grid
+    b, heads = x.shape[:2]
+    x = x.reshape(b, heads, bt, bh, bw, t // bt, h // bh, w // bw)
+    return x.permute(0, 1, 2, 5, 3, 6, 4, 7).reshape(b, heads, t * h * w)

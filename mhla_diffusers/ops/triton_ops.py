@@ -3,8 +3,9 @@
 Imported at the first ``backend="triton"`` call, never by ``import mhla_diffusers``. Runs on CUDA
 tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (set before the first import; tests only).
 Same math as ``torch_ops`` (MHLA paper, Sec. 3.2); fp32 accumulation (fp64 for fp64), no atomics,
-batch-invariant by construction. Kernels, precision, splits and launch configuration:
-``docs/operator.md``, "The Triton backend".
+batch-invariant by construction. The ``@triton.jit`` kernels are in :mod:`.triton_kernels`; this
+module holds their launches (tile sizes, splits, grids) and the autograd function. Kernels,
+precision, splits and launch configuration: ``docs/operator.md``, "The Triton backend".
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from mhla_diffusers import env
 from mhla_diffusers.ops.layout import BlockLayout
 from mhla_diffusers.ops.rotary import InterleavedRotary
 from mhla_diffusers.ops.torch_ops import empty_like_layout, mhla_attention_torch
+from mhla_diffusers.ops.triton_kernels import bwd_key, bwd_query, fwd_output, fwd_summaries, mix_gemm
 
 __all__ = ["mhla_attention_triton", "interpreter_enabled", "check_supported", "torch_fallback_reason", "MAX_HEAD_DIM"]
 
@@ -34,7 +36,7 @@ _TARGET_PROGRAMS = 264
 _MIN_SPLIT_TOKENS = 256
 _INTERPRET_SPLIT_TOKENS: int | None = None  # tests: force splits of this many tokens under the interpreter
 _INTERPRET_BLOCK_T = 256  # token-tile cap under the interpreter (large tiles: few programs)
-_INTERPRET_MIX_BLOCKS: tuple[int, int, int] | None = None  # tests: (BLOCK_R, BLOCK_K, BLOCK_N) of _mix_gemm
+_INTERPRET_MIX_BLOCKS: tuple[int, int, int] | None = None  # tests: (BLOCK_R, BLOCK_K, BLOCK_N) of mix_gemm
 
 # A list: launches are recorded as (kernel, grid, args, meta) with the GPU configuration, not run
 # (tests/ops/triton_compile_check.py compiles them for sm_90 without a GPU).
@@ -46,301 +48,9 @@ def interpreter_enabled() -> bool:
     return env.flag(_INTERPRET_VARIABLE)
 
 
-# Whether the kernels below are defined for the interpreter: Triton decides when they are defined.
+# Whether the kernels (triton_kernels, imported above; this module is its only importer) are defined for
+# the interpreter: Triton decides when they are defined.
 _INTERPRETED = interpreter_enabled()
-
-# ----------------------------------------------------------------------------------------------
-# Kernels
-
-
-@triton.jit
-def _rotate(x, cos, sin, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rotate the interleaved pairs of a ``[BLOCK_T, BLOCK_D]`` tile by per-row angles (``-sin``: ``R^T``)."""
-    x0, x1 = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_D // 2, 2)))
-    return tl.reshape(tl.join(x0 * cos - x1 * sin, x0 * sin + x1 * cos), (BLOCK_T, BLOCK_D))
-
-
-@triton.jit
-def _load_tables(cos_ptr, sin_ptr, tok, mask_t, HALF, BLOCK_D: tl.constexpr):
-    """Rows ``tok`` of the ``[N, HALF]`` rotary tables as ``[BLOCK_T, BLOCK_D / 2]`` tiles (0 where masked)."""
-    offs_h = tl.arange(0, BLOCK_D // 2)
-    mask = mask_t[:, None] & (offs_h < HALF)[None, :]
-    offs = tok[:, None] * HALF + offs_h[None, :]
-    return tl.load(cos_ptr + offs, mask=mask, other=0.0), tl.load(sin_ptr + offs, mask=mask, other=0.0)
-
-
-@triton.jit
-def _fwd_summaries(
-    k_ptr, v_ptr, order_ptr, start_ptr, size_ptr, s_ptr, z_ptr, cos_ptr, sin_ptr,
-    H, D, DV, BH, M, P, split_tokens,
-    skb, skh, skn, skd, svb, svh, svn, svd,
-    FEATURE_MAP: tl.constexpr, NORMALIZE: tl.constexpr, ROTARY: tl.constexpr,
-    ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    """``S_b = (R) phi(K_b)^T V_b`` and ``z_b = sum phi(K_b)`` over one split of one block, one (batch, head)."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    m = pid // P
-    p = pid % P
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    start = tl.load(start_ptr + m)
-    size = tl.load(size_ptr + m)
-    lo = p * split_tokens
-    hi = tl.minimum(lo + split_tokens, size)
-
-    offs_t = tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_e = tl.arange(0, BLOCK_DV)
-    mask_d = offs_d < D
-    mask_e = offs_e < DV
-    k_base = k_ptr + b * skb + h * skh
-    v_base = v_ptr + b * svb + h * svh
-
-    acc = tl.zeros([BLOCK_D, BLOCK_DV], dtype=ACC)
-    zacc = tl.zeros([BLOCK_D], dtype=ACC)
-    for t0 in range(lo, hi, BLOCK_T):
-        slot = t0 + offs_t
-        mask_t = slot < hi
-        tok = tl.load(order_ptr + start + slot, mask=mask_t, other=0).to(tl.int64)
-        kk = tl.load(k_base + tok[:, None] * skn + offs_d[None, :] * skd, mask=mask_t[:, None] & mask_d[None, :], other=0.0)
-        vv = tl.load(v_base + tok[:, None] * svn + offs_e[None, :] * svd, mask=mask_t[:, None] & mask_e[None, :], other=0.0)
-        kk = kk.to(DOT)
-        if FEATURE_MAP:
-            kk = tl.maximum(kk, 0.0).to(DOT)  # Triton 3.6 promotes bf16 vs a float literal to fp32
-        if ROTARY:  # DOT is ACC here: the rotated keys are not rounded to 16 bits
-            cos, sin = _load_tables(cos_ptr, sin_ptr, tok, mask_t, D // 2, BLOCK_D)
-            rk = _rotate(kk, cos, sin, BLOCK_T, BLOCK_D)
-        else:
-            rk = kk
-        acc = tl.dot(tl.trans(rk), vv.to(DOT), acc, input_precision=PREC, out_dtype=ACC)
-        if NORMALIZE:
-            zacc += tl.sum(kk.to(ACC), axis=0)
-
-    row = ((p * M + m) * BH + bh).to(tl.int64)
-    s_out = s_ptr + row * D * DV + offs_d[:, None] * DV + offs_e[None, :]
-    tl.store(s_out, acc, mask=mask_d[:, None] & mask_e[None, :])
-    if NORMALIZE:
-        tl.store(z_ptr + row * D + offs_d, zacc, mask=mask_d)
-
-
-@triton.jit
-def _fwd_output(
-    q_ptr, st_ptr, zt_ptr, eps_ptr, o_ptr, order_ptr, start_ptr, size_ptr, cos_ptr, sin_ptr,
-    H, D, DV, BH, TILES,
-    sqb, sqh, sqn, sqd, sob, soh, son, sod,
-    FEATURE_MAP: tl.constexpr, NORMALIZE: tl.constexpr, ROTARY: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    """``out = (R) phi(q) S~_b / (phi(q) . z~_b + eps)`` for one tile of block b's queries, one (batch, head)."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    m = pid // TILES
-    tile = pid % TILES
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    start = tl.load(start_ptr + m)
-    size = tl.load(size_ptr + m)
-
-    offs_t = tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_e = tl.arange(0, BLOCK_DV)
-    mask_d = offs_d < D
-    mask_e = offs_e < DV
-    slot = tile * BLOCK_T + offs_t
-    mask_t = slot < size
-    tok = tl.load(order_ptr + start + slot, mask=mask_t, other=0).to(tl.int64)
-
-    qq = tl.load(q_ptr + b * sqb + h * sqh + tok[:, None] * sqn + offs_d[None, :] * sqd,
-                 mask=mask_t[:, None] & mask_d[None, :], other=0.0).to(ACC)
-    if FEATURE_MAP:
-        qq = tl.maximum(qq, 0.0)
-    if ROTARY:
-        cos, sin = _load_tables(cos_ptr, sin_ptr, tok, mask_t, D // 2, BLOCK_D)
-        rq = _rotate(qq, cos, sin, BLOCK_T, BLOCK_D)
-    else:
-        rq = qq
-    row = (m * BH + bh).to(tl.int64)
-    st = tl.load(st_ptr + row * D * DV + offs_d[:, None] * DV + offs_e[None, :], mask=mask_d[:, None] & mask_e[None, :], other=0.0)
-    num = tl.dot(rq, st, input_precision=PREC, out_dtype=ACC)
-    if NORMALIZE:
-        zt = tl.load(zt_ptr + row * D + offs_d, mask=mask_d, other=0.0)
-        den = tl.sum(qq * zt[None, :], axis=1) + tl.load(eps_ptr)
-        den = tl.where(mask_t, den, 1.0)  # padded rows are not stored; keep them finite even with eps = 0
-        num = num / den[:, None]
-    o_out = o_ptr + b * sob + h * soh + tok[:, None] * son + offs_e[None, :] * sod
-    tl.store(o_out, num.to(o_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_e[None, :])
-
-
-@triton.jit
-def _bwd_query(
-    q_ptr, g_ptr, st_ptr, zt_ptr, eps_ptr, dq_ptr, dst_ptr, dzt_ptr, order_ptr, start_ptr, size_ptr, cos_ptr, sin_ptr,
-    H, D, DV, BH, M, P, split_tokens,
-    sqb, sqh, sqn, sqd, sgb, sgh, sgn, sgd, sdb, sdh, sdn, sdd,
-    FEATURE_MAP: tl.constexpr, NORMALIZE: tl.constexpr, STORE_DQ: tl.constexpr, ROTARY: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    """Query side of the backward for one split of one block: dq, and partial dS~, dz~."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    m = pid // P
-    p = pid % P
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    start = tl.load(start_ptr + m)
-    size = tl.load(size_ptr + m)
-    lo = p * split_tokens
-    hi = tl.minimum(lo + split_tokens, size)
-
-    offs_t = tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_e = tl.arange(0, BLOCK_DV)
-    mask_d = offs_d < D
-    mask_e = offs_e < DV
-    mask_de = mask_d[:, None] & mask_e[None, :]
-    row = (m * BH + bh).to(tl.int64)
-    st = tl.load(st_ptr + row * D * DV + offs_d[:, None] * DV + offs_e[None, :], mask=mask_de, other=0.0)
-    if NORMALIZE:
-        zt = tl.load(zt_ptr + row * D + offs_d, mask=mask_d, other=0.0)
-        eps = tl.load(eps_ptr)
-    q_base = q_ptr + b * sqb + h * sqh
-    g_base = g_ptr + b * sgb + h * sgh
-    dq_base = dq_ptr + b * sdb + h * sdh
-
-    dst = tl.zeros([BLOCK_D, BLOCK_DV], dtype=ACC)
-    dzt = tl.zeros([BLOCK_D], dtype=ACC)
-    for t0 in range(lo, hi, BLOCK_T):
-        slot = t0 + offs_t
-        mask_t = slot < hi
-        tok = tl.load(order_ptr + start + slot, mask=mask_t, other=0).to(tl.int64)
-        mask_td = mask_t[:, None] & mask_d[None, :]
-        qraw = tl.load(q_base + tok[:, None] * sqn + offs_d[None, :] * sqd, mask=mask_td, other=0.0).to(ACC)
-        if FEATURE_MAP:
-            qq = tl.maximum(qraw, 0.0)
-        else:
-            qq = qraw
-        if ROTARY:
-            cos, sin = _load_tables(cos_ptr, sin_ptr, tok, mask_t, D // 2, BLOCK_D)
-            rq = _rotate(qq, cos, sin, BLOCK_T, BLOCK_D)
-        else:
-            rq = qq
-        gn = tl.load(g_base + tok[:, None] * sgn + offs_e[None, :] * sgd, mask=mask_t[:, None] & mask_e[None, :], other=0.0).to(ACC)
-        if NORMALIZE:
-            num = tl.dot(rq, st, input_precision=PREC, out_dtype=ACC)
-            den = tl.sum(qq * zt[None, :], axis=1) + eps
-            den = tl.where(mask_t, den, 1.0)  # padded rows: g = 0, keep 0 / den finite even with eps = 0
-            gn = gn / den[:, None]
-            gd = -tl.sum(gn * num, axis=1) / den
-            dzt += tl.sum(qq * gd[:, None], axis=0)
-        dst = tl.dot(tl.trans(rq), gn, dst, input_precision=PREC, out_dtype=ACC)
-        if STORE_DQ:
-            da = tl.dot(gn, tl.trans(st), input_precision=PREC, out_dtype=ACC)
-            if ROTARY:  # d/d phi(q) of (R phi(q)) S~ is R^T (gn S~^T)
-                da = _rotate(da, cos, -sin, BLOCK_T, BLOCK_D)
-            if NORMALIZE:
-                da += gd[:, None] * zt[None, :]
-            if FEATURE_MAP:
-                da = tl.where(qraw > 0.0, da, 0.0)
-            tl.store(dq_base + tok[:, None] * sdn + offs_d[None, :] * sdd, da.to(dq_ptr.dtype.element_ty), mask=mask_td)
-
-    out_row = ((p * M + m) * BH + bh).to(tl.int64)
-    tl.store(dst_ptr + out_row * D * DV + offs_d[:, None] * DV + offs_e[None, :], dst, mask=mask_de)
-    if NORMALIZE:
-        tl.store(dzt_ptr + out_row * D + offs_d, dzt, mask=mask_d)
-
-
-@triton.jit
-def _bwd_key(
-    k_ptr, v_ptr, ds_ptr, dz_ptr, dk_ptr, dv_ptr, order_ptr, start_ptr, size_ptr, cos_ptr, sin_ptr,
-    H, D, DV, BH, TILES,
-    skb, skh, skn, skd, svb, svh, svn, svd,
-    sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
-    FEATURE_MAP: tl.constexpr, NORMALIZE: tl.constexpr, NEED_DK: tl.constexpr, NEED_DV: tl.constexpr, ROTARY: tl.constexpr,
-    ACC: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-):
-    """Key side of the backward for one tile: ``dv = (R) phi(K) dS_b``, ``dk = ((R^T) V dS_b^T + dz_b) [k > 0]``."""
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    m = pid // TILES
-    tile = pid % TILES
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    start = tl.load(start_ptr + m)
-    size = tl.load(size_ptr + m)
-
-    offs_t = tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_e = tl.arange(0, BLOCK_DV)
-    mask_d = offs_d < D
-    mask_e = offs_e < DV
-    slot = tile * BLOCK_T + offs_t
-    mask_t = slot < size
-    tok = tl.load(order_ptr + start + slot, mask=mask_t, other=0).to(tl.int64)
-    mask_td = mask_t[:, None] & mask_d[None, :]
-    mask_te = mask_t[:, None] & mask_e[None, :]
-    row = (m * BH + bh).to(tl.int64)
-    ds = tl.load(ds_ptr + row * D * DV + offs_d[:, None] * DV + offs_e[None, :], mask=mask_d[:, None] & mask_e[None, :], other=0.0)
-
-    kraw = tl.load(k_ptr + b * skb + h * skh + tok[:, None] * skn + offs_d[None, :] * skd, mask=mask_td, other=0.0).to(ACC)
-    if ROTARY:
-        cos, sin = _load_tables(cos_ptr, sin_ptr, tok, mask_t, D // 2, BLOCK_D)
-    if NEED_DV:
-        if FEATURE_MAP:
-            kk = tl.maximum(kraw, 0.0)
-        else:
-            kk = kraw
-        if ROTARY:
-            kk = _rotate(kk, cos, sin, BLOCK_T, BLOCK_D)
-        dvv = tl.dot(kk, ds, input_precision=PREC, out_dtype=ACC)
-        tl.store(dv_ptr + b * sdvb + h * sdvh + tok[:, None] * sdvn + offs_e[None, :] * sdvd,
-                 dvv.to(dv_ptr.dtype.element_ty), mask=mask_te)
-    if NEED_DK:
-        vv = tl.load(v_ptr + b * svb + h * svh + tok[:, None] * svn + offs_e[None, :] * svd, mask=mask_te, other=0.0).to(ACC)
-        dphi = tl.dot(vv, tl.trans(ds), input_precision=PREC, out_dtype=ACC)
-        if ROTARY:
-            dphi = _rotate(dphi, cos, -sin, BLOCK_T, BLOCK_D)
-        if NORMALIZE:
-            dz = tl.load(dz_ptr + row * D + offs_d, mask=mask_d, other=0.0)
-            dphi += dz[None, :]
-        if FEATURE_MAP:
-            dphi = tl.where(kraw > 0.0, dphi, 0.0)
-        tl.store(dk_ptr + b * sdkb + h * sdkh + tok[:, None] * sdkn + offs_d[None, :] * sdkd,
-                 dphi.to(dk_ptr.dtype.element_ty), mask=mask_td)
-
-
-@triton.jit
-def _mix_gemm(
-    a_ptr, b_ptr, c_ptr, R, K, NCOL, COLS, sar, sak,
-    ACC: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """``C = A @ B`` per sample column strip: the block mixing ``S~ = Mc S`` over all heads."""
-    pid_n = tl.program_id(0)
-    sample = tl.program_id(1)
-    col = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n = sample.to(tl.int64) * COLS + col
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_n = col < COLS
-    for r0 in range(0, R, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        mask_r = offs_r < R
-        acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=ACC)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + offs_k
-            mask_k = kk < K
-            a = tl.load(a_ptr + offs_r[:, None] * sar + kk[None, :] * sak, mask=mask_r[:, None] & mask_k[None, :], other=0.0)
-            b = tl.load(b_ptr + kk[:, None].to(tl.int64) * NCOL + offs_n[None, :], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            acc = tl.dot(a.to(ACC), b.to(ACC), acc, input_precision=PREC, out_dtype=ACC)
-        c_out = c_ptr + offs_r[:, None].to(tl.int64) * NCOL + offs_n[None, :]
-        tl.store(c_out, acc, mask=mask_r[:, None] & mask_n[None, :])
-
-
-# ----------------------------------------------------------------------------------------------
-# Host side
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float64: tl.float64}
@@ -403,7 +113,7 @@ def _precision(*tensors: torch.Tensor) -> str:
 
 
 def _mix(mix: torch.Tensor, parts: torch.Tensor, prec: str, batch: int) -> torch.Tensor:
-    """``Mc @ sum_p parts[p]`` over the block axis by ``_mix_gemm``: ``[P, M, B*H, ...] -> [M, B*H, ...]``."""
+    """``Mc @ sum_p parts[p]`` over the block axis by ``mix_gemm``: ``[P, M, B*H, ...] -> [M, B*H, ...]``."""
     p, m = parts.shape[0], parts.shape[1]
     a = mix if p == 1 else mix.repeat(1, p)
     b = parts.reshape(p * m, -1)
@@ -419,7 +129,7 @@ def _mix(mix: torch.Tensor, parts: torch.Tensor, prec: str, batch: int) -> torch
     else:  # interpreter: few, large programs (one strip per sample up to 4096 columns)
         block_r, block_k, block_n, warps = _next_pow2(min(m, 256)), _next_pow2(min(p * m, 256)), _next_pow2(min(cols, 4096)), 4
     _launch(
-        _mix_gemm, (triton.cdiv(cols, block_n), batch),
+        mix_gemm, (triton.cdiv(cols, block_n), batch),
         a, b, out, m, p * m, ncol, cols, a.stride(0), a.stride(1),
         ACC=_TL_DTYPE[parts.dtype], PREC=prec, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n,
         num_warps=warps, num_stages=3,
@@ -442,7 +152,7 @@ def _device_of(x: torch.Tensor):
 
 
 class _MHLATriton(torch.autograd.Function):
-    """Forward and backward by the kernels above (first order)."""
+    """Forward and backward by the kernels of :mod:`.triton_kernels` (first order)."""
 
     @staticmethod
     def forward(ctx, q, k, v, mixing, layout, normalize, eps, feature_map, rotary, need_grad):
@@ -477,7 +187,7 @@ class _MHLATriton(torch.autograd.Function):
         s_parts = torch.empty(parts, m, bh, d, dv, dtype=acc, device=device)
         z_parts = torch.empty(parts, m, bh, d, dtype=acc, device=device) if normalize else s_parts
         _launch(
-            _fwd_summaries, (m * parts, bh),
+            fwd_summaries, (m * parts, bh),
             k, v, order, starts, sizes, s_parts, z_parts, cos, sin,
             heads, d, dv, bh, m, parts, split,
             *k.stride(), *v.stride(),
@@ -490,7 +200,7 @@ class _MHLATriton(torch.autograd.Function):
 
         tiles = -(-length // cfg["BLOCK_T"])
         _launch(
-            _fwd_output, (m * tiles, bh),
+            fwd_output, (m * tiles, bh),
             q, s_mix, z_mix, eps_t, out, order, starts, sizes, cos, sin,
             heads, d, dv, bh, tiles,
             *q.stride(), *out.stride(),
@@ -531,7 +241,7 @@ class _MHLATriton(torch.autograd.Function):
         dz_parts = torch.empty(parts, m, bh, d, dtype=acc, device=device) if normalize else ds_parts
         dq_strides = dq.stride() if need_q else (0, 0, 0, 0)
         _launch(
-            _bwd_query, (m * parts, bh),
+            bwd_query, (m * parts, bh),
             q, grad_out, s_mix, z_mix, eps_t, dq, ds_parts, dz_parts, order, starts, sizes, cos, sin,
             heads, d, dv, bh, m, parts, split,
             *q.stride(), *grad_out.stride(), *dq_strides,
@@ -557,7 +267,7 @@ class _MHLATriton(torch.autograd.Function):
             dvv = empty_like_layout(v, dv, v.dtype) if need_v else ds
             tiles = -(-length // cfg["BLOCK_T"])
             _launch(
-                _bwd_key, (m * tiles, bh),
+                bwd_key, (m * tiles, bh),
                 k, v, ds, dz, dk, dvv, order, starts, sizes, cos, sin,
                 heads, d, dv, bh, tiles,
                 *k.stride(), *v.stride(),
@@ -565,7 +275,7 @@ class _MHLATriton(torch.autograd.Function):
                 FEATURE_MAP=feature_map, NORMALIZE=normalize, NEED_DK=bool(need_k), NEED_DV=bool(need_v),
                 ROTARY=rotary is not None, ACC=_TL_DTYPE[acc], PREC=prec,
                 BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
             )
             dk = dk if need_k else None
             dvv = dvv if need_v else None

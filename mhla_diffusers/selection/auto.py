@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 
-from mhla_diffusers.models.families import family_of
+from mhla_diffusers.families import family_of
 from mhla_diffusers.models.processor import MHLAProcessor
 from mhla_diffusers.selection.cost import cost_fraction, layer_attention_costs
 from mhla_diffusers.selection.hybrid import scores_list, select_auto

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mhla_diffusers.models.families import family_of
+from mhla_diffusers.families import family_of
 
 __all__ = ["GENERIC_PROMPTS", "calibration_inputs", "clip_timestep_range", "encode_calibration_prompts", "load_calibration_embeddings"]
 

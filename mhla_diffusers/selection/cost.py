@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mhla_diffusers.models.families import family_of, self_attention_modules
+from mhla_diffusers.families import family_of, self_attention_modules
 from mhla_diffusers.models.processor import MHLAProcessor
 from mhla_diffusers.ops import mhla_attention
 from mhla_diffusers.ops.layout import BlockLayout, normalize_grid
@@ -239,15 +239,32 @@ def _cache_key(kind, shape, grid, blocks, backend, weight) -> str:
 
 
 def _read_cache(path) -> dict:
+    """The cache file's ``{key: seconds}`` (``{}`` when there is none yet).
+
+    Raises:
+        ValueError: not readable JSON, not an object, or an entry that is not a time (a finite number of seconds
+            > 0; booleans, NaN and infinities included): the message names the file and the entry.
+    """
     if path is None or not Path(path).exists():
         return {}
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as err:
         raise ValueError(f"the cost cache {str(path)!r} is not a readable JSON file ({err}); delete it or give another path") from err
-    if not isinstance(data, dict) or not all(isinstance(v, (int, float)) for v in data.values()):
+    if not isinstance(data, dict):
         raise ValueError(f"the cost cache {str(path)!r} is not a cost cache (a JSON object of seconds); give another path")
+    for key, seconds in data.items():
+        if not _is_time(seconds):
+            raise ValueError(
+                f"the cost cache {str(path)!r} is not a cost cache of seconds: entry {key!r} holds {seconds!r}, not a time "
+                "(a finite number > 0); delete that entry (or the file) to measure it again"
+            )
     return data
+
+
+def _is_time(seconds) -> bool:
+    """A measured time: a finite number of seconds > 0 (not a boolean, which JSON's true / false read as)."""
+    return isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds) and seconds > 0
 
 
 def _write_cache(path, cache: dict) -> None:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from mhla_diffusers.models.families import attention_modules, family_of, self_attention_modules
+from mhla_diffusers.families import attention_modules, family_of, self_attention_modules
 from mhla_diffusers.models.grid import token_grid
 from mhla_diffusers.models.installer import install_mhla, is_mhla_model, remove_mhla
 from mhla_diffusers.models.processor import MHLAProcessor
@@ -159,11 +159,7 @@ def _float_copy(value):
 
 def _working_copy(attn: nn.Module, family) -> nn.Module:
     work = copy.deepcopy(attn).float()
-    proc = attn.processor
-    work.set_processor(MHLAProcessor(
-        block_grid=attn.mhla_mixing.block_grid, normalize=proc.normalize, eps=proc.eps, backend=proc.backend,
-        family=family.name, output_norm=getattr(attn, "mhla_output_norm", None) is not None, feature_eps=proc.feature_eps,
-    ))
+    work.set_processor(MHLAProcessor(backend=attn.processor.backend, family=family.name))  # runs the copy's own MHLA
     return work
 
 
@@ -182,7 +178,7 @@ def _fit_pass(work: nn.Module, captured: list[tuple], energy: float, backward: b
 
 def _start_mixing(work: nn.Module, captured: list[tuple], energy: float) -> tuple[str, float]:
     """Set the mixing matrix to the better of the locality init and all ones; ``(name, error)``."""
-    weight = work.mhla_mixing.weight
+    weight = work.mhla.mixing.weight
     locality = weight.detach().clone()
     errors = {}
     for name, value in (("locality", locality), ("ones", torch.ones_like(locality))):
@@ -199,8 +195,8 @@ def _fit_layer(work: nn.Module, captured: list[tuple], steps: int, lr: float, mi
     """Attention transfer on the working copy, left at the best parameters seen; the fit's record."""
     energy = sum(t.float().square().sum().item() for _, _, t, _ in captured) or 1.0
     init, init_loss = _start_mixing(work, captured, energy)
-    mixing = work.mhla_mixing.weight
-    others = [p for name, p in work.named_parameters() if not name.startswith("mhla_mixing.")]
+    mixing = work.mhla.mixing.weight
+    others = [p for name, p in work.named_parameters() if not name.startswith("mhla.mixing.")]
     for p in work.parameters():
         p.requires_grad_(False)
     groups = [{"params": [mixing.requires_grad_(True)], "lr": mixing_lr}]
@@ -217,7 +213,7 @@ def _fit_layer(work: nn.Module, captured: list[tuple], steps: int, lr: float, mi
         if step == steps:
             break
         optimizer.step()
-        if work.mhla_mixing.clamp:
+        if work.mhla.mixing.clamp:
             with torch.no_grad():
                 mixing.clamp_(0.0, 1.0)
     work.load_state_dict(best_state)
@@ -251,7 +247,7 @@ def _score_layer(transformer, family, index: int, calibration, reference, mhla: 
     state = _LayerState(attn)
     try:
         install_mhla(transformer, [index], **mhla)
-        block_grid = list(attn.mhla_mixing.block_grid)
+        block_grid = list(attn.mhla.mixing.block_grid)
         work = _working_copy(attn, family)
         record = _fit_layer(work, captured, **fit)
         with torch.no_grad():

@@ -4,7 +4,7 @@
 converted checkpoint. Module map and design: ``docs/training.md``.
 """
 
-from mhla_diffusers.data import build_dataset
+from mhla_diffusers.data.build import build_dataset
 from mhla_diffusers.training.config import DEFAULT_CONFIG, TRAINABLE_SETS, apply_overrides, load_config, validate_config
 from mhla_diffusers.training.evaluation import evaluate_heldout, evaluate_loss
 from mhla_diffusers.training.export import export_model, export_pipeline

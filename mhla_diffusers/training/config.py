@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,7 +103,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     },
     "lora": {  # used with train.trainable: lora
         "rank": 16,
-        "alpha": None,  # null: rank (scale 1)
+        "alpha": None,  # > 0; null: rank (scale 1)
         "dropout": 0.0,
         "target_modules": ["to_q", "to_k", "to_v", "to_out.0"],
         "export": "merge",  # merge (into the weights) | separate (transformer_lora/ beside the base)
@@ -127,7 +128,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "hflip": True,
         "seed": 0,  # crop positions / flips / shuffling
         "batch_size": 16,  # per process
-        "num_workers": 0,
+        "num_workers": 0,  # DataLoader workers (0: load in the main process)
         "caption_column": "text",  # kind=captions: the metadata.jsonl key of the caption
         "missing_caption": "error",  # kind=captions: error | empty
         "caption_template": "{}",  # text families on class-labelled data: caption = template.format(class name)
@@ -139,21 +140,21 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "trainable": "full",  # full | lora | attention (self-attention modules) | mixing (MHLA parameters only)
         "train_mixing": True,  # the MHLA parameters (mixing matrices, Wan output norms) train, whatever the set
         "lr": 1e-4,
-        "mixing_lr": None,  # lr of the MHLA mixing matrices (None: lr)
-        "weight_decay": 0.0,  # not applied to the mixing matrices
+        "mixing_lr": None,  # lr of the MHLA mixing matrices, > 0 (null: lr; to freeze them, train_mixing: false)
+        "weight_decay": 0.0,  # >= 0; not applied to the mixing matrices
         "adam_beta1": 0.9,
         "adam_beta2": 0.999,
         "adam_eps": 1e-8,
         "lr_scheduler": "constant_with_warmup",  # any name of diffusers.optimization.get_scheduler
-        "warmup_steps": 0,
-        "grad_clip": 1.0,  # max gradient norm of each parameter group (model, lora, mhla_mixing), clipped one by one; 0 or null: off
+        "warmup_steps": 0,  # learning-rate warm-up steps (0: none)
+        "grad_clip": 1.0,  # max gradient norm of each parameter group (model, lora, mhla_mixing), clipped one by one; 0 / null: off
         "mixed_precision": "no",  # no | fp16 | bf16 (autocast; trainable parameters stay fp32)
         "gradient_accumulation_steps": 1,
         "gradient_checkpointing": False,
         "class_dropout": 0.1,  # label -> null class (classifier-free guidance; DiT)
         "caption_dropout": 0.1,  # caption -> "" (classifier-free guidance; text families)
         "checkpointing_steps": 0,  # accelerate save_state every N steps (0: never)
-        "checkpoints_total_limit": 2,
+        "checkpoints_total_limit": 2,  # complete checkpoints kept, >= 1 (null: all)
         "resume": False,  # resume from the latest complete state in output_dir/checkpoints
         "seed": 0,  # model init, noise, timesteps, label dropout
         "log_every": 10,  # tqdm postfix and loss CSV flush, in steps
@@ -161,7 +162,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "find_unused_parameters": False,  # DDP
     },
     "eval": {
-        "samples": 0,  # > 0: held-out losses on this many fixed crops, before and after training
+        "samples": 0,  # > 0: held-out losses on this many fixed crops, before and after training; 0: none
         "seed": 12345,  # crops, noise; timesteps evenly spaced
         "batch_size": 16,
     },
@@ -202,7 +203,7 @@ def apply_overrides(config: dict, overrides: Iterable[str]) -> dict:
     Setting a key inside a null section creates it (``mhla.layers=hybrid`` turns MHLA on).
 
     Raises:
-        ValueError: malformed override or unknown key.
+        ValueError: malformed override (a YAML syntax error in the value included) or unknown key.
     """
     config = copy.deepcopy(config)
     for item in overrides:
@@ -220,9 +221,25 @@ def apply_overrides(config: dict, overrides: Iterable[str]) -> dict:
             elif not isinstance(child, dict):
                 raise ValueError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        node[parts[-1]] = _parse_yaml(raw, f"override {item!r}", "quote or fix the value", at_mark=False) if raw.strip() else None
         config = _merge(DEFAULT_CONFIG, config)  # rejects unknown keys
     return config
+
+
+def _parse_yaml(text: str, where: str, fix: str, *, at_mark: bool = True) -> Any:
+    """``yaml.safe_load(text)`` (``""``: None); a syntax error becomes one line: ``where:line:column: not valid YAML (problem); fix``
+    (``where: ...`` without ``at_mark``).
+
+    Raises:
+        ValueError: ``text`` is not valid YAML (line and column counted from 1).
+    """
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = (getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)) if at_mark else None
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        problem = " ".join(str(getattr(err, "problem", None) or err).split())
+        raise ValueError(f"{where}{at}: not valid YAML ({problem}); {fix}") from None
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> dict:
@@ -233,15 +250,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] 
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: unknown keys, a missing ``output_dir``, neither or both of ``model.pretrained``
-            and ``model.init``, bad values (the message names the key and what to do).
+        ValueError: a YAML syntax error (one line naming the file, line and column), unknown keys, a missing
+            ``output_dir``, neither or both of ``model.pretrained`` and ``model.init``, bad values (the message
+            names the key and what to do; negative, boolean, NaN or infinite numbers where they mean nothing).
     """
     config = copy.deepcopy(DEFAULT_CONFIG)
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        loaded = _parse_yaml(path.read_text(), str(path), "fix the file") or {}
         if not isinstance(loaded, Mapping):
             raise ValueError(
                 f"{path} must hold a YAML mapping "
@@ -275,12 +293,19 @@ class Choice:
         raise ValueError(f"{name} must be one of {list(self.choices)}{' or null' if self.nullable else ''}; got {value!r}")
 
 
+def _refusal(name: str, wanted: str, nullable: bool, note: str, value: Any) -> ValueError:
+    """The one-line error of a rule: ``<name> must be <wanted>[ or null][ (<note>)]; got <value>``."""
+    return ValueError(f"{name} must be {wanted}{' or null' if nullable else ''}{f' ({note})' if note else ''}; got {value!r}")
+
+
 @dataclass(frozen=True)
 class Integer:
-    """An integer (not a boolean) ``>= minimum`` (1: "a positive integer"), or null when ``nullable``."""
+    """An integer (not a boolean) ``>= minimum`` (1: "a positive integer"), or null when ``nullable``; ``note``
+    (what 0 / null mean) is said in the error."""
 
     minimum: int
     nullable: bool = False
+    note: str = ""
 
     def check(self, name: str, value: Any) -> Any:
         """``value`` unchanged; raises ``ValueError`` when it breaks the rule."""
@@ -289,7 +314,7 @@ class Integer:
         if isinstance(value, int) and not isinstance(value, bool) and value >= self.minimum:
             return value
         wanted = "a positive integer" if self.minimum == 1 else f"an integer >= {self.minimum}"
-        raise ValueError(f"{name} must be {wanted}{' or null' if self.nullable else ''}; got {value!r}")
+        raise _refusal(name, wanted, self.nullable, self.note, value)
 
 
 @dataclass(frozen=True)
@@ -307,29 +332,37 @@ class Boolean:
 
 @dataclass(frozen=True)
 class Number:
-    """A number (numeric strings accepted: PyYAML reads ``1e-4`` as a string) for which ``valid``
-    holds (``bound`` says it in words: ``"> 0"``, ``"in [0, 1)"``); null when ``nullable``."""
+    """A finite number (numeric strings accepted: PyYAML reads ``1e-4`` as a string; booleans, NaN and
+    infinities refused) for which ``valid`` holds (``bound`` says it in words: ``"a finite number > 0"``);
+    null when ``nullable``; ``note`` (what 0 / null mean) is said in the error."""
 
     valid: Callable[[float], bool] = lambda v: True
-    bound: str = ""
+    bound: str = "a finite number"
     nullable: bool = False
+    note: str = ""
 
     def check(self, name: str, value: Any) -> Any:
-        """``float(value)`` (or None); raises ``ValueError`` when it is not a number or out of bounds."""
+        """``float(value)`` (or None); raises ``ValueError`` when it is not a finite number or out of bounds."""
         if value is None and self.nullable:
             return None
         try:
-            value = float(value)
+            if isinstance(value, bool):  # YAML's true / false: not a number (float(True) would be 1.0)
+                raise TypeError
+            number = float(value)
         except (TypeError, ValueError):
             raise ValueError(f"{name} must be a number; got {value!r}") from None
-        if not self.valid(value):
-            raise ValueError(f"{name} must be {self.bound}{' or null' if self.nullable else ''}; got {value!r}")
-        return value
+        if not (math.isfinite(number) and self.valid(number)):
+            raise _refusal(name, self.bound, self.nullable, self.note, number)
+        return number
 
 
 _ANY = Number()
-_NON_NEGATIVE = Number(lambda v: v >= 0, ">= 0")
-_PROBABILITY = Number(lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+_POSITIVE = Number(lambda v: v > 0, "a finite number > 0")
+_NON_NEGATIVE = Number(lambda v: v >= 0, "a finite number >= 0")
+_PROBABILITY = Number(lambda v: 0.0 <= v < 1.0, "a finite number in [0, 1)")
+_SEED = Integer(0)
+# SD3's mode density is a density (u stays in [0, 1]) for -1 <= mode_scale <= 2 / (pi - 2)
+_MODE_SCALE_MAX = 2.0 / (math.pi - 2.0)
 
 # Checked in this order by validate_config; a rule's check may normalise the value (numbers to float,
 # YAML booleans back to the choice written).
@@ -337,25 +370,37 @@ _RULES: dict[str, Choice | Integer | Number | Boolean] = {
     "model.expert": Choice(("transformer", "transformer_2"), nullable=True),
     "data.kind": Choice(("photos", "folder", "captions", "video")),
     "data.missing_caption": Choice(("error", "empty")),
+    "data.short_side": Integer(1, nullable=True, note="null: the dataset's default"),
+    "data.crops_per_image": Integer(1),
     "data.num_frames": Integer(1),
     "data.frame_stride": Integer(1),
+    "data.seed": _SEED,
     "data.batch_size": Integer(1),
+    "data.num_workers": Integer(0, note="0: load in the main process"),
     "train.max_steps": Integer(1),
     "train.gradient_accumulation_steps": Integer(1),
     "train.log_every": Integer(1),
+    "train.seed": _SEED,
     "lora.rank": Integer(1),
     "model.text.max_sequence_length": Integer(1, nullable=True),
     "model.sample_size": Integer(1, nullable=True),
-    "train.warmup_steps": Integer(0),
-    "train.checkpointing_steps": Integer(0),
+    "train.warmup_steps": Integer(0, note="0: no warm-up"),
+    "train.checkpointing_steps": Integer(0, note="0: never"),
+    "train.checkpoints_total_limit": Integer(1, nullable=True, note="null: keep every checkpoint"),
     "ema.update_after_step": Integer(0),
-    "train.lr": Number(lambda v: v > 0, "> 0"),
-    "train.mixing_lr": Number(lambda v: v >= 0, ">= 0", nullable=True),
-    "train.weight_decay": _ANY,
-    "train.adam_beta1": _ANY,
-    "train.adam_beta2": _ANY,
-    "train.adam_eps": _ANY,
-    "train.grad_clip": Number(nullable=True),
+    "eval.samples": Integer(0, note="0: no held-out evaluation"),
+    "eval.seed": _SEED,
+    "eval.batch_size": Integer(1),
+    "train.lr": _POSITIVE,
+    "train.mixing_lr": Number(
+        lambda v: v > 0, "a finite number > 0", nullable=True,
+        note="null: train.lr; to freeze the mixing matrices set train.train_mixing: false",
+    ),
+    "train.weight_decay": _NON_NEGATIVE,
+    "train.adam_beta1": _PROBABILITY,
+    "train.adam_beta2": _PROBABILITY,
+    "train.adam_eps": _POSITIVE,
+    "train.grad_clip": Number(lambda v: v >= 0, "a finite number >= 0", nullable=True, note="0 or null: no clipping"),
     "train.class_dropout": _PROBABILITY,
     "train.caption_dropout": _PROBABILITY,
     "train.mixed_precision": Choice(("no", "fp16", "bf16")),
@@ -365,29 +410,31 @@ _RULES: dict[str, Choice | Integer | Number | Boolean] = {
     "objective.kind": Choice(OBJECTIVES, nullable=True),
     "objective.timestep_sampling": Choice(TIMESTEP_SAMPLING),
     "objective.loss_weighting": Choice(LOSS_WEIGHTING),
-    "objective.shift": Number(lambda v: v > 0, "> 0", nullable=True),
+    "objective.shift": Number(lambda v: v > 0, "a finite number > 0", nullable=True),
     "objective.logit_mean": _ANY,
-    "objective.logit_std": _ANY,
-    "objective.mode_scale": _ANY,
+    "objective.logit_std": _POSITIVE,
+    "objective.mode_scale": Number(
+        lambda v: -1.0 <= v <= _MODE_SCALE_MAX, "a finite number in [-1, 1.75]", note="SD3's mode density: 2 / (pi - 2) at most; 0: uniform"
+    ),
     "distill.condition": Choice(CONDITIONS),
     "distill.layers": Choice(TRANSFER_LAYERS),
     "distill.data_weight": _NON_NEGATIVE,
     "distill.output_weight": _NON_NEGATIVE,
     "distill.attention_weight": _NON_NEGATIVE,
     "lora.export": Choice(("merge", "separate")),
-    "lora.alpha": Number(nullable=True),
+    "lora.alpha": Number(lambda v: v > 0, "a finite number > 0", nullable=True, note="null: the rank, a scale of 1"),
     "lora.dropout": _PROBABILITY,
-    "ema.decay": Number(lambda v: 0.0 < v < 1.0, "in (0, 1)"),
+    "ema.decay": Number(lambda v: 0.0 < v < 1.0, "a finite number in (0, 1)"),
 }
 
 # Rules of the optional keys of the ``mhla`` section (apply_mhla's arguments), checked when present.
 _MHLA_RULES: dict[str, Choice | Integer | Number | Boolean] = {
     # phi = ReLU(x) + feature_eps (the authors' Wan model: 1e-6); 0 = the paper's ReLU
-    "feature_eps": Number(lambda v: 0.0 <= v < float("inf"), "a finite number >= 0"),
+    "feature_eps": _NON_NEGATIVE,
     # the mixing matrices used clamped to [0, 1] (the paper) or as stored (false: the authors' Wan model)
     "mixing_clamp": Boolean(),
     # phi = ReLU(x) ** feature_power (1: ReLU)
-    "feature_power": Number(lambda v: 0.0 < v < float("inf"), "a finite number > 0"),
+    "feature_power": _POSITIVE,
     # families with RoPE (Wan): after the feature map (default) | before it | none; null: the family's
     "rope": Choice(ROPE_MODES, nullable=True),
     # a LePE depthwise convolution on the values, and its start
@@ -492,10 +539,14 @@ def _check_data(d: Mapping) -> None:
         raise ValueError(f"data.caption_template must be a string containing {{}}; got {d['caption_template']!r}")
     r = d["resolution"]
     if d["kind"] == "video":
-        if not (isinstance(r, int) or (isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r))):
-            raise ValueError(f"data.resolution must be an integer or [height, width] for videos; got {r!r}")
-    elif not isinstance(r, int):
-        raise ValueError(f"data.resolution must be an integer (square crops of images); got {r!r}")
+        if not (_is_positive_int(r) or (isinstance(r, list) and len(r) == 2 and all(_is_positive_int(x) for x in r))):
+            raise ValueError(f"data.resolution must be a positive integer or [height, width] of them for videos (pixels); got {r!r}")
+    elif not _is_positive_int(r):
+        raise ValueError(f"data.resolution must be a positive integer (pixels: square crops of images); got {r!r}")
+
+
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _check_distill(ds: Mapping) -> None:

@@ -17,7 +17,7 @@ from torch import nn
 from mhla_diffusers.checkpoint.format import load_mhla_transformer
 from mhla_diffusers.checkpoint.lora import has_lora, unload_lora_
 from mhla_diffusers.families import self_attention_modules
-from mhla_diffusers.models.install import is_mhla_model, remove_mhla
+from mhla_diffusers.models.installer import is_mhla_model, remove_mhla
 
 __all__ = [
     "CONDITIONS", "TRANSFER_LAYERS", "make_teacher", "load_teacher", "transfer_modules", "AttentionRecorder", "attention_transfer_loss",
@@ -56,7 +56,7 @@ def transfer_modules(model: nn.Module, which: str = "mhla") -> dict[str, nn.Modu
         raise ValueError(f"attention-transfer layers must be one of {TRANSFER_LAYERS}; got {which!r}")
     modules = self_attention_modules(model)
     if which == "mhla":
-        chosen = [(n, m) for n, m in modules if getattr(m, "mhla_mixing", None) is not None]
+        chosen = [(n, m) for n, m in modules if getattr(m, "mhla", None) is not None]
         modules = chosen or modules
     return dict(modules)
 

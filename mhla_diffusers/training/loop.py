@@ -25,8 +25,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from tqdm.auto import tqdm
 
 from mhla_diffusers.checkpoint.io import atomic_write_json, atomic_write_text
-from mhla_diffusers.data import build_dataset
-from mhla_diffusers.models.install import is_mhla_model
+from mhla_diffusers.data.build import build_dataset
+from mhla_diffusers.models.installer import is_mhla_model
 
 # clamp_mixing_ is looked up in the module at each step (tests patch it there)
 from mhla_diffusers.ops import mixing as mixing_ops

@@ -87,7 +87,7 @@ def build_optimizer(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
 ) -> torch.optim.AdamW:
-    """AdamW: group ``model`` and group ``mhla_mixing`` (``mixing_lr``, no decay); ``ValueError`` if nothing trains."""
+    """AdamW: group ``model`` and group ``mhla_mixing`` (the mixing matrices: ``mixing_lr``, no decay); ``ValueError`` if nothing trains."""
     mixing = [p for p in mixing_parameters(model) if p.requires_grad]
     ids = {id(p) for p in mixing}
     rest = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]

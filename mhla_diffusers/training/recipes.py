@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from mhla_diffusers.apply import apply_mhla
 from mhla_diffusers.autoencoder import vae_scale_factor
 from mhla_diffusers.checkpoint.format import (
     expert_timestep_range,
@@ -35,7 +36,7 @@ from mhla_diffusers.families import (
 )
 from mhla_diffusers.families.base import call_default
 from mhla_diffusers.families.dit import check_resolution, disable_internal_label_dropout  # re-exported (public names)
-from mhla_diffusers.models.install import apply_mhla, is_mhla_model
+from mhla_diffusers.models.installer import is_mhla_model
 from mhla_diffusers.training.config import TRAINED_FAMILIES, default_family
 from mhla_diffusers.training.distill import load_teacher, make_teacher
 from mhla_diffusers.training.flow import Objective, flow_match_scheduler

@@ -207,7 +207,7 @@ def test_pipeline_round_trip(saved, tmp_path):
 def test_saving_leaves_the_model_unchanged(saved):
     model = saved["model"]
     assert is_mhla_model(model)
-    assert sorted(mhla_state(model)) == [f"transformer_blocks.{i}.attn1.mhla_mixing.weight" for i in (1, 2, 4, 5)]
+    assert sorted(mhla_state(model)) == [f"transformer_blocks.{i}.attn1.mhla.mixing.weight" for i in (1, 2, 4, 5)]
     assert torch.equal(run_dit(model, saved["inputs"]), saved["output"])
 
 
@@ -239,7 +239,7 @@ def test_base_folder_is_plain_diffusers(saved):
     got = plain.state_dict()
     assert sorted(got) == sorted(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
     config = read_mhla_config(folder)
-    assert config["format_version"] == FORMAT_VERSION == 2
+    assert config["format_version"] == FORMAT_VERSION == 3
     assert config["layers"] == [1, 2, 4, 5] and config["block_grid"] == [1, 2, 2]
 
 
@@ -253,7 +253,7 @@ def test_warning_capture_works(tmp_path):
     model.save_pretrained(tmp_path / "raw")
     with WarningLog() as log:
         DiTTransformer2DModel.from_pretrained(tmp_path / "raw")
-    assert any("mhla_mixing" in m for m in log.messages)
+    assert any("mhla.mixing" in m for m in log.messages)
 
 
 def test_model_without_mhla_saves_plain(tmp_path):
@@ -353,7 +353,7 @@ def test_mismatched_weights(saved, tmp_path, kwargs, match, legacy_match):
 @pytest.mark.parametrize(
     "edit, match",
     [
-        (lambda c: c.update(format_version=3), "format_version 3"),
+        (lambda c: c.update(format_version=4), "format_version 4"),
         (lambda c: c.update(format_version=True), "format_version True"),
         (lambda c: c.pop("format_version"), "format_version None"),
         (lambda c: c.pop("block_grid"), "block_grid"),
@@ -399,10 +399,10 @@ def test_existing_folder_needs_overwrite(tmp_path):
         save_mhla_transformer(model, out)
     (out / "stale.txt").write_text("old")
     with torch.no_grad():
-        model.transformer_blocks[0].attn1.mhla_mixing.weight.fill_(0.5)
+        model.transformer_blocks[0].attn1.mhla.mixing.weight.fill_(0.5)
     save_mhla_transformer(model, out, overwrite=True)
     assert not (out / "stale.txt").exists()
-    assert torch.equal(load_file(out / "mhla.safetensors")["transformer_blocks.0.attn1.mhla_mixing.weight"], torch.full((4, 4), 0.5))
+    assert torch.equal(load_file(out / "mhla.safetensors")["transformer_blocks.0.attn1.mhla.mixing.weight"], torch.full((4, 4), 0.5))
     assert _leftovers(tmp_path, "out") == []
     pipe = tiny_dit_pipeline(num_layers=1)
     with pytest.raises(FileExistsError):

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _mixing_keys(model) -> list[str]:
-    return sorted(k for k in model.state_dict() if ".mhla_" in k)
+    return sorted(k for k in model.state_dict() if ".mhla." in k)
 
 
 # -- 1. the bare one-liner, saved before its first forward ----------------------------------------
@@ -222,7 +222,7 @@ def test_settings_are_recorded_beside_the_weights(saved):
         "feature_eps": 0.0, "mixing_clamp": True, "lepe": False, "gate": None, "rope": None, "feature_power": 1.0,
         "input_norm": False, "denominator": "paper",
     }
-    assert config["format_version"] == 2
+    assert config["format_version"] == 3
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import dit_inputs, randomize_mixing_, realign_, run_dit, tiny_dit
+from helpers import dit_inputs, legacy_key, randomize_mixing_, realign_, run_dit, tiny_dit
 from helpers_sana import run_sana, sana_inputs, tiny_sana
 from helpers_wan import run_wan, tiny_wan, wan_inputs
 from safetensors import safe_open
@@ -58,7 +58,7 @@ def _train_(model, seed: int = 0) -> None:
     randomize_mixing_(model, seed=seed, low=0.05, high=0.95)
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
-        if ".mhla_" in name and ".mhla_mixing." not in name:
+        if ".mhla." in name and ".mhla.mixing." not in name:
             p.add_(torch.randn(p.shape, generator=g) * 0.2)
 
 
@@ -100,17 +100,17 @@ def test_options_round_trip(saved, family):
     assert {k: spec[k] for k in recorded} == recorded
     assert not {k for k in NEW_KEYS if k in spec} - set(recorded)
     config = read_mhla_config(folder)
-    assert config["format_version"] == FORMAT_VERSION == 2 and {k: config[k] for k in recorded} == recorded
+    assert config["format_version"] == FORMAT_VERSION == 3 and {k: config[k] for k in recorded} == recorded
     with safe_open(str(folder / "mhla.safetensors"), framework="pt") as f:
         header = json.loads(f.metadata()["mhla_config"])
         keys = set(f.keys())
     assert header["gate"] == recorded["gate"] and header["lepe"] is True
     assert header["rope"] == recorded.get("rope") and header["feature_power"] == recorded.get("feature_power", 1.0)
-    assert any(k.endswith("mhla_gate.weight") for k in keys) and any(k.endswith("mhla_lepe.bias") for k in keys)
+    assert any(k.endswith("mhla.gate.weight") for k in keys) and any(k.endswith("mhla.lepe.bias") for k in keys)
     loaded = load_mhla_transformer(folder)
     assert mhla_spec(loaded) == spec
-    want = {k: v for k, v in model.state_dict().items() if ".mhla_" in k}
-    got = {k: v for k, v in loaded.state_dict().items() if ".mhla_" in k}
+    want = {k: v for k, v in model.state_dict().items() if ".mhla." in k}
+    got = {k: v for k, v in loaded.state_dict().items() if ".mhla." in k}
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert torch.equal(run(realign_(loaded)), run(realign_(model)))
 
@@ -167,8 +167,9 @@ def _as_version_1(folder: Path) -> None:
         recorded = json.loads(f.metadata()["mhla_config"])
     assert all(recorded[k] == v for k, v in (("lepe", False), ("gate", None), ("rope", None), ("feature_power", 1.0)))
     old = {k: recorded[k] for k in V1_HEADER_KEYS}
-    save_file(load_file(path), str(path), metadata={"format": "pt", "mhla_format_version": "1",
-                                                   "mhla_config": json.dumps(old, sort_keys=True)})
+    tensors = {legacy_key(k): v for k, v in load_file(path).items()}  # version 1: <attention>.mhla_mixing.weight, ...
+    save_file(tensors, str(path), metadata={"format": "pt", "mhla_format_version": "1",
+                                           "mhla_config": json.dumps(old, sort_keys=True)})
     config = json.loads((folder / "mhla_config.json").read_text())
     assert not set(NEW_KEYS) & set(config)
     config.update(format_version=1, weights_sha256=_sha256(path))
@@ -189,8 +190,8 @@ def test_version_1_checkpoints_load_with_the_options_off(tmp_path, family):
     spec = mhla_spec(loaded)
     assert spec == mhla_spec(model) and not set(NEW_KEYS) & set(spec)
     attn = loaded.blocks[0].attn1 if family == "wan" else loaded.transformer_blocks[1].attn1
-    assert getattr(attn, "mhla_gate", None) is None and getattr(attn, "mhla_lepe", None) is None
-    assert attn.processor.gate is False and attn.processor.lepe is False and attn.processor.feature_power == 1.0
+    assert attn.mhla.gate is None and attn.mhla.lepe is None
+    assert attn.mhla.feature_power == 1.0 and attn.mhla.rope == ("after" if family == "wan" else None)
     assert torch.equal(run(realign_(loaded)), run(realign_(model)))
     # a version-1 config naming an option of version 2 was edited
     for key, value in (("rope", "none"), ("feature_power", 2.0), ("lepe", False)):
@@ -205,6 +206,29 @@ def test_version_1_checkpoints_load_with_the_options_off(tmp_path, family):
     _edit(folder, format_version=2)
     with pytest.raises(MHLACheckpointError, match="format_version 2 but mhla.safetensors was written in version 1"):
         load_mhla_transformer(folder)
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_version_2_checkpoints_with_the_old_keys_load(saved, family, tmp_path):
+    """Format version 2 kept each MHLA part as a child of the attention module: <attention>.mhla_mixing.weight,
+    .mhla_gate.*, .mhla_lepe.*, .mhla_output_norm.*. Such a folder loads under today's names, to the same model."""
+    folder, model, run = saved[family]
+    old = tmp_path / "v2"
+    shutil.copytree(folder, old)
+    path = old / "mhla.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata()
+    tensors = {legacy_key(k): v for k, v in load_file(path).items()}
+    assert all(".mhla_" in k and ".mhla." not in k for k in tensors)
+    save_file(tensors, str(path), metadata={**metadata, "mhla_format_version": "2"})
+    _edit(old, format_version=2, weights_sha256=_sha256(path))
+    loaded = load_mhla_transformer(old)
+    assert mhla_spec(loaded) == mhla_spec(model)
+    assert torch.equal(run(realign_(loaded)), run(realign_(model)))
+    save_file(tensors, str(path), metadata={**metadata, "mhla_format_version": "3"})  # a version-3 file with old keys
+    _edit(old, format_version=3, weights_sha256=_sha256(path))
+    with pytest.raises(MHLACheckpointError, match="missing keys"):
+        load_mhla_transformer(old)
 
 
 def test_a_setting_the_header_lacks_was_written_off(tmp_path):
@@ -229,6 +253,6 @@ def test_a_setting_the_header_lacks_was_written_off(tmp_path):
 def test_newer_format_versions_are_refused(saved, tmp_path):
     folder = tmp_path / "copy"
     shutil.copytree(saved["dit"][0], folder)
-    _edit(folder, format_version=3)
-    with pytest.raises(MHLACheckpointError, match="format_version 3; this mhla_diffusers reads versions 1, 2.*upgrade"):
+    _edit(folder, format_version=4)
+    with pytest.raises(MHLACheckpointError, match="format_version 4; this mhla_diffusers reads versions 1, 2, 3.*upgrade"):
         load_mhla_transformer(folder)

@@ -50,19 +50,19 @@ def community_lora(pipe, folder, component: str = "transformer") -> None:
 def mhla_state(pipe, component: str = "transformer") -> dict:
     """``{attention path: (processor, mixing module, mixing weight copy)}`` of the MHLA layers."""
     return {
-        name: (attn.processor, attn.mhla_mixing, attn.mhla_mixing.weight.detach().clone())
+        name: (attn.processor, attn.mhla.mixing, attn.mhla.mixing.weight.detach().clone())
         for name, attn in getattr(pipe, component).named_modules()
-        if getattr(attn, "mhla_mixing", None) is not None
+        if getattr(attn, "mhla", None) is not None
     }
 
 
 def assert_same_mhla(pipe, state: dict, component: str = "transformer") -> None:
     model = getattr(pipe, component)
     assert is_mhla_model(model)
-    now = {name: attn for name, attn in model.named_modules() if getattr(attn, "mhla_mixing", None) is not None}
+    now = {name: attn for name, attn in model.named_modules() if getattr(attn, "mhla", None) is not None}
     assert sorted(now) == sorted(state)
     for name, (processor, mixing, weight) in state.items():
-        assert now[name].processor is processor and now[name].mhla_mixing is mixing
+        assert now[name].processor is processor and now[name].mhla.mixing is mixing
         torch.testing.assert_close(mixing.weight, weight, rtol=0, atol=0)
 
 
@@ -89,7 +89,7 @@ def test_community_lora_on_a_converted_pipeline(family, tmp_path):
     reference.load_lora_weights(tmp_path / "lora")
     apply_mhla(reference.transformer, block_grid=(1, 2, 2))
     reference.transformer.load_state_dict(
-        {k: v for k, v in converted.transformer.state_dict().items() if ".mhla_" in k}, strict=False
+        {k: v for k, v in converted.transformer.state_dict().items() if ".mhla." in k}, strict=False
     )
     expected = run(reference)
 
@@ -151,7 +151,7 @@ def test_community_lora_on_the_low_noise_expert_of_wan22(tmp_path):
     for name in ("transformer", "transformer_2"):
         apply_mhla(getattr(reference, name), block_grid=(1, 2, 2))
         getattr(reference, name).load_state_dict(
-            {k: v for k, v in getattr(pipe, name).state_dict().items() if ".mhla_" in k}, strict=False)
+            {k: v for k, v in getattr(pipe, name).state_dict().items() if ".mhla." in k}, strict=False)
     torch.testing.assert_close(got, run(reference), rtol=1e-4, atol=1e-5)
     mhla.unload_lora_weights()
     for name, state in states.items():

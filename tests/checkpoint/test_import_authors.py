@@ -64,11 +64,30 @@ def authors_rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + EPS) * weight
 
 
-def authors_layer(x: torch.Tensor, p: dict, grid, heads: int, gate_fn=F.silu) -> torch.Tensor:
+def authors_normaliser(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, grid) -> torch.Tensor:
+    """Their ``normalize_out`` normaliser ``block_attn(q @ k_sum) + eps`` ``[B, N, heads]`` on the UN-rotated features
+    ``q``, ``k`` ``[B, N, heads, d]``: tokens to ``(fb hb wb) (p1 p2 p3)`` as their ``rearrange`` (blocks of equal size),
+    each block's queries dotted with that block's key sum, then mixed over blocks at each position (their 1 x 1 conv)."""
+    b, n, heads, d = q.shape
+    sizes = [g // blk for g, blk in zip(grid, BLOCKS)]
+
+    def to_blocks(t):  # "b (fb p1 hb p2 wb p3) h c -> b h (fb hb wb) (p1 p2 p3) c"
+        t = t.reshape(b, BLOCKS[0], sizes[0], BLOCKS[1], sizes[1], BLOCKS[2], sizes[2], heads, d)
+        return t.permute(0, 7, 1, 3, 5, 2, 4, 6, 8).reshape(b, heads, len(w), -1, d)
+
+    qb, kb = to_blocks(q), to_blocks(k)
+    qz = torch.einsum("bhmld,bhmd->bhml", qb, kb.sum(dim=3))
+    den = torch.einsum("ij,bhjl->bhil", w, qz) + EPS  # [B, heads, M, L]
+    den = den.reshape(b, heads, *BLOCKS, *sizes).permute(0, 2, 5, 3, 6, 4, 7, 1)  # back to (t, h, w) token order
+    return den.reshape(b, n, heads)
+
+
+def authors_layer(x: torch.Tensor, p: dict, grid, heads: int, gate_fn=F.silu, norm_output: bool = False) -> torch.Tensor:
     """Their MHLA self-attention (numerator only, then g_norm per head, then o) on ``x`` ``[B, N, C]``.
 
     ``p``: their tensors of the layer, keyed as in their state dict without ``blocks.<i>.self_attn.``.
     Blocks by floor division: token (t, h, w) is in block (t // (T / 3), h // (H / 5), w // (W / 10)).
+    ``norm_output``: their constructors' default, the numerator divided by :func:`authors_normaliser`.
     """
     b, n, c = x.shape
     d = c // heads
@@ -88,6 +107,8 @@ def authors_layer(x: torch.Tensor, p: dict, grid, heads: int, gate_fn=F.silu) ->
     kv = torch.einsum("nm,bnhd,bnhe->bhmde", member, k_rope, v)  # per-block summaries
     mixed = torch.einsum("ij,bhjde->bhide", p["block_attn.conv.weight"][:, :, 0, 0].float(), kv)
     out = torch.einsum("bnhd,nm,bhmde->bnhe", q_rope, member, mixed)
+    if norm_output:
+        out = out / authors_normaliser(q, k, p["block_attn.conv.weight"][:, :, 0, 0].float(), grid)[..., None]
     out = authors_rms(out, p["g_norm.weight"]).reshape(b, n, c)  # g_norm over the head dim
     if "g.weight" in p:  # their gated variant: g_norm(out) * SiLU(g(x))
         out = out * gate_fn(F.linear(x.float(), p["g.weight"], p["g.bias"]))
@@ -213,7 +234,7 @@ def test_imported_layers_equal_the_authors_layer(files, tmp_path, capsys):
 
     stock = {k: v for k, v in files["state"].items() if ".g_norm." not in k and ".block_attn." not in k}
     expected = convert_wan_transformer_to_diffusers(dict(stock))
-    got = {k: v for k, v in model.state_dict().items() if ".mhla_" not in k}
+    got = {k: v for k, v in model.state_dict().items() if ".mhla." not in k}
     assert sorted(got) == sorted(expected)
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
@@ -224,11 +245,11 @@ def test_imported_layers_equal_the_authors_layer(files, tmp_path, capsys):
 
     # the comparison can fail: the clamp on the mixing matrix, the feature epsilon
     attn = model.blocks[2].attn1
-    attn.mhla_mixing.clamp = True
+    attn.mhla.mixing.clamp = True
     x, y = _run_layers(model)[2]
     assert _rel(y, authors_layer(x, layer_params(files["state"], 2), GRID, HEADS)) > 1e-2
-    attn.mhla_mixing.clamp = False
-    attn.processor.feature_eps = 0.0
+    attn.mhla.mixing.clamp = False
+    attn.mhla.feature_eps = 0.0
     x, y = _run_layers(model)[2]
     assert _rel(y, authors_layer(x, layer_params(files["state"], 2), GRID, HEADS)) > 1e-2
 
@@ -288,7 +309,7 @@ def test_training_checkpoint_nested_prefixed_bf16(files, tmp_path):
 
     assert stored_dtype(tmp_path / "out" / "transformer") == torch.bfloat16  # the file's dtype kept
     model = load_mhla_pipeline(tmp_path / "out").transformer
-    mixing = model.blocks[1].attn1.mhla_mixing.weight
+    mixing = model.blocks[1].attn1.mhla.mixing.weight
     assert mixing.dtype == torch.float32
     stored = ema["blocks.1.self_attn.block_attn.conv.weight"][:, :, 0, 0].to(torch.bfloat16).float()
     assert torch.equal(mixing.detach(), stored) and bool((mixing < 0).any())
@@ -406,7 +427,7 @@ def test_recorded_settings_cannot_be_edited(files, tmp_path):
             load_mhla_transformer(tmp_path / "t")
     path.write_text(original)
     model = load_mhla_transformer(tmp_path / "t")
-    assert not model.blocks[1].attn1.mhla_mixing.clamp and model.blocks[1].attn1.processor.feature_eps == EPS
+    assert not model.blocks[1].attn1.mhla.mixing.clamp and model.blocks[1].attn1.mhla.feature_eps == EPS
 
 
 def test_single_file_with_a_pipeline_config_keeps_the_files_weights(files, tmp_path, capsys):
@@ -428,7 +449,7 @@ def test_feature_eps_operator_and_unclamped_mixing():
     """mhla_attention's feature_eps (phi = ReLU + eps, rotated in the numerator) equals the dense reference,
     with and without the normaliser; bad values are refused. clamp_mixing_ leaves unclamped matrices alone."""
     from mhla_diffusers import BlockLayout, MHLAProcessor, MixingMatrix, clamp_mixing_, mhla_attention
-    from mhla_diffusers.models.families import WanRotary
+    from mhla_diffusers.families import WanRotary
     from mhla_diffusers.ops import mhla_attention_reference
 
     g = torch.Generator().manual_seed(0)
@@ -483,7 +504,7 @@ def test_ddp_training_checkpoint_with_numpy_rng_state(files, tmp_path, capsys):
     assert not [g for g in added if not getattr(g, "__module__", "").startswith("torch.")], added
     with pytest.raises(Exception, match="Weights only load failed"):
         torch.load(path, weights_only=True)
-    mixing = load_mhla_pipeline(tmp_path / "out").transformer.blocks[1].attn1.mhla_mixing.weight
+    mixing = load_mhla_pipeline(tmp_path / "out").transformer.blocks[1].attn1.mhla.mixing.weight
     assert torch.equal(mixing.detach(), files["state"]["blocks.1.self_attn.block_attn.conv.weight"][:, :, 0, 0])
 
 
@@ -529,3 +550,81 @@ def test_damaged_pickled_file_is_a_clear_error(files, tmp_path, kind):
                       "random": bytes(range(256)) * 16}[kind])
     with pytest.raises(AuthorsCheckpointError, match="is not a readable torch checkpoint .*damaged, truncated"):
         read_authors_state_dict(path)
+
+
+# -- settings of their constructors the weights do not hold (issue 32, item 4) ----------------------------------
+def test_norm_output_imports_their_normaliser(files, tmp_path, capsys):
+    """Their layer built with ``norm_output=True`` (their constructors' default; the file cannot tell): ``--norm-output``
+    imports their normaliser (``normalize``, ``denominator="authors_dit"``, eps 1e-6) and equals their layer (<= 1e-5);
+    the default import (numerator only, their release) is far off that layer: the assumption matters."""
+    from mhla_diffusers import import_authors_wan, load_mhla_pipeline
+
+    out = tmp_path / "normalised"
+    code, err = run_main("conversion/convert.py", "--family", "wan", "--from", "authors", "--src", files["src"],
+                         "--config", files["config"], "--out", out, "--norm-output", capsys=capsys)
+    assert code == 0, err
+    config = json.loads((out / "transformer" / "mhla_config.json").read_text())
+    assert config["normalize"] is True and config["denominator"] == "authors_dit" and config["eps"] == EPS
+    assert config["feature_eps"] == EPS and config["output_norm"] is True and config["mixing_clamp"] is False
+    seen = _run_layers(load_mhla_pipeline(out).transformer)
+    errors = {i: _rel(seen[i][1], authors_layer(seen[i][0], layer_params(files["state"], i), GRID, HEADS, norm_output=True))
+              for i in MHLA_LAYERS}
+    import_authors_wan(files["src"], tmp_path / "numerator", config=files["config"])  # the default: their release
+    plain = _run_layers(load_mhla_pipeline(tmp_path / "numerator").transformer)
+    apart = {i: _rel(plain[i][1], authors_layer(plain[i][0], layer_params(files["state"], i), GRID, HEADS, norm_output=True))
+             for i in MHLA_LAYERS}
+    print("norm_output=True: --norm-output", errors, "numerator only", apart)
+    assert max(errors.values()) <= 1e-5 and min(apart.values()) > 1e-2, (errors, apart)
+
+
+def test_norm_output_with_the_gated_lepe_variant(files, tmp_path):
+    """``norm_output=True`` with their gate and LePE: the normaliser, then g_norm, the gate, LePE (<= 1e-5)."""
+    from mhla_diffusers import load_authors_wan
+
+    state = with_gate_and_lepe(files["state"])
+    _, model = load_authors_wan(state, files["config"], norm_output=True)
+    seen = _run_layers(model)
+    for i in MHLA_LAYERS:
+        x, y = seen[i]
+        assert _rel(y, authors_layer(x, layer_params(state, i), GRID, HEADS, norm_output=True)) <= 1e-5, i
+
+
+def test_norm_output_needs_blocks_of_equal_size(files, tmp_path):
+    """Their normaliser pairs tokens of different blocks by position, as their code needs the grid divisible by
+    (3, 5, 10): a grid it does not divide is a clear error naming the fix (the numerator-only import runs there)."""
+    from mhla_diffusers import load_authors_wan
+
+    _, model = load_authors_wan(files["state"], files["config"], norm_output=True)
+    with pytest.raises(ValueError, match="needs blocks of equal size"):
+        _run_layers(model, grid=(3, 10, 21))
+    _, plain = load_authors_wan(files["state"], files["config"])
+    assert _run_layers(plain, grid=(3, 10, 21))[1][1].isfinite().all()
+
+
+def test_norm_output_flag_outside_the_authors_import_is_refused(files, tmp_path, capsys):
+    code, err = run_main("conversion/convert.py", "--family", "wan", "--src", files["config"], "--out", tmp_path / "o",
+                         "--norm-output", capsys=capsys)
+    assert code == 2 and "--norm-output only applies with --from authors" in err, err
+    code, err = run_main("conversion/convert.py", "--family", "wan", "--from", "authors", "--src", files["src"],
+                         "--config", files["config"], "--out", tmp_path / "o", "--eps", "1e-4", capsys=capsys)
+    assert code == 2 and "--eps cannot be set with --from authors" in err, err
+
+
+def test_src_may_be_a_folder_holding_the_file(files, tmp_path, capsys):
+    """``--src <folder>`` (their Hub download: model.safetensors beside a README) takes the one weights file in it;
+    a folder with several, or the diffusers folder given as --src, is a clear error (before: "... does not exist")."""
+    import shutil
+
+    folder = tmp_path / "MHLA"
+    folder.mkdir()
+    shutil.copy(files["src"], folder / "model.safetensors")
+    (folder / "README.md").write_text("weights")
+    code, err = run_main("conversion/convert.py", "--family", "wan", "--from", "authors", "--src", folder, "--config",
+                         files["config"], "--out", tmp_path / "out", capsys=capsys)
+    assert code == 0, err
+    shutil.copy(files["src"], folder / "model_ema.safetensors")
+    for src, message in ((folder, r"holds the weights files \['model.safetensors', 'model_ema.safetensors'\]: give the"),
+                         (files["config"], r"is a diffusers model folder .* give it as --config")):
+        code, err = run_main("conversion/convert.py", "--family", "wan", "--from", "authors", "--src", src, "--config",
+                             files["config"], "--out", tmp_path / "o", capsys=capsys)
+        assert code == 2 and re.search(message, err), err

@@ -41,15 +41,16 @@ def from_pieces(x: torch.Tensor) -> torch.Tensor:
     return x.view(b, PIECES, PIECES, ps, ps, c).permute(0, 1, 3, 2, 4, 5).reshape(b, SIDE * SIDE, c)
 
 
-def authors_layer(x: torch.Tensor, p: dict) -> torch.Tensor:
+def authors_layer(x: torch.Tensor, p: dict, eps: float = EPS) -> torch.Tensor:
     """Their ``MHLA4DiT`` on row-major tokens ``x`` ``[B, N, C]`` (their model feeds it piece-major tokens; the
-    permutation is undone here). ``p``: their tensors without ``blocks.<i>.attn.``."""
+    permutation is undone here). ``p``: their tensors without ``blocks.<i>.attn.``; ``eps``: their layer's
+    (``kwargs.get("eps", 1e-6)``); the mixing matrix as stored (their forward never clamps it)."""
     b, n, c = x.shape
     x = F.layer_norm(x, (c,), p["norm.weight"], p["norm.bias"], eps=1e-5)
     q, k, v = F.linear(x, p["to_qkv.weight"], p["to_qkv.bias"]).chunk(3, dim=-1)
     image_v = v.transpose(1, 2).reshape(b, c, SIDE, SIDE)
     lepe = F.conv2d(image_v, p["lepe.weight"], p["lepe.bias"], padding=1, groups=c).flatten(2).transpose(1, 2)
-    q, k = torch.relu(q) + EPS, torch.relu(k) + EPS
+    q, k = torch.relu(q) + eps, torch.relu(k) + eps
     w = p["piece_attn.conv.weight"][:, :, 0, 0]  # [M, M], rows = output pieces
     heads = []
     for h in range(HEADS):
@@ -59,7 +60,7 @@ def authors_layer(x: torch.Tensor, p: dict) -> torch.Tensor:
         kv = torch.einsum("im,bmde->bide", w, kv)  # piece_attn on the summaries
         k_sum = kp.sum(dim=2)  # [B, M, d]
         qz = torch.einsum("bmld,bmd->bml", qp, k_sum)  # each piece's queries . its own key sum
-        normalizer = torch.einsum("im,bml->bil", w, qz) + EPS  # piece_attn on those products
+        normalizer = torch.einsum("im,bml->bil", w, qz) + eps  # piece_attn on those products
         out = torch.einsum("bild,bide->bile", qp, kv) / normalizer[..., None]
         heads.append(from_pieces(out))
     out = torch.cat(heads, dim=-1) + lepe
@@ -106,11 +107,13 @@ def authors_dit_state(model, seed: int = 0) -> dict[str, torch.Tensor]:
     return state
 
 
-def _training_checkpoint(state: dict) -> dict:
-    """Their train.py's checkpoint dict (model, ema, opt, the run's argparse arguments, epoch, steps)."""
+def _training_checkpoint(state: dict, **model_kwargs) -> dict:
+    """Their train.py's checkpoint dict (model, ema, opt, the run's argparse arguments, epoch, steps); ``model_kwargs``
+    (their ``--model-kwargs``, e.g. ``eps=1e-4``) beside ``block_size``."""
     ema = {k: v + 0.0 for k, v in state.items()}
     return {"model": state, "ema": ema, "opt": {"state": {}, "param_groups": []},
-            "args": argparse.Namespace(model="DiT-S/2", model_kwargs={"block_size": 16}), "epoch": 3, "train_steps": 120}
+            "args": argparse.Namespace(model="DiT-S/2", model_kwargs={"block_size": 16, **model_kwargs}), "epoch": 3,
+            "train_steps": 120}
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +172,7 @@ def test_imported_layers_equal_the_authors_layer(files, tmp_path, capsys):
     assert config["layers"] == MHLA_LAYERS and config["block_grid"] == [1, PIECES, PIECES]
     assert config["input_norm"] is True and config["lepe"] is True and config["denominator"] == "authors_dit"
     assert config["feature_eps"] == EPS and config["eps"] == EPS and config["normalize"] is True
+    assert config.get("mixing_clamp", True) is True  # their training keeps the matrices in [0, 1]: the clamp changes nothing
     pipe = load_mhla_pipeline(out)
     model = pipe.transformer
     # stock weights: the file's (ema), through the mapping (q, k, v split from the fused projection; their one
@@ -176,7 +180,7 @@ def test_imported_layers_equal_the_authors_layer(files, tmp_path, capsys):
     base = dict(files["base"].state_dict())
     for k in [k for k in base if ".norm1.emb." in k]:
         base[k] = base[k.replace(k.split(".")[1], "0", 1)]
-    got = {k: v for k, v in model.state_dict().items() if ".mhla_" not in k}
+    got = {k: v for k, v in model.state_dict().items() if ".mhla." not in k}
     assert sorted(got) == sorted(base)
     assert [k for k in base if not torch.equal(got[k], base[k])] == []
 
@@ -188,17 +192,17 @@ def test_imported_layers_equal_the_authors_layer(files, tmp_path, capsys):
         assert errors[i] <= 1e-5, errors
     print("authors' DiT layer vs imported:", {i: f"{e:.2e}" for i, e in errors.items()})
     x, y = seen[1]
-    paper = model.transformer_blocks[1].attn1.processor
-    assert paper.denominator == "authors_dit"
+    assert model.transformer_blocks[1].attn1.mhla.denominator == "authors_dit"
     without_lepe = {**_layer(files["state"], 1), "lepe.weight": torch.zeros(HEADS * HEAD_DIM, 1, 3, 3),
                     "lepe.bias": torch.zeros(HEADS * HEAD_DIM)}
     assert _rel(y, authors_layer(x, without_lepe)) > 1e-2
-    # the paper's normaliser on the same weights: another output
+    # the paper's normaliser on the same weights: another output (a processor cannot ask for it: the layer's record)
     from mhla_diffusers import MHLAProcessor
 
     attn = model.transformer_blocks[1].attn1
-    attn.set_processor(MHLAProcessor(denominator="paper"))
-    attn.mhla_mixing.verified = False
+    with pytest.raises(ValueError, match="denominator='authors_dit' but the processor asks for denominator='paper'"):
+        attn.set_processor(MHLAProcessor(denominator="paper"))
+    attn.mhla.denominator = "paper"
     y_paper = _run_layers(model)[1][1]
     assert _rel(y_paper, authors_layer(x, _layer(files["state"], 1))) > 1e-3
 
@@ -273,7 +277,7 @@ def test_half_precision_files_import(files, tmp_path, capsys, dtype):
 
     model = load_mhla_transformer(out / "transformer")
     attn = model.transformer_blocks[1].attn1
-    assert torch.equal(attn.mhla_lepe.weight.detach(), state["blocks.1.attn.lepe.weight"].float())
+    assert torch.equal(attn.mhla.lepe.weight.detach(), state["blocks.1.attn.lepe.weight"].float())
 
 
 def test_integer_tensors_and_a_flat_file_with_a_key_are_clear_errors(files, tmp_path, capsys):
@@ -287,3 +291,102 @@ def test_integer_tensors_and_a_flat_file_with_a_key_are_clear_errors(files, tmp_
     torch.save(files["state"], flat)
     code, err, out = _convert(files, tmp_path, capsys, str(flat))  # with --state-dict-key ema
     assert code == 2 and "the file is itself a state dict: leave out" in err, err
+
+
+# -- settings of their constructors the weights do not hold (issue 32, item 4) ----------------------------------
+def _layer_errors(model, state: dict, eps: float) -> dict[int, float]:
+    """``{layer: relative error}`` of each imported MHLA layer against their layer at ``eps`` (same inputs)."""
+    seen = _run_layers(model)
+    return {i: _rel(seen[i][1], authors_layer(seen[i][0], _layer(state, i), eps)) for i in MHLA_LAYERS}
+
+
+def test_the_runs_eps_is_recorded(files, tmp_path, capsys):
+    """Their layer built with eps=1e-4 (``--model-kwargs eps=1e-4``, saved in the checkpoint's ``args.model_kwargs``)
+    imports with that eps, features and normaliser: it equals their layer at 1e-4 (<= 1e-5), which differs from their
+    layer at 1e-6 by far more (before: imported at 1e-6)."""
+    from mhla_diffusers import load_mhla_transformer
+
+    path = tmp_path / "eps.pt"
+    torch.save(_training_checkpoint(files["state"], eps=1e-4), path)
+    code, err, out = _convert(files, tmp_path, capsys, str(path))
+    assert code == 0, err
+    config = json.loads((out / "transformer" / "mhla_config.json").read_text())
+    assert config["eps"] == 1e-4 and config["feature_eps"] == 1e-4
+    model = load_mhla_transformer(out / "transformer")
+    assert model.transformer_blocks[1].attn1.mhla.eps == 1e-4
+    errors = _layer_errors(model, files["state"], 1e-4)
+    apart = _layer_errors(model, files["state"], EPS)
+    print("eps 1e-4: against their layer at 1e-4", errors, "at 1e-6", apart)
+    assert max(errors.values()) <= 1e-5 and min(apart.values()) > 5e-5, (errors, apart)  # apart: 2.3-3.8e-4 seen
+
+
+def test_a_file_without_the_run_arguments_assumes_their_default_eps(files, tmp_path, capsys):
+    """A bare state dict (.safetensors) has no ``args``: eps 1e-6 is assumed, with a warning saying so; ``eps=``
+    (``--eps``) gives the run's; an ``eps`` contradicting a training checkpoint's is refused, naming both."""
+    from safetensors.torch import save_file
+
+    from mhla_diffusers import import_authors_dit
+
+    flat = tmp_path / "flat.safetensors"
+    save_file({k: v.contiguous() for k, v in files["state"].items()}, str(flat))
+    with pytest.warns(UserWarning, match=r"holds no run arguments .* eps is taken as their default 1e-06"):
+        spec = import_authors_dit(flat, tmp_path / "assumed", config=files["config"])
+    assert spec["eps"] == EPS and spec["feature_eps"] == EPS
+    code, err = run_main("conversion/convert.py", "--family", "dit", "--from", "authors", "--src", flat, "--config",
+                         files["config"], "--out", tmp_path / "given", "--eps", "1e-4", capsys=capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "given" / "transformer" / "mhla_config.json").read_text())["eps"] == 1e-4
+    code, err, out = _convert(files, tmp_path, capsys, None, "--eps", "1e-4")  # their run: the default 1e-6
+    assert code == 2 and "eps=0.0001 contradicts the run's eps=1e-06" in err and not out.exists(), err
+    code, err = run_main("conversion/convert.py", "--family", "dit", "--from", "authors", "--src", flat, "--config",
+                         files["config"], "--out", tmp_path / "o", "--norm-output", capsys=capsys)
+    assert code == 2 and "--norm-output cannot be set with --from authors" in err, err
+
+
+def test_mixing_outside_unit_interval_runs_as_stored(files, tmp_path, capsys):
+    """Their forward uses the mixing matrix as stored (only their training clamps it): a file with values outside
+    [0, 1] imports unclamped (``mixing_clamp: false``, with a warning) and equals their layer (<= 1e-5); clamped, as
+    before, it is far off."""
+    from mhla_diffusers import load_mhla_transformer
+
+    g = torch.Generator().manual_seed(5)
+    state = {k: v.clone() for k, v in files["state"].items()}
+    for i in MHLA_LAYERS:
+        state[f"blocks.{i}.attn.piece_attn.conv.weight"] = torch.empty(PIECES**2, PIECES**2, 1, 1).uniform_(-0.3, 1.3, generator=g)
+    path = tmp_path / "signed.pt"
+    torch.save(_training_checkpoint(state), path)
+    with pytest.warns(UserWarning, match=r"hold values outside \[0, 1\] .* unclamped \(mixing_clamp=False"):
+        code, err, out = _convert(files, tmp_path, capsys, str(path))
+    assert code == 0, err
+    assert json.loads((out / "transformer" / "mhla_config.json").read_text())["mixing_clamp"] is False
+    model = load_mhla_transformer(out / "transformer")
+    errors = _layer_errors(model, state, EPS)
+    for i in MHLA_LAYERS:
+        model.transformer_blocks[i].attn1.mhla.mixing.clamp = True
+    clamped = _layer_errors(model, state, EPS)
+    print("mixing outside [0, 1]: as stored", errors, "clamped", clamped)
+    assert max(errors.values()) <= 1e-5 and min(clamped.values()) > 1e-2, (errors, clamped)
+
+
+def test_src_may_be_a_folder_holding_the_file(files, tmp_path, capsys):
+    """``--src <folder>`` (a Hub download) takes the one weights file in it; a folder with none or several, or a
+    diffusers model folder, is a clear error naming what to give (before: "... does not exist")."""
+    import shutil
+
+    folder = tmp_path / "download"
+    folder.mkdir()
+    shutil.copy(files["src"], folder / "epoch-0003.pt")
+    (folder / "README.md").write_text("their run")
+    code, err, out = _convert(files, tmp_path, capsys, str(folder))
+    assert code == 0, err
+    assert json.loads((out / "transformer" / "mhla_config.json").read_text())["layers"] == MHLA_LAYERS
+    shutil.copy(files["src"], folder / "epoch-0004.pt")
+    for src, message in ((folder, r"is a folder and holds the weights files \['epoch-0003.pt', 'epoch-0004.pt'\]: give"),
+                         (tmp_path / "empty", "is a folder and holds no weights file"),
+                         (files["config"], "is a diffusers model folder"),
+                         (tmp_path / "missing", "missing does not exist")):
+        if src.name == "empty":
+            src.mkdir()
+        code, err = run_main("conversion/convert.py", "--family", "dit", "--from", "authors", "--src", src,
+                             "--state-dict-key", "ema", "--config", files["config"], "--out", tmp_path / "o", capsys=capsys)
+        assert code == 2 and __import__("re").search(message, err), err

@@ -35,8 +35,8 @@ def test_add_lora_keeps_outputs_trains_only_lora_and_mixing(index):
     assert config.r == 4 and config.lora_alpha == 8
     assert lora.has_lora(model) and torch.equal(run(model, inputs), before)  # B = 0 at init
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable and all("lora_" in n or "mhla_mixing" in n for n in trainable)
-    assert any("mhla_mixing" in n for n in trainable)  # add_adapter / inject froze them; unfrozen again
+    assert trainable and all("lora_" in n or "mhla.mixing" in n for n in trainable)
+    assert any("mhla.mixing" in n for n in trainable)  # add_adapter / inject froze them; unfrozen again
     assert any("attn2" in n for n in trainable) == (index == 1)  # SANA's cross-attention projections too
     with pytest.raises(ValueError, match="already has LoRA"):
         lora.add_lora(model)
@@ -135,7 +135,7 @@ def test_trainer_lora_run_trains_only_adapters_and_mixing(tmp_path):
     mixing = load_file(tmp_path / "lora" / "final" / "transformer" / "mhla.safetensors")
     fresh = DiTTransformer2DModel(**TINY_DIT)
     mhla_diffusers.apply_mhla(fresh, layers="all", num_blocks=4)
-    init = {n: p for n, p in fresh.state_dict().items() if "mhla_mixing" in n}
+    init = {n: p for n, p in fresh.state_dict().items() if "mhla.mixing" in n}
     assert any(not torch.equal(mixing[k], init[k]) for k in mixing)  # the mixing matrices trained
 
 

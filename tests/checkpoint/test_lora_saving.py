@@ -41,8 +41,8 @@ from mhla_diffusers import (
 )
 from mhla_diffusers.checkpoint import adapter
 from mhla_diffusers.checkpoint.format import MHLACheckpointError, load_mhla_weights
-from mhla_diffusers.models.families import family_of, stock_processor
-from mhla_diffusers.models.install import idle_mhla_layers
+from mhla_diffusers.families import family_of, stock_processor
+from mhla_diffusers.models.installer import idle_mhla_layers
 
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 TOL = dict(rtol=1e-4, atol=1e-5)  # fp32, W + BA folded into W: observed <= 1e-6
@@ -287,7 +287,7 @@ def test_load_mhla_weights_refuses_meta_parameters(tmp_path):
     with torch.device("meta"):
         empty = type(model).from_config(model.config)
     apply_mhla(empty, block_grid=(1, 2, 2))  # mixing matrices on the meta device, as the layer's weights
-    with pytest.raises(MHLACheckpointError, match=r"mhla.safetensors: the model's transformer_blocks.0.attn1.mhla_mixing.weight "
+    with pytest.raises(MHLACheckpointError, match=r"mhla.safetensors: the model's transformer_blocks.0.attn1.mhla.mixing.weight "
                                                   r"\(and 1 more\) are on the meta device"):
         load_mhla_weights(empty, tmp_path / "t")
 
@@ -324,7 +324,7 @@ def test_stock_processors_after_mhla_give_a_stock_model(family, tmp_path):
     build, inputs, run = _models()[family]
     model = build()
     mhla_out = run(model, inputs)
-    mixing = {n: m.mhla_mixing for n, m in model.named_modules() if getattr(m, "mhla_mixing", None) is not None}
+    mixing = {n: m.mhla.mixing for n, m in model.named_modules() if getattr(m, "mhla", None) is not None}
     _set_stock(model)
     stock_out = run(model, inputs)
     assert (stock_out - mhla_out).abs().max() > 1e-3
@@ -340,7 +340,7 @@ def test_stock_processors_after_mhla_give_a_stock_model(family, tmp_path):
         apply_mhla(model, block_grid=(1, 2, 2))
     set_attn_processor(model, MHLAProcessor())  # back: the same matrices run again
     assert is_mhla_model(model) and idle_mhla_layers(model) == {}
-    assert all(m.mhla_mixing is mixing[n] for n, m in model.named_modules() if n in mixing)
+    assert all(m.mhla.mixing is mixing[n] for n, m in model.named_modules() if n in mixing)
     torch.testing.assert_close(run(model, inputs), mhla_out, rtol=0, atol=0)
     remove_mhla(model)
     assert idle_mhla_layers(model) == {} and not is_mhla_model(model)

@@ -46,10 +46,10 @@ def test_dit_options_written_and_loaded(dit_base, tmp_path, capsys):
     assert config["gate"] == "neutral" and config["lepe"] is True and config["feature_eps"] == 1e-6
     assert config["mixing_clamp"] is False and "rope" not in config and "feature_power" not in config
     weights = load_file(out / "transformer" / "mhla.safetensors")
-    assert all(torch.equal(v, torch.ones_like(v)) for k, v in weights.items() if k.endswith("mhla_mixing.weight"))
-    assert all(torch.count_nonzero(v) == 0 for k, v in weights.items() if ".mhla_gate." in k or ".mhla_lepe." in k)
-    assert {k.split(".attn1.")[1] for k in weights} == {"mhla_mixing.weight", "mhla_gate.weight", "mhla_gate.bias",
-                                                        "mhla_lepe.weight", "mhla_lepe.bias"}
+    assert all(torch.equal(v, torch.ones_like(v)) for k, v in weights.items() if k.endswith("mhla.mixing.weight"))
+    assert all(torch.count_nonzero(v) == 0 for k, v in weights.items() if ".mhla.gate." in k or ".mhla.lepe." in k)
+    assert {k.split(".attn1.")[1] for k in weights} == {"mhla.mixing.weight", "mhla.gate.weight", "mhla.gate.bias",
+                                                        "mhla.lepe.weight", "mhla.lepe.bias"}
     loaded = load_mhla_pipeline(out).transformer
     base = load_mhla_pipeline(dit_base).transformer
     apply_mhla(base, block_grid=(2, 2), lepe=True, gate="neutral", init="uniform", feature_eps=1e-6, mixing_clamp=False)
@@ -72,12 +72,12 @@ def test_wan_options_written_and_loaded(wan_base, tmp_path, capsys):
     assert config.get("feature_power", 1.0) == (2.0 if HAS_POWER else 1.0)
     weights = load_file(out / "mhla.safetensors")
     for key, value in weights.items():
-        if key.endswith(("mhla_mixing.weight", "mhla_output_norm.weight")):
+        if key.endswith(("mhla.mixing.weight", "mhla.output_norm.weight")):
             assert torch.all(value == 1e-6), key  # the authors' constant start
-        elif key.endswith("mhla_lepe.weight"):
+        elif key.endswith("mhla.lepe.weight"):
             assert value.shape == (24, 1, 3, 3, 3) and value.abs().max() > 0  # PyTorch's conv init
     model = load_mhla_transformer(out)
-    assert model.blocks[0].attn1.processor.rope == "before" and model.blocks[0].attn1.mhla_gate.form == "authors"
+    assert model.blocks[0].attn1.mhla.rope == "before" and model.blocks[0].attn1.mhla.gate.form == "authors"
     assert torch.isfinite(run_wan(model, wan_inputs(batch=1, frames=2, size=(8, 8)))).all()
 
 

@@ -62,7 +62,7 @@ def test_convert_pipeline_folder_then_generate_t2v_and_i2v(base, tmp_path, capsy
     assert config["family"] == "sana_video" and config["model_class"] == "SanaVideoTransformer3DModel"
     assert config["layers"] == [1, 2] and config["block_grid"] == [1, 2, 2] and config["eps"] == 1e-15
     assert sorted(load_file(out / "transformer" / "mhla.safetensors")) == [
-        f"transformer_blocks.{i}.attn1.mhla_mixing.weight" for i in (1, 2)]
+        f"transformer_blocks.{i}.attn1.mhla.mixing.weight" for i in (1, 2)]
     pipe = load_mhla_pipeline(out)
     assert type(pipe).__name__ == "SanaVideoPipeline" and not pipe.transformer.training
     assert [type(b.attn1.processor).__name__ for b in pipe.transformer.transformer_blocks] == [
@@ -210,7 +210,7 @@ def test_resolution_binning_on_builds_blocks_on_the_binned_latent():
         grids.clear()
         video = _video(pipe, height=32, width=64, frames=1, steps=1, use_resolution_binning=binning)
         assert video.shape == (1, 32, 64, 3) and set(grids) == {latent}
-        seen = pipe.transformer.transformer_blocks[0].attn1.mhla_mixing.seen_grids
+        seen = pipe.transformer.transformer_blocks[0].attn1.mhla.seen_grids
         assert (latent[0], latent[1] // 2, latent[2] // 2) in seen[latent[0] * latent[1] * latent[2] // 4]
 
 

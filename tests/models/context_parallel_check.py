@@ -44,7 +44,7 @@ def _config(mode: str, world: int, anything: bool = False):
 
 def _trained(model) -> list[tuple[str, torch.Tensor]]:
     """The parameters a training step is checked on: q, k, v projections and mixing matrices of the MHLA layers."""
-    names = ("to_q.weight", "to_k.weight", "to_v.weight", "mhla_mixing.weight", "mhla_gate.weight")
+    names = ("to_q.weight", "to_k.weight", "to_v.weight", "mhla.mixing.weight", "mhla.gate.weight")
     return [(n, p) for n, p in model.named_parameters() if n.endswith(names) and "attn1" in n]
 
 
@@ -270,7 +270,7 @@ def case_processor_changed_after_enable(world: int) -> dict:
 def _random_gates_(model) -> None:
     g = torch.Generator().manual_seed(5)
     for name, p in model.named_parameters():
-        if ".mhla_gate." in name:
+        if ".mhla.gate." in name:
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
 
 

@@ -37,7 +37,7 @@ def test_set_attn_processor_single_matches_apply_mhla():
     other = stock_copy(model)
     set_attn_processor(model, MHLAProcessor(num_blocks=4))
     assert all(isinstance(a.processor, MHLAProcessor) for a in self_attn(model))
-    assert _mhla_keys(model) == [f"transformer_blocks.{i}.attn1.mhla_mixing.weight" for i in range(3)]  # eager
+    assert _mhla_keys(model) == [f"transformer_blocks.{i}.attn1.mhla.mixing.weight" for i in range(3)]  # eager
     assert grid_module.has_grid_hooks(model)
     apply_mhla(other, num_blocks=4)
     inputs = dit_inputs(batch=2)
@@ -53,7 +53,7 @@ def test_set_attn_processor_partial_dict_keeps_stock_layers():
     mhla_layers = [1, 2, 4, 5]
     proc = MHLAProcessor(num_blocks=4)
     set_attn_processor(model, {f"transformer_blocks.{i}.attn1.processor": proc for i in mhla_layers})
-    assert _mhla_keys(model) == [f"transformer_blocks.{i}.attn1.mhla_mixing.weight" for i in mhla_layers]
+    assert _mhla_keys(model) == [f"transformer_blocks.{i}.attn1.mhla.mixing.weight" for i in mhla_layers]
     inputs = dit_inputs(batch=2)
     with AttnCapture(model) as cap:
         run_dit(model, inputs)
@@ -88,12 +88,12 @@ def test_remove_mhla_restores_stock_bitwise():
     assert _mhla_keys(model) == [] and mixing_parameters(model) == []
     assert not is_mhla_model(model) and mhla_spec(model) is None
     assert not grid_module.has_grid_hooks(model)
-    assert all(getattr(a, "mhla_mixing", None) is None for a in self_attn(model))  # and the grids it saw with it
+    assert all(getattr(a, "mhla", None) is None for a in self_attn(model))  # and the grids it saw with it
     assert torch.equal(run_dit(model, inputs), expected)
     assert remove_mhla(model) == []  # idempotent
     # and MHLA can be installed again afterwards
     apply_mhla(model, layers=[0], num_blocks=4)
-    assert _mhla_keys(model) == ["transformer_blocks.0.attn1.mhla_mixing.weight"]
+    assert _mhla_keys(model) == ["transformer_blocks.0.attn1.mhla.mixing.weight"]
 
 
 def test_apply_twice_raises_clearly():
@@ -162,7 +162,7 @@ def test_resolution_with_fewer_tokens_than_blocks_uses_the_occupied_blocks():
         # token (h, w) of the 2 x 2 grid is alone in block (2h, 2w) of the 4 x 4 block grid (h * 4 // 2 = 2h):
         # block ids 0, 2, 8, 10; the others are empty
         ids = torch.tensor([0, 2, 8, 10])
-        mixing = attn.mhla_mixing.weight.clamp(0, 1).double()[ids][:, ids]
+        mixing = attn.mhla.mixing.weight.clamp(0, 1).double()[ids][:, ids]
         want = mhla_attention_reference(q, k, v, mixing, BlockLayout((2, 2), (2, 2)), dtype=torch.float64)
         want = attn.to_out[0](want.float().transpose(1, 2).reshape(1, 4, -1))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -222,7 +222,7 @@ def test_gradient_checkpointing_same_gradients():
     assert calls == [(1, 8, 8)] * 6  # 3 forwards, 3 recomputations with the forward's grid replayed
     assert torch.equal(out_a, out_b)
     assert sorted(grads_a) == sorted(grads_b)
-    assert any("mhla_mixing" in n for n in grads_a)
+    assert any("mhla.mixing" in n for n in grads_a)
     for name in grads_a:
         assert torch.equal(grads_a[name], grads_b[name]), name
         assert grads_a[name].abs().max() > 0 or "mhla" not in name
@@ -241,7 +241,7 @@ def test_bare_one_liner_on_fresh_dit():
     with no_grid_frames():
         out = run_dit(model, inputs)
     assert grid_module.has_grid_hooks(model)
-    assert _mhla_keys(model) == [f"transformer_blocks.{i}.attn1.mhla_mixing.weight" for i in range(3)]
+    assert _mhla_keys(model) == [f"transformer_blocks.{i}.attn1.mhla.mixing.weight" for i in range(3)]
     apply_mhla(twin, num_blocks=4)
     assert torch.equal(out, run_dit(twin, inputs))
     with no_grid_frames():  # later calls, other resolutions: through the model's own hooks

@@ -50,7 +50,7 @@ def test_wan_oneliner_ring_output_gradients_and_bytes(results):
     case = _case(results, "case_wan_oneliner_ring")
     _check_exact(case)
     names = case["grads"]
-    assert {n.split(".attn1.")[1] for n in names} == {"to_q.weight", "to_k.weight", "to_v.weight", "mhla_mixing.weight"}
+    assert {n.split(".attn1.")[1] for n in names} == {"to_q.weight", "to_k.weight", "to_v.weight", "mhla.mixing.weight"}
     payload = case["formula"]["mhla_payload"]
     assert payload == 2 * 2 * 12 * 12 * 13 * 4
     assert _exchanges(case, "forward") == [payload] * case["layers"]
@@ -64,7 +64,7 @@ def test_wan_hybrid_ulysses(results):
     world, _ = results
     case = _case(results, "case_wan_hybrid_ulysses")
     _check_exact(case)
-    assert any("blocks.0.attn1.to_q" in n for n in case["grads"]) and "blocks.0.attn1.mhla_mixing.weight" not in case["grads"]
+    assert any("blocks.0.attn1.to_q" in n for n in case["grads"]) and "blocks.0.attn1.mhla.mixing.weight" not in case["grads"]
     shard = 1 * 72 // world * 6 * 8 * 4  # [B, N / P, heads, d] float32
     stock = case["alltoall_bytes"][:4]
     assert stock == [shard] * 4
@@ -227,7 +227,7 @@ def test_wan_layer_options_under_context_parallelism(results):
     for name in ("case_wan_options_ring", "case_wan_options_ulysses"):
         case = _case(results, name)
         _check_exact(case)
-        assert any(n.endswith("mhla_gate.weight") for n in case["grads"]), name
+        assert any(n.endswith("mhla.gate.weight") for n in case["grads"]), name
 
 
 def test_lepe_is_refused_under_context_parallelism(results):

@@ -245,8 +245,8 @@ def test_captured_qk_reproduce_the_layer_output():
         captured = D.capture_query_key(model, names[1:], inputs)
     for name in names[1:]:
         qk, attn = captured[name], model.get_submodule(name)
-        layout = BlockLayout(qk.grid, attn.mhla_mixing.block_grid)
-        A = D.attention_matrix(qk.query, qk.key, "mhla", mixing=attn.mhla_mixing.clamped().detach(), layout=layout)
+        layout = BlockLayout(qk.grid, attn.mhla.mixing.block_grid)
+        A = D.attention_matrix(qk.query, qk.key, "mhla", mixing=attn.mhla.mixing.clamped().detach(), layout=layout)
         out = (A @ qk.value.double()).float().transpose(1, 2).reshape(2, 64, 16)
         assert torch.allclose(attn.to_out[0](out), cap.outputs[name][0], atol=1e-4)
     with pytest.raises(ValueError, match="not an attention module"):
@@ -277,7 +277,7 @@ def test_layer_statistics_on_a_dit():
 
     apply_mhla(model, layers=[1], block_grid=(2, 2))
     with torch.no_grad():
-        model.transformer_blocks[1].attn1.mhla_mixing.weight.copy_(torch.eye(4) * 2 - 0.5)  # clamps to the identity
+        model.transformer_blocks[1].attn1.mhla.mixing.weight.copy_(torch.eye(4) * 2 - 0.5)  # clamps to the identity
     stats = D.layer_statistics(model, "transformer_blocks.1.attn1", inputs)
     assert stats["mixing_source"] == "layer" and stats["block_grid"] == [1, 2, 2]
     assert stats["rank_bound"]["mhla"] == 32  # 4 blocks x min(16, 8)

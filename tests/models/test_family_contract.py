@@ -65,7 +65,7 @@ def test_one_block_equals_stock_linear_attention(name, variant):
     assert _rel(out, ref) < ONE_BLOCK_TOL
     with torch.no_grad():
         for layer, attn in self_attention_modules(model, family):
-            assert attn.mhla_mixing.block_grid == (1, 1, 1)
+            assert attn.mhla.mixing.block_grid == (1, 1, 1)
             ((args, kwargs, got),) = cap.calls[layer]  # the layer's own call (SANA-Video: with its rotary_emb)
             assert _rel(got, family.stock_self_processor()(attn, *args, **kwargs)) < ONE_BLOCK_TOL, layer
 
@@ -100,7 +100,7 @@ def test_one_liner_cross_attention_is_stock_bit_identical(name, variant):
             finally:
                 attn.set_processor(proc)
             assert torch.equal(got, want), layer
-            assert getattr(attn, "mhla_mixing", None) is None, layer
+            assert getattr(attn, "mhla", None) is None, layer
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -114,7 +114,7 @@ def test_one_liner_then_materialize_equals_apply_mhla(name):
     materialize_mhla(model)
     names = apply_mhla(other, block_grid=tiny.block_grid)
     got, want = _mhla_state(model), _mhla_state(other)
-    assert sorted(got) == sorted(want) == sorted(f"{n}.mhla_mixing.weight" for n in names) and len(names) == tiny.self_layers
+    assert sorted(got) == sorted(want) == sorted(f"{n}.mhla.mixing.weight" for n in names) and len(names) == tiny.self_layers
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert mhla_spec(model) == mhla_spec(other)
     inputs = tiny.inputs(batch=2)

@@ -60,9 +60,9 @@ def _randomize_options_(model, seed: int = 0, scale: float = 0.3) -> None:
     randomize_mixing_(model, seed=seed, low=0.05, high=0.95)
     g = torch.Generator().manual_seed(seed + 1)
     for name, p in model.named_parameters():
-        if any(part in name for part in (".mhla_gate.", ".mhla_lepe.")):
+        if any(part in name for part in (".mhla.gate.", ".mhla.lepe.")):
             p.copy_(torch.randn(p.shape, generator=g) * scale)
-        elif ".mhla_output_norm." in name:
+        elif ".mhla.output_norm." in name:
             p.copy_(1.0 + torch.randn(p.shape, generator=g) * scale)
 
 
@@ -77,7 +77,7 @@ def _float64_copy(attn):
 
 
 def _mhla_state(model) -> dict:
-    return {k: v.detach().clone() for k, v in model.state_dict().items() if ".mhla_" in k}
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if ".mhla." in k}
 
 
 # -- the float64 reference, from the equations -------------------------------------------------------
@@ -99,21 +99,21 @@ def reference(attn, hidden, grid, *, eps, normalize=True, rope="after", rotary_e
     if rot is not None and rope == "before":
         q, k, rot = rot(q), rot(k), None
     phi_q, phi_k = (torch.relu(t) ** power + feature_eps for t in (q, k))
-    mixing = a.mhla_mixing.weight.clamp(0.0, 1.0)
-    layout = BlockLayout(grid, a.mhla_mixing.block_grid)
+    mixing = a.mhla.mixing.weight.clamp(0.0, 1.0)
+    layout = BlockLayout(grid, a.mhla.mixing.block_grid)
     out = mhla_attention_reference(phi_q, phi_k, v3, mixing, layout, normalize=normalize, eps=eps, feature_map=None,
                                    rotary=rot)  # [B, heads, N, d]
     if output_norm:
-        w = a.mhla_output_norm.weight  # [heads, d]
+        w = a.mhla.output_norm.weight  # [heads, d]
         out = out / torch.sqrt(out.pow(2).mean(-1, keepdim=True) + 1e-6) * w[None, :, None, :]
     out = out.permute(0, 2, 1, 3).reshape(b, n, -1)  # [B, N, C], channel = head * d + i
     if gate is not None:
-        z = x @ a.mhla_gate.weight.T + a.mhla_gate.bias
+        z = x @ a.mhla.gate.weight.T + a.mhla.gate.bias
         out = out * (2.0 * torch.sigmoid(z) if gate == "neutral" else z * torch.sigmoid(z))
     if lepe:
         c, (t, h, w) = v.shape[-1], grid
         image = v.transpose(1, 2).reshape(b, c, t, h, w)  # to_v's output on the token grid
-        weight, bias = a.mhla_lepe.weight, a.mhla_lepe.bias
+        weight, bias = a.mhla.lepe.weight, a.mhla.lepe.bias
         if weight.ndim == 5:
             conv = F.conv3d(image, weight, bias, padding=1, groups=c)
         else:
@@ -123,8 +123,8 @@ def reference(attn, hidden, grid, *, eps, normalize=True, rope="after", rotary_e
     return a.to_out[0](out)
 
 
-GRAD_NAMES = ("to_q.weight", "to_v.weight", "mhla_mixing.weight", "mhla_gate.weight", "mhla_gate.bias", "mhla_lepe.weight",
-              "mhla_lepe.bias", "mhla_output_norm.weight")
+GRAD_NAMES = ("to_q.weight", "to_v.weight", "mhla.mixing.weight", "mhla.gate.weight", "mhla.gate.bias", "mhla.lepe.weight",
+              "mhla.lepe.bias", "mhla.output_norm.weight")
 
 
 def _output_and_grads(attn, hidden, call, cotangent):
@@ -206,12 +206,12 @@ def test_dit_lepe_and_gate_layer_against_reference():
     apply_mhla(model, block_grid=(2, 2), gate="neutral", lepe=True)
     _randomize_options_(model)
     attn = model.transformer_blocks[0].attn1
-    assert attn.mhla_lepe.weight.shape == (16, 1, 3, 3) and attn.mhla_gate.weight.shape == (16, 16)
+    assert attn.mhla.lepe.weight.shape == (16, 1, 3, 3) and attn.mhla.gate.weight.shape == (16, 16)
     hidden = torch.randn(2, 24, 16, generator=torch.Generator().manual_seed(1))
     errors = _check_layer(
         attn, hidden, (1, 4, 6), _plain_call,
         lambda m, x: reference(m, x, (1, 4, 6), eps=1e-6, gate="neutral", lepe=True),
-        {"input", "to_v.weight", "mhla_mixing.weight", "mhla_gate.weight", "mhla_lepe.weight", "mhla_lepe.bias"},
+        {"input", "to_v.weight", "mhla.mixing.weight", "mhla.gate.weight", "mhla.lepe.weight", "mhla.lepe.bias"},
     )
     print("dit lepe + neutral gate", errors)
 
@@ -227,7 +227,7 @@ def test_sana_authors_gate_lepe_and_output_norm_layer_against_reference():
     errors = _check_layer(
         attn, hidden, (1, 4, 6), _plain_call,
         lambda m, x: reference(m, x, (1, 4, 6), eps=1e-15, gate="authors", lepe=True, output_norm=True),
-        {"input", "to_q.weight", "mhla_mixing.weight", "mhla_gate.weight", "mhla_lepe.weight", "mhla_output_norm.weight"},
+        {"input", "to_q.weight", "mhla.mixing.weight", "mhla.gate.weight", "mhla.lepe.weight", "mhla.output_norm.weight"},
     )
     print("sana authors gate + lepe + output norm", errors)
 
@@ -241,7 +241,7 @@ def test_wan_rope_modes_layer_against_reference(rope):
     apply_mhla(model, block_grid=(1, 2, 2), normalize=False, rope=rope, gate="authors", lepe=True)
     _randomize_options_(model)
     attn = model.blocks[0].attn1
-    assert attn.mhla_lepe.weight.shape == (24, 1, 3, 3, 3) and attn.mhla_output_norm is not None
+    assert attn.mhla.lepe.weight.shape == (24, 1, 3, 3, 3) and attn.mhla.output_norm is not None
     grid = (3, 4, 6)
     rotary_emb = _rope(12, grid)
     hidden = torch.randn(2, 72, 24, generator=torch.Generator().manual_seed(3))
@@ -249,7 +249,7 @@ def test_wan_rope_modes_layer_against_reference(rope):
         attn, hidden, grid, _wan_call(rotary_emb),
         lambda m, x: reference(m, x, grid, eps=1e-6, normalize=False, rope=rope, rotary_emb=rotary_emb, gate="authors",
                                lepe=True, output_norm=True),
-        {"input", "to_q.weight", "mhla_mixing.weight", "mhla_gate.weight", "mhla_lepe.weight", "mhla_output_norm.weight"},
+        {"input", "to_q.weight", "mhla.mixing.weight", "mhla.gate.weight", "mhla.lepe.weight", "mhla.output_norm.weight"},
     )
     print(f"wan rope={rope}", errors)
     assert (mhla_spec(model).get("rope") or "after") == rope
@@ -274,7 +274,7 @@ def test_wan_rope_modes_processor_is_the_operator(rope):
         options = {"rotary": rot} if rope == "after" else {}
         if rope == "before":
             q, k = rot(q), rot(k)
-        out = mhla_attention(q, k, v, attn.mhla_mixing.weight.clamp(0, 1), BlockLayout(grid, (1, 2, 2)), eps=1e-6, **options)
+        out = mhla_attention(q, k, v, attn.mhla.mixing.weight.clamp(0, 1), BlockLayout(grid, (1, 2, 2)), eps=1e-6, **options)
         want = attn.to_out[0](out.transpose(1, 2).flatten(2))
     assert torch.equal(got, want)
 
@@ -310,7 +310,7 @@ def test_feature_power_layer_against_reference(power):
     errors = _check_layer(
         attn, hidden, grid, _wan_call(rotary_emb),
         lambda m, x: reference(m, x, grid, eps=1e-6, rotary_emb=rotary_emb, power=power, feature_eps=1e-3),
-        {"input", "to_q.weight", "mhla_mixing.weight"}, tol=1e-5, grad_tol=1e-4,
+        {"input", "to_q.weight", "mhla.mixing.weight"}, tol=1e-5, grad_tol=1e-4,
     )
     print(f"wan feature_power={power}", errors)
     assert mhla_spec(model)["feature_power"] == power
@@ -324,7 +324,7 @@ def test_feature_power_reaches_the_operator(monkeypatch):
         seen.append(kwargs)
         return torch.zeros_like(v)
 
-    monkeypatch.setattr(mhla_diffusers.models.processor, "mhla_attention", spy)
+    monkeypatch.setattr(mhla_diffusers.models.layer, "mhla_attention", spy)
     for power in (1.0, 3.0):
         model = tiny_dit(num_layers=1)
         apply_mhla(model, num_blocks=4, feature_power=power)
@@ -405,14 +405,14 @@ def test_a_layer_keeps_its_gate_and_lepe_unless_told_otherwise():
     mhla_diffusers.set_attn_processor(model, MHLAProcessor())
     assert torch.equal(run_dit(model, inputs), before)
     for proc, message in (
-        (MHLAProcessor(gate=False), "has an output gate of the form 'authors' but the processor asks for gate=False"),
+        (MHLAProcessor(gate=False), "made with gate='authors' but the processor asks for gate=False"),
         (MHLAProcessor(gate="neutral"), "asks for gate='neutral'"),
-        (MHLAProcessor(lepe=False), "has LePE convolution but the processor asks for lepe=False"),
+        (MHLAProcessor(lepe=False), "made with lepe=True but the processor asks for lepe=False"),
     ):
         with pytest.raises(ValueError, match=message):
             mhla_diffusers.set_attn_processor(model, proc)
     remove_mhla(model)
-    assert not [n for n, _ in model.named_modules() if ".mhla_" in n]
+    assert not [n for n, _ in model.named_modules() if ".mhla." in n]
 
 
 # -- starts: the authors' constant, LePE's and the gate's PyTorch inits ----------------------------
@@ -422,13 +422,13 @@ def test_authors_constant_start():
     wan = tiny_wan(num_layers=1)
     apply_mhla(wan, block_grid=(1, 2, 2), normalize=False, init="authors_constant", mixing_clamp=False)
     attn = wan.blocks[0].attn1
-    assert torch.all(attn.mhla_mixing.weight == AUTHORS_CONSTANT_VALUE)
-    assert torch.all(attn.mhla_output_norm.weight == AUTHORS_CONSTANT_VALUE)
+    assert torch.all(attn.mhla.mixing.weight == AUTHORS_CONSTANT_VALUE)
+    assert torch.all(attn.mhla.output_norm.weight == AUTHORS_CONSTANT_VALUE)
     assert torch.isfinite(run_wan(wan, wan_inputs(batch=1, frames=2, size=(8, 8)))).all()
     dit = tiny_dit(num_layers=1)
     apply_mhla(dit, num_blocks=4, init="authors_constant")
-    assert torch.all(dit.transformer_blocks[0].attn1.mhla_mixing.weight == 1e-6)
-    assert getattr(dit.transformer_blocks[0].attn1, "mhla_output_norm", None) is None
+    assert torch.all(dit.transformer_blocks[0].attn1.mhla.mixing.weight == 1e-6)
+    assert dit.transformer_blocks[0].attn1.mhla.output_norm is None
 
 
 def test_lepe_and_gate_authors_inits_are_pytorchs():
@@ -439,13 +439,13 @@ def test_lepe_and_gate_authors_inits_are_pytorchs():
     apply_mhla(model, block_grid=(1, 2, 2), gate="authors", lepe=True, lepe_init="authors")
     attn = model.blocks[0].attn1
     bound = 1 / math.sqrt(27)
-    for p in (attn.mhla_lepe.weight, attn.mhla_lepe.bias):
+    for p in (attn.mhla.lepe.weight, attn.mhla.lepe.bias):
         assert p.dtype == torch.float32 and p.abs().max() <= bound and p.abs().max() > bound / 2
-    assert attn.mhla_gate.weight.abs().max() <= 1 / math.sqrt(24) and attn.mhla_gate.weight.std() > 0.05
+    assert attn.mhla.gate.weight.abs().max() <= 1 / math.sqrt(24) and attn.mhla.gate.weight.std() > 0.05
     remove_mhla(model)
     apply_mhla(model, block_grid=(1, 2, 2), gate="neutral", lepe=True)
     attn = model.blocks[0].attn1
-    assert all(torch.count_nonzero(p) == 0 for n, p in attn.named_parameters() if "mhla_gate" in n or "mhla_lepe" in n)
+    assert all(torch.count_nonzero(p) == 0 for n, p in attn.named_parameters() if "mhla.gate" in n or "mhla.lepe" in n)
 
 
 def test_mixing_init_names_come_from_the_operator():
@@ -458,7 +458,7 @@ def test_mixing_init_names_come_from_the_operator():
     for name in names:
         model = tiny_dit(num_layers=1)
         apply_mhla(model, block_grid=(2, 2), init=name)
-        assert torch.equal(model.transformer_blocks[0].attn1.mhla_mixing.weight, MixingMatrix((2, 2), init=name).weight)
+        assert torch.equal(model.transformer_blocks[0].attn1.mhla.mixing.weight, MixingMatrix((2, 2), init=name).weight)
     with pytest.raises(ValueError, match=r"unknown mixing-matrix init 'paper'.*locality.*authors_constant"):
         apply_mhla(tiny_dit(num_layers=1), init="paper")
 
@@ -544,7 +544,7 @@ def test_context_parallelism_refuses_lepe(monkeypatch):
     with pytest.raises(ValueError, match="LePE"):
         mhla_diffusers.enable_context_parallel(liner, ContextParallelConfig(ring_degree=2))
     remove_mhla(liner)  # it never ran: no layer left waiting for its model
-    monkeypatch.setattr(mhla_diffusers.models.processor, "context_shard", lambda n, total, heads: Shard(None, 0, 2, 0, n, total))
+    monkeypatch.setattr(mhla_diffusers.models.layer, "context_shard", lambda n, total, heads: Shard(None, 0, 2, 0, n, total))
     attn = model.blocks[1].attn1
     with pytest.raises(RuntimeError, match="holds only this rank's 12 of the 24 tokens: LePE is not supported"):
         with torch.no_grad(), token_grid((2, 3, 4)):
@@ -561,7 +561,7 @@ def test_the_authors_mixing_inits_reach_every_layer(init, tmp_path):
     model = tiny_dit(num_layers=2)
     apply_mhla(model, num_blocks=4, init=init)
     for block in model.transformer_blocks:
-        mixing = block.attn1.mhla_mixing
+        mixing = block.attn1.mhla.mixing
         assert torch.equal(mixing.weight.detach(), mixing_init(mixing.block_grid, kind=init))
     assert not torch.equal(mixing.weight.detach(), mixing_init(mixing.block_grid))  # not the paper's locality start
     remove_mhla(model)
@@ -569,7 +569,7 @@ def test_the_authors_mixing_inits_reach_every_layer(init, tmp_path):
     model.save_pretrained(src)
     convert_checkpoint(src, tmp_path / "out", family="dit", num_blocks=4, init=init)
     loaded = mhla_diffusers.load_mhla_transformer(tmp_path / "out")
-    mixing = loaded.transformer_blocks[0].attn1.mhla_mixing
+    mixing = loaded.transformer_blocks[0].attn1.mhla.mixing
     assert torch.equal(mixing.weight.detach(), mixing_init(mixing.block_grid, kind=init))
 
 

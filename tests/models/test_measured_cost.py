@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -137,3 +138,25 @@ def _copy(model):
     import copy
 
     return copy.deepcopy(model)
+
+
+@pytest.mark.parametrize("seconds", [-0.5, 0, 0.0, True, False, float("nan"), float("inf"), float("-inf")])
+def test_a_cache_entry_that_is_not_a_time_is_refused_naming_the_file_and_entry(priced, tmp_path, seconds):
+    """A hand-edited cache used to pass every number through: a negative price changed the selection and was recorded
+    as a negative cost, NaN was blamed on the budget. Now refused with the file, the entry and what to do."""
+    _, calls = priced
+    model = tiny_dit(num_layers=2, sample_size=16)
+    cache = tmp_path / "costs.json"
+    layer_attention_costs(model, MeasuredCost(cache=cache), num_blocks=4)
+    entries = json.loads(cache.read_text())
+    key = next(k for k in entries if k.startswith("mhla|"))
+    cache.write_text(json.dumps({**entries, key: seconds}))  # json writes NaN / Infinity, and reads them back
+    calls.clear()
+    with pytest.raises(ValueError, match="not a cost cache") as info:
+        layer_attention_costs(model, MeasuredCost(cache=cache), num_blocks=4)
+    message = str(info.value)
+    assert str(cache) in message and repr(key) in message and "delete that entry (or the file)" in message
+    assert "\n" not in message and calls == []
+    with pytest.raises(ValueError, match=re.escape(repr(key))):  # through apply_mhla: refused before anything is installed
+        apply_mhla(model, "auto", keep_softmax=1, sensitivity=[0.1, 0.2], num_blocks=4, cost=MeasuredCost(cache=cache))
+    assert mhla_spec(model) is None

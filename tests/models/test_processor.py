@@ -29,7 +29,7 @@ from mhla_diffusers import (
 )
 from mhla_diffusers.models.grid import current_grid
 
-processor_module = importlib.import_module("mhla_diffusers.families.calls")  # where get_layout is called
+processor_module = importlib.import_module("mhla_diffusers.models.layer")  # where get_layout is called
 
 
 def by_hand(attn, hidden: torch.Tensor, grid, eps: float = 1e-6) -> torch.Tensor:
@@ -38,7 +38,7 @@ def by_hand(attn, hidden: torch.Tensor, grid, eps: float = 1e-6) -> torch.Tensor
     heads = attn.heads
     q, k, v = attn.to_q(hidden), attn.to_k(hidden), attn.to_v(hidden)
     q, k, v = (t.view(b, n, heads, -1).transpose(1, 2) for t in (q, k, v))
-    mixing = attn.mhla_mixing
+    mixing = attn.mhla.mixing
     layout = BlockLayout(grid, mixing.block_grid)
     out = mhla_attention(q, k, v, mixing.weight.clamp(0.0, 1.0), layout, normalize=True, eps=eps)
     out = out.transpose(1, 2).reshape(b, n, -1)
@@ -58,7 +58,7 @@ def test_processor_is_mhla_on_the_layers_own_qkv():
         for i, (attn, stock_attn) in enumerate(zip(self_attn(model), self_attn(stock))):
             name = f"transformer_blocks.{i}.attn1"
             (hidden,), (out,) = cap.inputs[name], cap.outputs[name]
-            assert attn.mhla_mixing.block_grid == (1, 2, 2)
+            assert attn.mhla.mixing.block_grid == (1, 2, 2)
             assert torch.equal(out, by_hand(attn, hidden, (4, 4))), name
             # sanity: MHLA really replaced softmax on this layer
             assert not torch.allclose(out, stock_attn(hidden), atol=1e-3), name
@@ -81,7 +81,7 @@ def test_hybrid_keeps_softmax_layers_bit_identical():
             (hidden,), (out,) = cap.inputs[name], cap.outputs[name]
             if i in kept:
                 assert type(attn.processor) is AttnProcessor2_0, name
-                assert not hasattr(attn, "mhla_mixing"), name
+                assert not hasattr(attn, "mhla"), name
                 assert torch.equal(out, stock_attn(hidden)), name
             else:
                 assert isinstance(attn.processor, MHLAProcessor), name
@@ -189,7 +189,7 @@ def test_batch_invariance_sana_600m_attention_size():
     proc = MHLAProcessor(num_blocks=16)
     proc.attach(attn, (1, 32, 32))
     attn.set_processor(proc)
-    assert attn.mhla_mixing.block_grid == (1, 4, 4)
+    assert attn.mhla.mixing.block_grid == (1, 4, 4)
     hidden = torch.randn(5, 1024, 1152)
     with torch.no_grad(), token_grid((32, 32)):
         alone = attn(hidden[:1])[0]
@@ -216,7 +216,7 @@ def test_grid_comes_from_the_latent(monkeypatch):
     assert out.shape == (2, 4, 16, 16)
     assert seen == [((1, 8, 8), (1, 2, 2))] * 2
     for attn in self_attn(model):
-        assert attn.mhla_mixing.seen_grids == {64: {(1, 8, 8)}}
+        assert attn.mhla.seen_grids == {64: {(1, 8, 8)}}
     # and the layer output is MHLA on the 8 x 8 grid
     with torch.no_grad():
         attn = self_attn(model)[0]
@@ -266,7 +266,7 @@ def test_no_grid_raises_naming_the_fix():
     bare.set_processor(MHLAProcessor())
     with pytest.raises(RuntimeError, match="apply_mhla"), torch.no_grad(), token_grid((8, 8)):
         bare(torch.randn(1, 64, 16))
-    assert not hasattr(bare, "mhla_mixing")
+    assert not hasattr(bare, "mhla")
 
 
 def test_grid_token_count_mismatch_raises():
@@ -307,7 +307,7 @@ def test_mixing_matrices_eager_per_layer_in_state_dict():
     model = tiny_dit(num_layers=4)
     apply_mhla(model, layers=[1, 2, 3], block_grid=(2, 2))
     keys = sorted(k for k in model.state_dict() if "mhla" in k)
-    assert keys == [f"transformer_blocks.{i}.attn1.mhla_mixing.weight" for i in (1, 2, 3)]
+    assert keys == [f"transformer_blocks.{i}.attn1.mhla.mixing.weight" for i in (1, 2, 3)]
     params = dict(model.named_parameters())
     procs = {id(a.processor) for a in self_attn(model)[1:]}
     assert len(procs) == 1  # one shared processor object ...
@@ -325,7 +325,7 @@ def test_mixing_matrices_eager_per_layer_in_state_dict():
     dist = torch.cdist(centres, centres)
     paper = 1 - dist / dist.max(dim=1, keepdim=True).values
     paper = (paper / paper.sum(dim=1, keepdim=True)).float()
-    assert torch.allclose(other.transformer_blocks[0].attn1.mhla_mixing.weight.detach(), paper, rtol=1e-6, atol=0)
+    assert torch.allclose(other.transformer_blocks[0].attn1.mhla.mixing.weight.detach(), paper, rtol=1e-6, atol=0)
     assert mixing_parameters(model) == weights
     # an optimizer built now sees them (created eagerly, before any forward)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -336,7 +336,7 @@ def test_mixing_matrices_eager_per_layer_in_state_dict():
     with AttnCapture(model) as cap:
         run_dit(model, inputs)
     with torch.no_grad():
-        model.transformer_blocks[2].attn1.mhla_mixing.weight.copy_(torch.eye(4))
+        model.transformer_blocks[2].attn1.mhla.mixing.weight.copy_(torch.eye(4))
         with token_grid((4, 4)):
             for i in (1, 2, 3):
                 name = f"transformer_blocks.{i}.attn1"

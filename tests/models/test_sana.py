@@ -59,9 +59,9 @@ from mhla_diffusers import (
     set_attn_processor,
     token_grid,
 )
-from mhla_diffusers.models.families import FAMILIES, family_of, self_attention_modules, stock_processor
+from mhla_diffusers.families import FAMILIES, family_of, self_attention_modules, stock_processor
 
-processor_module = importlib.import_module("mhla_diffusers.families.calls")  # where get_layout is called
+processor_module = importlib.import_module("mhla_diffusers.models.layer")  # where get_layout is called
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 FP16_MAX = 65504.0
@@ -80,7 +80,7 @@ def by_hand(attn, hidden: torch.Tensor, grid, eps: float = 1e-15) -> torch.Tenso
     if attn.norm_q is not None:
         q, k = attn.norm_q(q), attn.norm_k(k)
     q, k, v = (t.view(b, n, attn.heads, -1).transpose(1, 2) for t in (q, k, v))
-    mixing = attn.mhla_mixing
+    mixing = attn.mhla.mixing
     out = mhla_attention(q, k, v, mixing.weight.clamp(0.0, 1.0), BlockLayout(grid, mixing.block_grid), eps=eps)
     return attn.to_out[1](attn.to_out[0](out.transpose(1, 2).reshape(b, n, -1)))
 
@@ -205,7 +205,7 @@ def test_apply_mhla_touches_self_attention_only():
     assert names == [f"transformer_blocks.{i}.attn1" for i in range(3)]
     assert [a.processor for a in sana_cross_attn(model)] == cross_before  # the very same stock objects
     assert sorted(k for k in model.state_dict() if "mhla" in k) == [
-        f"transformer_blocks.{i}.attn1.mhla_mixing.weight" for i in range(3)
+        f"transformer_blocks.{i}.attn1.mhla.mixing.weight" for i in range(3)
     ]
     spec = mhla_spec(model)
     assert spec["family"] == "sana" and spec["eps"] == 1e-15 and spec["block_grid"] == [1, 4, 4]
@@ -231,7 +231,7 @@ def test_shared_processor_gets_per_layer_mixing():
             assert torch.equal(got, by_hand(attn, hidden, (8, 16))), name
             other = sana_self_attn(model)[(i + 1) % 3]
             swapped = copy.deepcopy(attn)
-            swapped.mhla_mixing = copy.deepcopy(other.mhla_mixing)
+            swapped.mhla.mixing = copy.deepcopy(other.mhla.mixing)
             assert not torch.allclose(got, by_hand(swapped, hidden, (8, 16))), name
 
 
@@ -424,7 +424,7 @@ def test_one_liner_on_a_latent_thinner_than_the_block_grid():
     assert out.shape == (1, 4, 2, 32) and torch.isfinite(out).all()
     out.square().mean().backward()
     assert torch.isfinite(latent.grad).all()
-    assert all(tuple(a.mhla_mixing.block_grid) == (1, 4, 4) for a in sana_self_attn(model))
+    assert all(tuple(a.mhla.mixing.block_grid) == (1, 4, 4) for a in sana_self_attn(model))
 
 
 def test_gradient_checkpointing_two_grids_of_one_token_count():
@@ -463,7 +463,7 @@ def test_recomputation_without_a_replayed_grid_refuses_an_ambiguous_token_count(
     text, timestep = torch.randn(1, 6, 32), torch.tensor([500.0])
     x1, x2 = torch.randn(1, 4, 8, 4), torch.randn(1, 4, 4, 8)
     model(x1, encoder_hidden_states=text, timestep=timestep).sample.sum().backward()  # one grid: fine
-    assert model.transformer_blocks[0].attn1.mhla_mixing.weight.grad is not None
+    assert model.transformer_blocks[0].attn1.mhla.mixing.weight.grad is not None
     loss = sum(model(x, encoder_hidden_states=text, timestep=timestep).sample.sum() for x in (x1, x2))
     with pytest.raises(RuntimeError, match="does not guess which"):
         loss.backward()
@@ -487,7 +487,7 @@ def test_pipeline_end_to_end_all_hybrid_and_one_block():
         {k: stock_processor(FAMILIES["sana"], k[: -len(".processor")]) for k in pipe.transformer.attn_processors}
     )
     for attn in sana_self_attn(pipe.transformer):
-        del attn.mhla_mixing
+        del attn.mhla
     assert torch.equal(_image(pipe), stock)
     pipe.transformer.set_attn_processor(MHLAProcessor())
     everything = _image(pipe)
@@ -753,7 +753,7 @@ def test_one_liner_first_forward_under_inference_mode_gives_trainable_parameters
     inputs = sana_inputs(batch=1, size=(8, 8))
     with torch.inference_mode():
         first = run_sana(model, inputs)
-    mixings = [a.mhla_mixing.weight for a in sana_self_attn(model)]
+    mixings = [a.mhla.mixing.weight for a in sana_self_attn(model)]
     assert mixings and not any(w.is_inference() for w in mixings)
     assert all(w.requires_grad for w in mixings)
     latent, text, timestep, mask = inputs

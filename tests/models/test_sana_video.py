@@ -77,7 +77,7 @@ def by_hand(attn, hidden: torch.Tensor, rotary_emb, grid) -> torch.Tensor:
     q, k, v = attn.to_q(hidden), attn.to_k(hidden), attn.to_v(hidden)
     q, k = attn.norm_q(q), attn.norm_k(k)
     q, k, v = (t.view(b, n, attn.heads, -1).transpose(1, 2) for t in (q, k, v))
-    mixing = attn.mhla_mixing
+    mixing = attn.mhla.mixing
     weight = mixing.weight.clamp(0.0, 1.0)
     if any(blocks > tokens for blocks, tokens in zip(mixing.block_grid, grid)):
         layout, index = occupied_layout(grid, mixing.block_grid)
@@ -141,7 +141,7 @@ def test_one_block_equals_stock(dtype):
         with torch.no_grad():
             for name, [(args, kwargs, got)] in cap.calls.items():
                 attn = model.get_submodule(name)
-                assert attn.mhla_mixing.block_grid == (1, 1, 1) and got.dtype == dtype
+                assert attn.mhla.mixing.block_grid == (1, 1, 1) and got.dtype == dtype
                 want = SanaLinearAttnProcessor3_0()(attn, *args, **kwargs)
                 finite = torch.isfinite(want)
                 assert _rel(got[finite], want[finite]) < layer_tol, (seed, name, _rel(got[finite], want[finite]))
@@ -238,7 +238,7 @@ def test_blocks_on_the_latent_grid_are_mhla_with_rope(frames, size, block_grid):
         for name, [(args, kwargs, got)] in cap.calls.items():
             attn = model.get_submodule(name)
             n = grid[0] * grid[1] * grid[2]
-            assert attn.mhla_mixing.seen_grids == {n: {grid}}, name
+            assert attn.mhla.seen_grids == {n: {grid}}, name
             want = by_hand(attn, args[0], kwargs["rotary_emb"], grid)
             assert torch.equal(got, want), name  # the same operations: bit for bit
             rotated = by_hand(attn, args[0], tuple(t.roll(1, dims=1) for t in kwargs["rotary_emb"]), grid)
@@ -256,7 +256,7 @@ def test_mixing_matrices_are_trainable_and_get_gradients():
     params = mixing_parameters(model)
     assert len(params) == 2 and all(p.requires_grad and p.shape == (12, 12) for p in params)
     assert sorted(k for k in model.state_dict() if "mhla" in k) == [
-        f"transformer_blocks.{i}.attn1.mhla_mixing.weight" for i in range(2)
+        f"transformer_blocks.{i}.attn1.mhla.mixing.weight" for i in range(2)
     ]
     randomize_mixing_(model, low=0.1, high=0.9)  # inside the clamp: every entry gets a gradient
     latent, text, timestep, mask = sana_video_inputs(batch=2, frames=4, size=(8, 12))
@@ -337,7 +337,7 @@ def test_diagnostics_on_a_sana_video_layer(tmp_path):
         (args, kwargs, _), = cap.calls[name]
         cos, sin = kwargs["rotary_emb"]
         identity = (torch.ones_like(cos), torch.zeros_like(sin))
-        mixing = getattr(attn, "mhla_mixing", None)
+        mixing = getattr(getattr(attn, "mhla", None), "mixing", None)
         with torch.no_grad(), token_grid(qk.grid):
             if mixing is None:
                 A = D.attention_matrix(qk.query, qk.key, "linear")
@@ -356,7 +356,7 @@ def test_diagnostics_on_a_sana_video_layer(tmp_path):
     stats = D.layer_statistics(model, names[1], inputs)
     assert stats["mixing_source"] == "layer" and stats["block_grid"] == [1, 2, 3]
     assert stats["kinds"]["mhla"]["rank"]["max"] <= stats["rank_bound"]["mhla"]
-    png = D.plot_mixing_matrix(model.transformer_blocks[1].attn1.mhla_mixing.clamped(), (1, 2, 3), tmp_path / "m.png")
+    png = D.plot_mixing_matrix(model.transformer_blocks[1].attn1.mhla.mixing.clamped(), (1, 2, 3), tmp_path / "m.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="called as cross-attention"):
         D.capture_query_key(model, "transformer_blocks.0.attn2", inputs)

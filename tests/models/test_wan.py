@@ -64,7 +64,7 @@ from mhla_diffusers import (
     set_attn_processor,
     token_grid,
 )
-from mhla_diffusers.models.families import FAMILIES, WanRotary, family_of, self_attention_modules, stock_processor
+from mhla_diffusers.families import FAMILIES, WanRotary, family_of, self_attention_modules, stock_processor
 from mhla_diffusers.models.processor import OutputRMSNorm, occupied_layout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -124,7 +124,7 @@ def by_hand(attn, hidden, rotary_emb, grid, normalize=True):
     """MHLA with Wan's RoPE on the layer's own q, k, v, its output norm if any, then to_out: nothing else."""
     b, n, _ = hidden.shape
     q, k, v = _qkv(attn, hidden)
-    mixing = attn.mhla_mixing
+    mixing = attn.mhla.mixing
     weight = mixing.weight.clamp(0.0, 1.0)
     if any(b > n for b, n in zip(mixing.block_grid, grid)):  # fewer tokens than blocks: the occupied ones
         layout, index = occupied_layout(grid, mixing.block_grid)
@@ -132,8 +132,8 @@ def by_hand(attn, hidden, rotary_emb, grid, normalize=True):
     else:
         layout = BlockLayout(grid, mixing.block_grid)
     out = mhla_attention(q, k, v, weight, layout, normalize=normalize, eps=EPS, rotary=WanRotary(rotary_emb))
-    if getattr(attn, "mhla_output_norm", None) is not None:
-        out = attn.mhla_output_norm(out)
+    if getattr(getattr(attn, "mhla", None), "output_norm", None) is not None:
+        out = attn.mhla.output_norm(out)
     return attn.to_out[1](attn.to_out[0](out.transpose(1, 2).reshape(b, n, -1).to(hidden.dtype)))
 
 
@@ -277,7 +277,7 @@ def test_positional_call_processor_equals_op_per_layer():
             assert ehs is None and mask is None and rotary_emb[0].shape == (1, 72, 1, 12)
             assert torch.equal(got, by_hand(attn, hidden, rotary_emb, (3, 4, 6))), i
             other = copy.deepcopy(attn)
-            other.mhla_mixing = copy.deepcopy(wan_self_attn(model)[(i + 1) % 3].mhla_mixing)
+            other.mhla.mixing = copy.deepcopy(wan_self_attn(model)[(i + 1) % 3].mhla.mixing)
             assert not torch.allclose(got, by_hand(other, hidden, rotary_emb, (3, 4, 6)))
 
 
@@ -296,7 +296,7 @@ def test_rope_is_applied_and_changes_the_output():
             rotary_emb = _rope(12, grid)
             outs[name] = attn(hidden, None, None, rotary_emb)  # WanAttention.forward -> positional processor call
             q, k, v = _qkv(attn, hidden)
-            want = dense(q, k, v, attn.mhla_mixing.weight, (1, 4, 6), (1, 2, 2), rotary_emb)
+            want = dense(q, k, v, attn.mhla.mixing.weight, (1, 4, 6), (1, 2, 2), rotary_emb)
             want = attn.to_out[0](want.float().transpose(1, 2).flatten(2))
             assert _rel(outs[name], want) < 1e-5, name
         outs["none"] = attn(hidden, None, None, None)
@@ -324,11 +324,11 @@ def test_normalize_off_output_norm():
     V (the raw numerator grows with N), and its weight acts."""
     model = tiny_wan(num_layers=3)
     apply_mhla(model, layers="hybrid", normalize=False)
-    norms = [getattr(a, "mhla_output_norm", None) for a in wan_self_attn(model)]
+    norms = [getattr(getattr(a, "mhla", None), "output_norm", None) for a in wan_self_attn(model)]
     assert norms[0] is None and all(isinstance(n, OutputRMSNorm) for n in norms[1:])
     assert all(torch.equal(n.weight, torch.ones(2, 12)) for n in norms[1:])
-    assert sorted(k for k in model.state_dict() if "mhla_output_norm" in k) == [
-        "blocks.1.attn1.mhla_output_norm.weight", "blocks.2.attn1.mhla_output_norm.weight"]
+    assert sorted(k for k in model.state_dict() if "mhla.output_norm" in k) == [
+        "blocks.1.attn1.mhla.output_norm.weight", "blocks.2.attn1.mhla.output_norm.weight"]
     spec = mhla_spec(model)
     assert spec["normalize"] is False and spec["output_norm"] is True and spec["block_grid"] == [3, 5, 7]
 
@@ -342,18 +342,18 @@ def test_normalize_off_output_norm():
         scaled = copy.deepcopy(attn)
         scaled.to_v.weight.mul_(1000), scaled.to_v.bias.mul_(1000)
         assert _rel(scaled(hidden, None, None, rotary_emb), got) < 5e-3  # up to the norm's eps (1e-6)
-        attn.mhla_output_norm.weight.uniform_(0.5, 1.5, generator=g)
+        attn.mhla.output_norm.weight.uniform_(0.5, 1.5, generator=g)
         assert _rel(attn(hidden, None, None, rotary_emb), got) > 1e-3
 
     plain = tiny_wan(num_layers=2)
     apply_mhla(plain, normalize=False, output_norm=False)
-    assert not any(hasattr(a, "mhla_output_norm") for a in wan_self_attn(plain)) and "output_norm" not in mhla_spec(plain)
+    assert not any(a.mhla.output_norm is not None for a in wan_self_attn(plain)) and "output_norm" not in mhla_spec(plain)
     normed = tiny_wan(num_layers=2)
     apply_mhla(normed, output_norm=True)  # with the normaliser too, when asked
     assert mhla_spec(normed)["output_norm"] is True and mhla_spec(normed)["normalize"] is True
-    with pytest.raises(ValueError, match="output norm"):
+    with pytest.raises(ValueError, match="output_norm"):
         set_attn_processor(normed, MHLAProcessor(output_norm=False))
-    assert remove_mhla(normed) and not any(hasattr(a, "mhla_output_norm") for a in wan_self_attn(normed))
+    assert remove_mhla(normed) and not any(hasattr(a, "mhla") for a in wan_self_attn(normed))
 
 
 # -- block grids on real and small token grids (C04, C09) -------------------------------------------
@@ -372,14 +372,14 @@ def test_native_grid_21x30x52_model_level(preset):
     with Capture(model) as cap:
         run_wan(model, inputs)
     expected = FAMILIES["wan"].preset(preset)
-    assert grids == [(21, 30, 52)] and attn.mhla_mixing.block_grid == expected
+    assert grids == [(21, 30, 52)] and attn.mhla.mixing.block_grid == expected
     ((args, got),) = cap.calls["blocks.0.attn1"]
     hidden, _, _, rotary_emb = args
     with torch.no_grad():
         assert torch.equal(got, by_hand(attn, hidden, rotary_emb, (21, 30, 52)))
         rows = torch.linspace(0, 32759, 48).long()
         q, k, v = _qkv(attn, hidden)
-        want = dense(q, k, v, attn.mhla_mixing.weight, (21, 30, 52), expected, rotary_emb, rows=rows)
+        want = dense(q, k, v, attn.mhla.mixing.weight, (21, 30, 52), expected, rotary_emb, rows=rows)
         want = attn.to_out[0](want.float().transpose(1, 2).flatten(2))
     assert _rel(got[:, rows], want) < 1e-5
 
@@ -419,11 +419,11 @@ def test_frames_1_5_17_81_transformer(video_frames):
     grid = (latent_frames, 4, 4)
     with torch.no_grad():
         for i, attn in enumerate(wan_self_attn(model)):
-            assert attn.mhla_mixing.block_grid == (3, 5, 7)
+            assert attn.mhla.mixing.block_grid == (3, 5, 7)
             ((args, got),) = cap.calls[f"blocks.{i}.attn1"]
             hidden, _, _, rotary_emb = args
             q, k, v = _qkv(attn, hidden)
-            want = dense(q, k, v, attn.mhla_mixing.weight, grid, (3, 5, 7), rotary_emb)
+            want = dense(q, k, v, attn.mhla.mixing.weight, grid, (3, 5, 7), rotary_emb)
             want = attn.to_out[0](want.float().transpose(1, 2).flatten(2))
             assert _rel(got, want) < 1e-5, (video_frames, i)
 
@@ -476,7 +476,7 @@ def test_i2v_cross_attention_bitwise_stock():
             stock._attention_backend = proc._attention_backend
             assert torch.equal(got, stock(attn, hidden, ehs, mask, rotary_emb)), name
             assert torch.equal(got, _stock()(attn, hidden, ehs, mask, rotary_emb)), name
-            assert not hasattr(attn, "mhla_mixing")
+            assert not hasattr(attn, "mhla")
     assert [type(a.processor).__name__ for a in wan_self_attn(model)] == ["MHLAProcessor"] * 2
 
 
@@ -507,7 +507,7 @@ def test_hybrid_via_complete_dict():
             if i in chosen:
                 assert isinstance(attn.processor, MHLAProcessor)
             else:
-                assert type(attn.processor).__name__ == "WanAttnProcessor" and not hasattr(attn, "mhla_mixing")
+                assert type(attn.processor).__name__ == "WanAttnProcessor" and not hasattr(attn, "mhla")
                 assert torch.equal(got, wan_self_attn(stock)[i](*args)), i
 
 
@@ -517,9 +517,9 @@ def test_remove_mhla_restores_stock_bitwise():
     inputs = wan_inputs(batch=1, frames=2, size=8, text_len=512, image_dim=16)
     model.set_attn_processor(MHLAProcessor(normalize=False))
     run_wan(model, inputs)
-    assert is_mhla_model(model) and hasattr(wan_self_attn(model)[0], "mhla_output_norm")
+    assert is_mhla_model(model) and wan_self_attn(model)[0].mhla.output_norm is not None
     assert remove_mhla(model) == [f"blocks.{i}.attn{j}" for i in range(3) for j in (1, 2)]
-    assert not is_mhla_model(model) and not any(hasattr(a, "mhla_output_norm") for a in wan_self_attn(model))
+    assert not is_mhla_model(model) and not any(hasattr(a, "mhla") for a in wan_self_attn(model))
     assert all(type(p).__name__ == "WanAttnProcessor" for p in model.attn_processors.values())
     assert torch.equal(run_wan(model, inputs), run_wan(stock, inputs))
 
@@ -572,7 +572,7 @@ def test_dtypes(case):
         out = out.detach()
     elif case == "fp32_model_bf16_mixing":
         for attn in wan_self_attn(model)[1:]:
-            attn.mhla_mixing.bfloat16(), attn.mhla_output_norm.bfloat16()
+            attn.mhla.mixing.bfloat16(), attn.mhla.output_norm.bfloat16()
         out = run_wan(model, inputs)
         assert out.dtype == torch.float32
     else:
@@ -584,7 +584,7 @@ def test_dtypes(case):
         else:
             assert all(p.dtype == dtype for p in mixing_parameters(model))
         if case == "to_fp16":  # normalize off: the output norms follow too
-            assert all(a.mhla_output_norm.weight.dtype == dtype for a in wan_self_attn(model)[1:])
+            assert all(a.mhla.output_norm.weight.dtype == dtype for a in wan_self_attn(model)[1:])
         inputs = {k: v.to(dtype) if v.is_floating_point() and k != "timestep" else v for k, v in inputs.items()}
         out = run_wan(model, inputs)
         assert out.dtype == dtype
@@ -620,7 +620,7 @@ def test_gradient_checkpointing_same_gradients():
     for p, q in zip(mixing_parameters(model), mixing_parameters(other)):
         assert p.grad is not None and torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-7)
     for a, b in zip(wan_self_attn(model), wan_self_attn(other)):
-        assert torch.allclose(a.mhla_output_norm.weight.grad, b.mhla_output_norm.weight.grad, rtol=1e-5, atol=1e-7)
+        assert torch.allclose(a.mhla.output_norm.weight.grad, b.mhla.output_norm.weight.grad, rtol=1e-5, atol=1e-7)
 
 
 # -- conversion, save / load, generation (C14, C15) ---------------------------------------------------
@@ -684,7 +684,7 @@ def test_convert_folder_load_generate_mp4_refuse_again(base_pipeline, tmp_path, 
     assert config["family"] == "wan" and config["layers"] == [1, 2] and config["block_grid"] == [3, 5, 10]
     assert config["normalize"] is False and config["output_norm"] is True
     keys = sorted(load_file(out / "transformer" / "mhla.safetensors"))
-    assert keys == [f"blocks.{i}.attn1.{m}.weight" for i in (1, 2) for m in ("mhla_mixing", "mhla_output_norm")]
+    assert keys == [f"blocks.{i}.attn1.{m}.weight" for i in (1, 2) for m in ("mhla.mixing", "mhla.output_norm")]
     pipe = load_mhla_pipeline(out)
     assert type(pipe).__name__ == "WanPipeline" and not pipe.transformer.training
     assert [type(a.processor).__name__ for a in wan_self_attn(pipe.transformer)] == [
@@ -701,7 +701,7 @@ def test_convert_folder_load_generate_mp4_refuse_again(base_pipeline, tmp_path, 
     randomize_mixing_(model)
     with torch.no_grad():
         for attn in wan_self_attn(model)[1:]:
-            attn.mhla_output_norm.weight.uniform_(0.5, 1.5)
+            attn.mhla.output_norm.weight.uniform_(0.5, 1.5)
     saved = tmp_path / "tuned"
     mhla_diffusers.save_mhla_transformer(model, saved)
     inputs = wan_inputs(batch=1, frames=2, size=(8, 12))
@@ -716,9 +716,9 @@ def test_convert_folder_load_generate_mp4_refuse_again(base_pipeline, tmp_path, 
     assert int(res["training"]) == 0 and sorted(k for k in res if "mhla" in k) == sorted(state)
     assert all(torch.equal(res[k], v) for k, v in state.items()) and torch.equal(res["output"], want)
     weights = load_file(saved / "mhla.safetensors")
-    weights.pop("blocks.2.attn1.mhla_output_norm.weight")
+    weights.pop("blocks.2.attn1.mhla.output_norm.weight")
     save_file(weights, saved / "mhla.safetensors")
-    with pytest.raises(MHLACheckpointError, match="missing keys.*mhla_output_norm"):
+    with pytest.raises(MHLACheckpointError, match="missing keys.*mhla.output_norm"):
         load_mhla_transformer(saved)
 
     clip = tmp_path / "clip.mp4"

@@ -26,8 +26,8 @@ from PIL import Image
 
 from mhla_diffusers import MHLAProcessor, apply_mhla, choose_block_grid, load_mhla_pipeline, remove_mhla, save_mhla_pipeline
 from mhla_diffusers.checkpoint.conversion import convert_checkpoint
+from mhla_diffusers.families import WAN
 from mhla_diffusers.generation import GenerationError, generate_videos, image_to_video_pipeline, native_video_size
-from mhla_diffusers.models.families import WAN
 from mhla_diffusers.models.grid import current_grid
 
 SIZE = dict(height=64, width=64, frames=5, steps=2, guidance_scale=1.0, seed=0)
@@ -100,7 +100,7 @@ def test_a14b_two_experts_convert_save_load_generate(tmp_path, capsys):
     again = load_mhla_pipeline(tmp_path / "trained")
     for name in ("transformer", "transformer_2"):
         for a, b in zip(wan_self_attn(getattr(loaded, name)), wan_self_attn(getattr(again, name))):
-            mixing_a, mixing_b = getattr(a, "mhla_mixing", None), getattr(b, "mhla_mixing", None)
+            mixing_a, mixing_b = (getattr(getattr(m, "mhla", None), "mixing", None) for m in (a, b))
             assert (mixing_a is None) == (mixing_b is None)
             if mixing_a is not None:
                 torch.testing.assert_close(mixing_a.weight, mixing_b.weight, rtol=0, atol=0)
@@ -165,7 +165,7 @@ def test_wan21_image_to_video_cross_attention_stock_convert_generate(tmp_path, c
     assert type(loaded).__name__ == "WanImageToVideoPipeline" and loaded.image_encoder is not None
     for attn in wan_cross_attn(loaded.transformer):
         assert type(attn.processor).__name__ == "WanAttnProcessor" and attn.add_k_proj is not None
-        assert not [n for n in attn._modules if n.startswith("mhla_")]
+        assert not [n for n in attn._modules if n == "mhla"]
     assert all(isinstance(a.processor, MHLAProcessor) for a in wan_self_attn(loaded.transformer))
     got = video(loaded, image=image_file)
     assert np.abs(got - stock).max() > 1e-3

@@ -103,7 +103,7 @@ def test_layer_order_and_selection_by_kind():
         assert spec["layers"] == [i for i, n in enumerate(MAIN + VACE) if n in names], label
         processors = {n: type(m.processor).__name__ for n, m in model.named_modules() if hasattr(m, "processor")}
         assert {n for n, p in processors.items() if p != "WanAttnProcessor"} == set(names), label  # every attn2 stock
-        assert sorted(n.split(".mhla_mixing")[0] for n, _ in model.named_parameters() if "mhla_mixing" in n) == sorted(names)
+        assert sorted(n.split(".mhla.mixing")[0] for n, _ in model.named_parameters() if "mhla.mixing" in n) == sorted(names)
         out = run_wan_vace(model, inputs)
         assert torch.isfinite(out).all() and _rel(out, stock) > 1e-4, label
         remove_mhla(model)
@@ -182,7 +182,7 @@ def test_conditioning_scale_zero_is_the_plain_wan_trunk():
     with torch.no_grad():
         assert torch.equal(run_wan_vace(model, silent), plain(**trunk).sample)
     model(**silent).sample.square().sum().backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if "mhla_mixing" in n}
+    grads = {n: p.grad for n, p in model.named_parameters() if "mhla.mixing" in n}
     assert all(torch.equal(g, torch.zeros_like(g)) for n, g in grads.items() if n.startswith("vace_blocks."))
     assert all(g.abs().max() > 0 for n, g in grads.items() if n.startswith("blocks."))
 
@@ -200,7 +200,7 @@ def test_gradients_reach_the_mixing_matrices_of_both_kinds():
     def grads(m):
         m.zero_grad(set_to_none=True)
         (m(**inputs).sample - target).square().mean().backward()
-        return {n: p.grad.clone() for n, p in m.named_parameters() if "mhla_mixing" in n}
+        return {n: p.grad.clone() for n, p in m.named_parameters() if "mhla.mixing" in n}
 
     plain = grads(model)
     assert sorted(n.split(".attn1.")[0] for n in plain) == ["blocks.0", "blocks.1", "blocks.2", "vace_blocks.0", "vace_blocks.1"]
@@ -273,7 +273,7 @@ def test_vace_hybrid_ulysses_matches_one_process(results):
     assert "exception" not in case, f"P={world}: {case.get('exception')}"
     assert case["output"] < CP_TOL, case["output"]
     assert case["grads"] and max(case["grads"].values()) < CP_GRAD_TOL, case["grads"]
-    mixing = sorted(n.split(".attn1.")[0] for n in case["grads"] if n.endswith("mhla_mixing.weight"))
+    mixing = sorted(n.split(".attn1.")[0] for n in case["grads"] if n.endswith("mhla.mixing.weight"))
     assert mixing == ["blocks.1", "blocks.2", "vace_blocks.1"]
     assert "vace_blocks.0.attn1.to_q.weight" in case["grads"] and "blocks.0.attn1.to_q.weight" in case["grads"]
     shard = 1 * 72 // world * 6 * 8 * 4  # [B, N / P, heads, d] float32: q, k, v, output per MHLA layer, heads mode

@@ -287,3 +287,100 @@ def test_non_tensor_inputs_are_a_type_error():
     q = torch.randn(1, 1, 4, 4)
     with pytest.raises(TypeError, match="mixing must be a torch.Tensor; got list"):
         mhla_attention(q, q, q, [[1.0, 1.0], [1.0, 1.0]], BlockLayout((4,), (2,)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Overflowing features (issue 32, item 6): an error naming feature_power, not NaN / inf without a word
+
+def _unit_inputs(layout, peak=None, dtype=torch.float32, seed=11):
+    """Unit-scale q, k, v ``[1, 2, N, 8]``; ``peak``: channel 0 of query 5 and key 9 set to it (a unit-scale draw's tail)."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, layout.num_tokens, 8, generator=gen, dtype=dtype) for _ in range(3))
+    if peak is not None:
+        q[0, 0, 5, 0] = k[0, 0, 9, 0] = peak
+    return q, k, v
+
+
+@pytest.mark.parametrize("peak", [4.0, 6.0], ids=["products-overflow", "features-overflow"])
+@pytest.mark.parametrize("denominator, normalize", [("paper", True), ("paper", False), ("authors_dit", True)])
+def test_overflowing_features_are_refused_naming_feature_power(denominator, normalize, peak):
+    """ReLU(x) ** 50 at unit-scale fp32 inputs: 4 ** 50 = 1.3e30 (its products overflow float32), 6 ** 50 = 8e38 (the
+    feature itself does): the output was NaN / inf without a word."""
+    layout = BlockLayout((4, 4), (2, 2))
+    q, k, v = _unit_inputs(layout, peak)
+    mixing = make_mixing(layout, "rand", torch.float32)
+    kw = dict(normalize=normalize, denominator=denominator)
+    with pytest.raises(ValueError, match=r"feature_power=50.0 .*float32.*lower feature_power") as info:
+        mhla_attention(q, k, v, mixing, layout, feature_power=50.0, **kw)
+    assert "\n" not in str(info.value)
+    # float64 inputs (accumulated in float64) hold these features, and a modest power holds in float32
+    assert torch.isfinite(mhla_attention(q.double(), k.double(), v.double(), mixing.double(), layout, feature_power=50.0, **kw)).all()
+    assert torch.isfinite(mhla_attention(q, k, v, mixing, layout, feature_power=3.0, **kw)).all()
+
+
+def test_non_finite_inputs_are_not_blamed_on_feature_power():
+    """NaN in v (not the feature map's doing): the output is NaN as with feature_power=1, no error."""
+    layout = BlockLayout((4, 4), (2, 2))
+    q, k, v = _unit_inputs(layout)
+    v[0, 0, 3, 0] = float("nan")
+    mixing = make_mixing(layout, "rand", torch.float32)
+    plain = mhla_attention(q, k, v, mixing, layout)
+    powered = mhla_attention(q, k, v, mixing, layout, feature_power=2.0)
+    assert torch.equal(torch.isnan(plain), torch.isnan(powered)) and torch.isnan(powered).any()
+
+
+def test_the_overflow_check_is_skipped_under_compile():
+    """Traced (no graph break for the check): the compiled call returns what the arithmetic gives."""
+    layout = BlockLayout((4, 4), (2, 2))
+    q, k, v = _unit_inputs(layout, 4.0)
+    mixing = make_mixing(layout, "rand", torch.float32)
+
+    def f(q, k, v, mixing):
+        return mhla_attention(q, k, v, mixing, layout, feature_power=50.0)
+
+    torch._dynamo.reset()
+    out = torch.compile(f, fullgraph=True, backend="eager")(q, k, v, mixing)
+    assert not torch.isfinite(out).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# denominator="authors_dit" under torch.compile (issue 32, item 6): one graph, no break, eager's numbers
+
+@pytest.mark.parametrize("build_layout_inside", [False, True], ids=["layout-outside", "layout-inside"])
+def test_authors_dit_denominator_compiles_without_a_graph_break(build_layout_inside):
+    from torch import _dynamo as dynamo
+
+    torch.manual_seed(12)
+    grid, block_grid = (4, 6), (2, 3)
+    outside = BlockLayout(grid, block_grid)
+    q, k, v = make_inputs(1, 2, outside.num_tokens, 8, dtype=torch.float32)
+    mixing = make_mixing(outside, "rand", torch.float32)
+
+    def f(q, k, v, mixing):
+        layout = BlockLayout(grid, block_grid) if build_layout_inside else outside
+        return mhla_attention(q, k, v, mixing, layout, denominator="authors_dit", feature_eps=1e-6) * 2.0
+
+    dynamo.reset()
+    ex = dynamo.explain(f)(q, k, v, mixing)
+    assert (ex.graph_count, ex.graph_break_count) == (1, 0), [str(r.reason)[:200] for r in ex.break_reasons]
+    dynamo.reset()
+    g = torch.randn(*q.shape[:3], 8)
+    results = []
+    for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, mixing)]
+        out = fn(*leaves)
+        results.append((out, torch.autograd.grad(out, leaves, g)))
+    (out_e, grads_e), (out_c, grads_c) = results
+    torch.testing.assert_close(out_c, out_e, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads_c, grads_e):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_unequal_blocks_are_refused_from_the_layout_sizes_under_compile_too():
+    """The refusal is the eager one under compile (a raise in traced code: dynamo hands the frame back to eager)."""
+    q = torch.randn(1, 1, 5, 4)
+    layout = BlockLayout((5,), (2,))
+    torch._dynamo.reset()
+    f = torch.compile(lambda q: mhla_attention(q, q, q, torch.ones(2, 2), layout, denominator="authors_dit"), backend="eager")
+    with pytest.raises(ValueError, match=r"needs blocks of equal size; BlockLayout\(grid=\(1, 1, 5\).* blocks of 2 to 3 tokens"):
+        f(q)

@@ -241,7 +241,7 @@ def run_case(c, torch, ops, layout_cls):
         return out.detach(), [next(got) if f else None for f in flags]
 
     t0 = time.time()
-    calls = []  # kernel launches of the forward: a fused rotary runs _fwd_summaries once, a composed one twice
+    calls = []  # kernel launches of the forward: a fused rotary runs fwd_summaries once, a composed one twice
     kernels = ops.get_backend("triton")
     original = kernels.forward
     kernels.forward = lambda *a, **k: calls.append(k.get("rotary")) or original(*a, **k)
@@ -421,7 +421,7 @@ def main(argv=None):
     from mhla_diffusers import ops
     from mhla_diffusers.ops.layout import BlockLayout
 
-    kernels_imported_by_package = "mhla_diffusers.ops.triton_ops" in sys.modules
+    kernels_imported_by_package = any(m in sys.modules for m in ("mhla_diffusers.ops.triton_ops", "mhla_diffusers.ops.triton_kernels"))
     from mhla_diffusers.ops import triton_ops
 
     results, t_start = [], time.time()

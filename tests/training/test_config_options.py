@@ -61,10 +61,10 @@ def test_gate_and_lepe_train_and_export(tmp_path):
     config = json.loads((folder / "mhla_config.json").read_text())
     assert config["gate"] == "authors" and config["lepe"] is True
     weights = load_file(folder / "mhla.safetensors")
-    assert sum(k.endswith(("mhla_gate.weight", "mhla_lepe.weight")) for k in weights) == 4
+    assert sum(k.endswith(("mhla.gate.weight", "mhla.lepe.weight")) for k in weights) == 4
     # uniform start: every mixing matrix moved by the step (lr 1e-3), then clamped back into [0, 1]
-    mixing = [v for k, v in weights.items() if k.endswith("mhla_mixing.weight")]
+    mixing = [v for k, v in weights.items() if k.endswith("mhla.mixing.weight")]
     assert all(not torch.equal(m, torch.ones_like(m)) and m.max() <= 1 for m in mixing)
     pipe = mhla_diffusers.load_mhla_pipeline(tmp_path / "run" / "final")
     attn = pipe.transformer.transformer_blocks[0].attn1
-    assert attn.mhla_gate.form == "authors" and attn.mhla_lepe.weight.shape == (16, 1, 3, 3)
+    assert attn.mhla.gate.form == "authors" and attn.mhla.lepe.weight.shape == (16, 1, 3, 3)

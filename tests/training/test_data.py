@@ -5,7 +5,8 @@ import pytest
 import torch
 from PIL import Image
 
-from mhla_diffusers.training.data import PHOTO_NAMES, ImageFolderCrops, PhotoCrops, load_photo
+from mhla_diffusers.data.folder import ImageFolderCrops
+from mhla_diffusers.data.photos import PHOTO_NAMES, PhotoCrops, load_photo
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +122,7 @@ def test_image_folder_errors(tmp_path):
 def test_captioned_folder_metadata_and_sidecars(tmp_path):
     import json
 
-    from mhla_diffusers.training.data import CaptionedImageCrops, read_captions
+    from mhla_diffusers.data.captions import CaptionedImageCrops, read_captions
 
     _write_image(tmp_path / "a.png", (20, 20), (255, 0, 0))
     _write_image(tmp_path / "sub" / "b.jpg", (24, 20), (0, 255, 0))
@@ -144,7 +145,7 @@ def test_captioned_folder_metadata_and_sidecars(tmp_path):
 
 
 def test_captioned_folder_errors(tmp_path):
-    from mhla_diffusers.training.data import CaptionedImageCrops
+    from mhla_diffusers.data.captions import CaptionedImageCrops
 
     with pytest.raises(FileNotFoundError):
         CaptionedImageCrops(tmp_path / "nope")

@@ -79,7 +79,7 @@ def test_distillation_alone_needs_no_labels_and_closes_the_gap(tmp_path):
     from PIL import Image
     from test_train import tiny_config
 
-    from mhla_diffusers.training.data import load_photo
+    from mhla_diffusers.data.photos import load_photo
 
     for i in range(3):
         (tmp_path / "images" / "all").mkdir(parents=True, exist_ok=True)

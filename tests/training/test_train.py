@@ -512,7 +512,7 @@ def test_gradient_checkpointing_gives_the_same_gradients_with_mhla():
         recomputed.append(sum(calls[1:]))
     assert models[1].is_gradient_checkpointing and recomputed == [0, 1]  # MHLA re-ran inside backward
     assert grads[0].keys() == grads[1].keys()
-    assert any("mhla_mixing" in n for n in grads[0])
+    assert any("mhla.mixing" in n for n in grads[0])
     for n in grads[0]:
         torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-7, msg=n)
 

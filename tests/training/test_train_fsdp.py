@@ -116,14 +116,14 @@ def test_fsdp_two_processes_equal_one_process(runs, name):
     assert a.keys() == b.keys()
     for step in (1, 2, 3):
         grads = [k for k in a if k.startswith(f"grad.{step}.")]
-        assert any("mhla_mixing" in k for k in grads)
+        assert any("mhla.mixing" in k for k in grads)
         scale = max(float(a[k].abs().max()) for k in grads)
         for k in grads:
             assert _error(a[k], b[k]) < GRAD_TOL * scale, (k, _error(a[k], b[k]), scale)
         weights = [k for k in a if k.startswith(f"weight.{step}.")]
         for k in weights:
             assert _error(a[k], b[k]) < WEIGHT_TOL, (k, _error(a[k], b[k]))
-    mixing = [k for k in a if k.startswith("weight.3.") and "mhla_mixing" in k]
+    mixing = [k for k in a if k.startswith("weight.3.") and "mhla.mixing" in k]
     assert all(float(b[k].min()) >= 0.0 and float(b[k].max()) <= 1.0 for k in mixing)
     assert sum(int((b[k] == 0).sum()) for k in mixing) > 0  # the clamp acted (mixing_lr 0.3 pushed entries below 0)
     ea, eb = _exported(one), _exported(two)

@@ -12,8 +12,8 @@ from PIL import Image
 import mhla_diffusers
 from mhla_diffusers import training
 from mhla_diffusers.checkpoint.lora import load_mhla_pipeline_with_lora
+from mhla_diffusers.data.video import VideoClips, read_video_frames
 from mhla_diffusers.training import load_config
-from mhla_diffusers.training.data import VideoClips, read_video_frames
 
 
 def _write_videos(root):
@@ -88,7 +88,7 @@ def test_wan_flow_matching_with_distillation_on_videos(tmp_path, wan_setup):
     pipe = mhla_diffusers.load_mhla_pipeline(tmp_path / "run" / "final")
     assert type(pipe).__name__ == "WanPipeline" and mhla_diffusers.is_mhla_model(pipe.transformer)
     state = pipe.transformer.state_dict()
-    assert any("mhla_output_norm" in k for k in state)
+    assert any("mhla.output_norm" in k for k in state)
     pipe.set_progress_bar_config(disable=True)
     video = pipe("clip number 1", height=32, width=32, num_frames=5, num_inference_steps=2, output_type="np",
                  generator=torch.Generator().manual_seed(0), max_sequence_length=16).frames

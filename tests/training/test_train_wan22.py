@@ -57,9 +57,9 @@ def test_train_the_low_noise_expert_with_the_authors_operator_options(tmp_path, 
     parts = training.build_models(config(tmp_path / "t", base, "model.expert=transformer_2", "mhla.feature_eps=1e-6",
                                          "mhla.mixing_clamp=false", f"distill.teacher={base}", "distill.output_weight=1"))
     attn = parts.transformer.blocks[0].attn1
-    assert attn.processor.feature_eps == 1e-6 and attn.mhla_mixing.clamp is False
+    assert attn.mhla.feature_eps == 1e-6 and attn.mhla.mixing.clamp is False
     teacher = parts.teacher.state_dict()  # a pipeline folder teaches the expert trained: its transformer_2
-    assert all(torch.equal(v, teacher[k]) for k, v in parts.pipeline.transformer_2.state_dict().items() if ".mhla_" not in k)
+    assert all(torch.equal(v, teacher[k]) for k, v in parts.pipeline.transformer_2.state_dict().items() if ".mhla." not in k)
     assert not all(torch.equal(v, teacher[k]) for k, v in parts.pipeline.transformer.state_dict().items())
     summary = training.train(run)
     assert summary["steps"] == 2 and summary["mhla_layers"] == 2

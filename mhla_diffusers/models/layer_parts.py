@@ -1,8 +1,7 @@
-"""A layer's MHLA state: its mixing matrix ``<attention module>.mhla_mixing`` and, when asked, its
-per-head output norm ``<attention module>.mhla_output_norm``, output gate ``<attention module>.mhla_gate``
-and LePE convolution ``<attention module>.mhla_lepe``, and the authors' DiT layer's input LayerNorm
-``<attention module>.mhla_input_norm`` (registered submodules: in ``state_dict()``, following ``.to()``), created
-once, at install or at the bare one-liner's first forward.
+"""The optional parts of a layer's MHLA (:class:`~mhla_diffusers.models.layer.MHLALayer`), each a module its
+forward calls: the per-head output norm (``<attention>.mhla.output_norm``), the output gate (``.mhla.gate``), LePE
+(``.mhla.lepe``) and the authors' DiT input LayerNorm (``.mhla.input_norm``). Parameters float32, computed in float32
+(float64 for float64 inputs).
 """
 
 from __future__ import annotations
@@ -14,9 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mhla_diffusers.models import spec
-from mhla_diffusers.ops.mixing import MixingMatrix
 
-__all__ = ["OutputRMSNorm", "OutputGate", "LePE", "InputLayerNorm", "attach", "create_layer_state", "layer_requires_grad"]
+__all__ = ["OutputRMSNorm", "OutputGate", "LePE", "InputLayerNorm"]
 
 
 def _accumulation(dtype: torch.dtype) -> torch.dtype:
@@ -49,7 +47,7 @@ class OutputRMSNorm(nn.Module):
 
 
 class InputLayerNorm(nn.LayerNorm):
-    """``<attention>.mhla_input_norm``: a LayerNorm with weight and bias on the tokens ``[B, N, dim]`` entering the layer.
+    """``<attention>.mhla.input_norm``: a LayerNorm with weight and bias on the tokens ``[B, N, dim]`` entering the layer.
 
     The authors' DiT layer (``MHLA4DiT``) normalises its input with ``nn.LayerNorm(dim)`` (eps 1e-5) before its q, k,
     v projection; this is that norm, for their imported weights. Computed in float32 (float64 for float64 tokens)
@@ -67,7 +65,7 @@ class InputLayerNorm(nn.LayerNorm):
 
 
 class OutputGate(nn.Module):
-    """The output gate ``<attention>.mhla_gate``: the attention output times a gate computed from the layer's input tokens.
+    """The output gate ``<attention>.mhla.gate``: the attention output times a gate computed from the layer's input tokens.
 
     ``g = W x + b`` (``x``: the tokens entering the self-attention, ``[B, N, dim]``; ``W``: ``[heads * head_dim,
     dim]``), per channel of the ``[B, heads, N, head_dim]`` output: ``form="neutral"``: ``out * 2 sigmoid(g)`` with
@@ -107,7 +105,7 @@ class OutputGate(nn.Module):
 
 
 class LePE(nn.Module):
-    """LePE ``<attention>.mhla_lepe``: a depthwise convolution of the values over the token grid of the call.
+    """LePE ``<attention>.mhla.lepe``: a depthwise convolution of the values over the token grid of the call.
 
     ``lepe(v)``: the values after ``to_v`` (``[B, N, C]``, ``C = heads * head_dim``) as ``[B, C, T, H, W]``, a
     depthwise convolution with bias (``kernel`` 3 x 3: Conv2d over each frame's ``(H, W)``; 3 x 3 x 3: Conv3d
@@ -155,84 +153,3 @@ class LePE(nn.Module):
 
     def extra_repr(self) -> str:
         return f"channels={self.weight.shape[0]}, kernel={self.kernel}"
-
-
-def create_layer_state(
-    processor, attn, block_grid, family, init: str, requires_grad: bool, lepe_init: str = "zeros"
-) -> MixingMatrix:
-    """Add ``mhla_mixing`` (fp32, on the layer's device) and what ``processor`` asks for: ``mhla_output_norm``,
-    ``mhla_gate``, ``mhla_lepe``, ``mhla_input_norm``. ``init``: the mixing matrix's start
-    (:func:`~mhla_diffusers.models.spec.check_mixing_init`;
-    ``"authors_constant"``: matrix and output-norm weight at 1e-6); ``lepe_init``: ``"zeros"`` or ``"authors"``."""
-    spec.check_mixing_init(init)
-    spec.check_lepe_init(lepe_init)
-    device = next(attn.parameters()).device
-    constant = init == spec.AUTHORS_CONSTANT
-    # The bare one-liner creates parameters at the first forward, often inside a pipeline's
-    # torch.inference_mode() / no_grad(): build them as ordinary tensors anyway.
-    with torch.inference_mode(False), torch.enable_grad():
-        mixing = MixingMatrix(block_grid, init="uniform" if constant else init)
-        if constant:
-            with torch.no_grad():
-                mixing.weight.fill_(spec.AUTHORS_CONSTANT_VALUE)
-        mixing = mixing.to(device).requires_grad_(requires_grad)
-        attn.add_module("mhla_mixing", mixing)
-        heads, head_dim = attn.heads, _output_head_dim(attn)
-        if spec.resolve_output_norm(processor, family) and getattr(attn, "mhla_output_norm", None) is None:
-            norm = OutputRMSNorm(heads, head_dim)
-            if constant:
-                with torch.no_grad():
-                    norm.weight.fill_(spec.AUTHORS_CONSTANT_VALUE)
-            attn.add_module("mhla_output_norm", norm.to(device).requires_grad_(requires_grad))
-        gate = spec.resolve_gate(processor)
-        if gate is not None and getattr(attn, "mhla_gate", None) is None:
-            module = OutputGate(_input_dim(attn), heads, head_dim, gate)
-            attn.add_module("mhla_gate", module.to(device).requires_grad_(requires_grad))
-        if spec.resolve_input_norm(processor) and getattr(attn, "mhla_input_norm", None) is None:
-            attn.add_module("mhla_input_norm", InputLayerNorm(_input_dim(attn)).to(device).requires_grad_(requires_grad))
-        if spec.resolve_lepe(processor) and getattr(attn, "mhla_lepe", None) is None:
-            kernel = getattr(family, "lepe_kernel", (3, 3))
-            module = LePE(heads * head_dim, kernel, lepe_init)
-            attn.add_module("mhla_lepe", module.to(device).requires_grad_(requires_grad))
-    mixing.verified = True  # made to this processor's settings
-    return mixing
-
-
-def attach(
-    processor, attn, reference_grid: Sequence[int], init="locality", family=None, requires_grad=True, lepe_init="zeros"
-) -> MixingMatrix:
-    """The layer's mixing matrix: created if it has none, else checked against ``processor``
-    (:func:`~mhla_diffusers.models.spec.check_layer`; raises ``ValueError`` on a contradiction)."""
-    family = family or processor.family
-    mixing = getattr(attn, "mhla_mixing", None)
-    if mixing is None:
-        spec.check_family_settings(processor, family)
-        grid = spec.resolve_block_grid(processor, reference_grid, family)
-        return create_layer_state(processor, attn, grid, family, init, requires_grad, lepe_init)
-    spec.check_layer(processor, attn, reference_grid, family)
-    return mixing
-
-
-def layer_requires_grad(attn) -> bool:
-    """Whether the attention module's own projection weights are trainable (``to_q`` / ``to_k`` /
-    ``to_v`` / fused ``to_qkv``; any of its parameters if it has none of these)."""
-    weights = [getattr(getattr(attn, name, None), "weight", None) for name in ("to_q", "to_k", "to_v", "to_qkv")]
-    weights = [w for w in weights if isinstance(w, torch.Tensor)] or list(attn.parameters())
-    return any(w.requires_grad for w in weights)
-
-
-def _input_dim(attn) -> int:
-    """Channels of the tokens entering the layer (the query projection's input)."""
-    for name in ("to_q", "to_qkv"):
-        layer = getattr(attn, name, None)
-        if layer is not None and hasattr(layer, "in_features"):
-            return int(layer.in_features)
-    return int(attn.query_dim)
-
-
-def _output_head_dim(attn) -> int:
-    """Channels per head of the attention output (the value head dim)."""
-    to_v = getattr(attn, "to_v", None)
-    if to_v is not None and hasattr(to_v, "out_features"):
-        return to_v.out_features // attn.heads
-    return attn.inner_dim // attn.heads

@@ -1,9 +1,8 @@
-"""Install and remove MHLA on a diffusers transformer; ``set_attn_processor`` for any model.
+""":func:`apply_mhla`: MHLA on the layers ``layers=`` names, above both the installer and the selection.
 
-:func:`apply_mhla` turns ``layers=`` into layer indices (:mod:`mhla_diffusers.selection`: the fixed
-rules, or ``"auto"`` from sensitivity scores) and installs MHLA there
-(:func:`~mhla_diffusers.models.installer.install_mhla`). The installer's functions and the cost
-model (:mod:`mhla_diffusers.selection.cost`) are re-exported here, at their historical path.
+``layers=`` becomes layer indices through :mod:`mhla_diffusers.selection` (the fixed rules, or ``"auto"`` from
+sensitivity scores); :func:`~mhla_diffusers.models.installer.install_mhla` installs MHLA there. ``models/``
+never imports ``selection/``; ``selection/`` builds on ``models/``; this module uses both.
 """
 
 from __future__ import annotations
@@ -12,36 +11,14 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from torch import nn
 
-from mhla_diffusers.families import attention_modules, family_of, self_attention_modules
+from mhla_diffusers.families import family_of, self_attention_modules
 from mhla_diffusers.models import spec
-from mhla_diffusers.models.installer import (
-    idle_mhla_layers,
-    install_mhla,
-    is_mhla_model,
-    mhla_spec,
-    record_selection,
-    remove_mhla,
-    set_attn_processor,
-)
-from mhla_diffusers.models.processor import materialize_mhla, pending_mhla_layers
+from mhla_diffusers.models.installer import install_mhla, record_selection
 from mhla_diffusers.selection.auto import auto_layers
-from mhla_diffusers.selection.cost import MeasuredCost, attention_cost, layer_attention_flops
+from mhla_diffusers.selection.cost import MeasuredCost
 from mhla_diffusers.selection.hybrid import select_layers
 
-__all__ = [
-    "apply_mhla",
-    "attention_cost",
-    "layer_attention_flops",
-    "remove_mhla",
-    "set_attn_processor",
-    "attention_modules",
-    "is_mhla_model",
-    "idle_mhla_layers",
-    "mhla_spec",
-    "pending_mhla_layers",
-    "materialize_mhla",
-    "record_selection",
-]
+__all__ = ["apply_mhla"]
 
 
 def apply_mhla(
@@ -72,9 +49,10 @@ def apply_mhla(
 ) -> list[str]:
     """Replace self-attention with MHLA (paper Sec. 3.2) on the selected layers of a diffusers transformer.
 
-    Creates each selected layer's mixing matrix now (fp32, the layer's device, locality init, key
-    ``<attention path>.mhla_mixing.weight``; with ``gate`` / ``lepe`` also ``mhla_gate`` / ``mhla_lepe``) and
-    installs one shared :class:`MHLAProcessor` plus the grid hooks.
+    Gives each selected layer its MHLA now: ``<attention path>.mhla``
+    (:class:`~mhla_diffusers.models.layer.MHLALayer`: every setting below, the mixing matrix, fp32 on the layer's
+    device, locality init, key ``<attention path>.mhla.mixing.weight``; with ``gate`` / ``lepe`` also ``.mhla.gate`` /
+    ``.mhla.lepe``), and installs one shared :class:`MHLAProcessor` that runs them, plus the grid hooks.
 
     Args:
         transformer: a ``DiTTransformer2DModel``, ``SanaTransformer2DModel`` or ``WanTransformer3DModel``.
