@@ -628,3 +628,27 @@ def test_src_may_be_a_folder_holding_the_file(files, tmp_path, capsys):
         code, err = run_main("conversion/convert.py", "--family", "wan", "--from", "authors", "--src", src, "--config",
                              files["config"], "--out", tmp_path / "o", capsys=capsys)
         assert code == 2 and re.search(message, err), err
+
+
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_the_one_liner_over_the_imported_model_runs_it_as_imported(files, tmp_path, capsys, norm_output):
+    """The imported model's settings (feature_eps 1e-6, no normaliser or their normaliser, unclamped mixing) are its
+    layers' own: diffusers' set_attn_processor with a fresh MHLAProcessor() on its MHLA layers computes bit for bit
+    the same, and a save after it reloads to that model (CASE C17 on the authors' weights)."""
+    from mhla_diffusers import MHLAProcessor, load_mhla_transformer, mhla_spec, save_mhla_transformer
+
+    out = tmp_path / "imported"
+    flags = ["--norm-output"] if norm_output else []
+    code, err = run_main("conversion/convert.py", "--family", "wan", "--from", "authors", "--src", files["src"],
+                         "--config", files["config"], "--out", out, *flags, capsys=capsys)
+    assert code == 0, err
+    model = load_mhla_transformer(out)
+    before, spec = _run_layers(model), mhla_spec(model)
+    mhla = {f"{name}.processor" for name, m in model.named_modules() if hasattr(m, "mhla")}  # the hybrid's MHLA layers
+    model.set_attn_processor({k: MHLAProcessor() if k in mhla else p for k, p in model.attn_processors.items()})
+    again = _run_layers(model)
+    assert all(torch.equal(again[i][1], before[i][1]) for i in before) and mhla_spec(model) == spec
+    save_mhla_transformer(model, tmp_path / "again")
+    reloaded = load_mhla_transformer(tmp_path / "again")
+    assert mhla_spec(reloaded) == spec
+    assert all(_rel(_run_layers(reloaded)[i][1], before[i][1]) < 1e-6 for i in before)  # loaded weights: alignment ulps

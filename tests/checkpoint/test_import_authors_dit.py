@@ -390,3 +390,25 @@ def test_src_may_be_a_folder_holding_the_file(files, tmp_path, capsys):
         code, err = run_main("conversion/convert.py", "--family", "dit", "--from", "authors", "--src", src,
                              "--state-dict-key", "ema", "--config", files["config"], "--out", tmp_path / "o", capsys=capsys)
         assert code == 2 and __import__("re").search(message, err), err
+
+
+def test_our_set_attn_processor_over_the_imported_model_runs_it_as_imported(files, tmp_path, capsys):
+    """The imported DiT's settings (their normaliser, the input LayerNorm, LePE, eps) are its layers' own: a plain
+    MHLAProcessor() through mhla_diffusers.set_attn_processor computes bit for bit the same, and a save after it
+    reloads to that model (CASE C17 on the authors' weights)."""
+    from mhla_diffusers import MHLAProcessor, load_mhla_transformer, mhla_spec, save_mhla_transformer, set_attn_processor
+
+
+    code, err, out = _convert(files, tmp_path, capsys)
+    assert code == 0, err
+    model = load_mhla_transformer(out)
+    before, spec = _run_layers(model), mhla_spec(model)
+    assert spec["denominator"] == "authors_dit" and spec["input_norm"] is True
+    mhla = {f"{name}.processor": MHLAProcessor() for name, m in model.named_modules() if hasattr(m, "mhla")}
+    set_attn_processor(model, mhla)  # the MHLA layers of the hybrid (a partial dict: the others keep theirs)
+    again = _run_layers(model)
+    assert all(torch.equal(again[i][1], before[i][1]) for i in before) and mhla_spec(model) == spec
+    save_mhla_transformer(model, tmp_path / "again")
+    reloaded = load_mhla_transformer(tmp_path / "again")
+    assert mhla_spec(reloaded) == spec
+    assert all(_rel(_run_layers(reloaded)[i][1], before[i][1]) < 1e-6 for i in before)  # loaded weights: alignment ulps

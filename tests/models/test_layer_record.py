@@ -2,7 +2,7 @@
 ``attn.mhla`` and is saved from there.
 
 For each family, a model with MHLA at non-default settings (DiT: the authors' normaliser, input norm, power and
-feature epsilon; SANA: eps, power, no normaliser; Wan: RoPE before the feature map or none, power, eps, no
+feature epsilon; SANA: eps, power, no normaliser, output norm, gate, LePE; Wan: RoPE before the feature map or none, power, eps, no
 normaliser), and every way a processor is put back on it (diffusers' ``set_attn_processor(MHLAProcessor())``, ours,
 ``attn.set_processor`` per layer, a swap to the stock processors and back, ``copy.deepcopy``, pickling, a save and
 load): the same output bit for bit (same computation on the same weights), and a save after it loads back to that
@@ -29,7 +29,8 @@ CASES = {
     "dit": (tiny_dit, run_dit, dit_inputs, self_attn,
             dict(block_grid=(1, 2, 2), denominator="authors_dit", input_norm=True, feature_power=2.0, feature_eps=1e-3)),
     "sana": (tiny_sana, run_sana, sana_inputs, sana_self_attn,
-             dict(block_grid=(1, 2, 2), eps=1e-4, feature_power=2.0, normalize=False, output_norm=True)),
+             dict(block_grid=(1, 2, 2), eps=1e-4, feature_power=2.0, normalize=False, output_norm=True, gate="authors",
+                  lepe=True)),
     "wan-before": (tiny_wan, run_wan, wan_inputs, wan_self_attn,
                    dict(block_grid=(1, 2, 2), rope="before", feature_power=2.0, eps=1e-4, feature_eps=1e-3)),
     "wan-none": (tiny_wan, run_wan, wan_inputs, wan_self_attn,
@@ -37,7 +38,8 @@ CASES = {
 }
 # A value contradicting each setting above.
 OTHER = {"denominator": "paper", "input_norm": False, "feature_power": 1.0, "feature_eps": 0.0, "eps": 1e-6,
-         "normalize": True, "output_norm": False, "rope": "after", "mixing_clamp": True, "block_grid": (1, 1, 2)}
+         "normalize": True, "output_norm": False, "rope": "after", "mixing_clamp": True, "block_grid": (1, 1, 2),
+         "gate": False, "lepe": False}
 
 
 def _model(case: str):
