@@ -28,6 +28,7 @@ from mhla_diffusers.checkpoint.spec import (
     READABLE_VERSIONS,
     TRANSFORMER_COMPONENTS,
     check_config_against_weights,
+    checked_settings,
     current_key,
     mhla_parameters,
     read_mhla_config,
@@ -35,7 +36,7 @@ from mhla_diffusers.checkpoint.spec import (
     transformer_folder,
 )
 from mhla_diffusers.families import canonical_model_class, family_of, pipeline_quirks, pipeline_transformers, self_attention_modules
-from mhla_diffusers.models.installer import record_selection
+from mhla_diffusers.models.installer import is_mhla_model, mhla_spec, record_selection
 from mhla_diffusers.models.layer import holds_values
 from mhla_diffusers.ops import available_backends, get_backend
 
@@ -107,7 +108,42 @@ def check_pipeline_loaded(pipe, path: str | os.PathLike) -> None:
             check_loaded(component, Path(path) / name)
 
 
-def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike, expected_sha256: str | None = None) -> None:
+def load_mhla_weights(transformer: nn.Module, path: str | os.PathLike) -> None:
+    """Put a converted checkpoint's MHLA onto ``transformer``, a base loaded any way (``from_pretrained``,
+    ``from_single_file``, a GGUF file, a quantization config).
+
+    Without MHLA, it is installed as the checkpoint's ``mhla_config.json`` records (layers, block grid, every setting),
+    then its ``mhla.safetensors`` loaded strictly; with MHLA, the weights are loaded into it once its settings
+    (``mhla_spec``) are the checkpoint's. What :func:`load_mhla_transformer` does after ``from_pretrained``.
+
+    Args:
+        path: the converted checkpoint: a pipeline folder or its transformer folder.
+
+    Raises:
+        FileNotFoundError: no transformer folder at ``path``.
+        MHLACheckpointError: no ``mhla_config.json`` (not a converted checkpoint); a model whose MHLA settings differ
+            from the checkpoint's (naming them); a config not fitting the model; the weights' errors
+            (:func:`_load_weights`).
+    """
+    folder = transformer_folder(path)
+    config = read_mhla_config(folder)
+    if config is None:
+        raise MHLACheckpointError(f"{folder} has no {MHLA_CONFIG_NAME}: it is not a converted MHLA checkpoint")
+    if not is_mhla_model(transformer):
+        _install_from_config(transformer, config, folder)
+        return
+    check_config_against_weights(config, folder)
+    have, want = checked_settings(mhla_spec(transformer)), checked_settings(config)
+    differ = [f"{key}: {have[key]!r} here, {want[key]!r} in the checkpoint" for key in want if have[key] != want[key]]
+    if differ:
+        raise MHLACheckpointError(
+            f"{folder / MHLA_CONFIG_NAME} records other MHLA settings than this model's ({'; '.join(differ)}): its weights "
+            "would run as another model. Call mhla_diffusers.remove_mhla(transformer) first to install the checkpoint's"
+        )
+    _load_weights(transformer, folder, config.get("weights_sha256"))
+
+
+def _load_weights(transformer: nn.Module, folder: Path, expected_sha256: str | None = None) -> None:
     """Load ``mhla.safetensors`` from ``folder`` into a model with MHLA installed, strictly.
 
     Every tensor must be float32 and of the parameter's shape (never cast).
@@ -115,8 +151,7 @@ def load_mhla_weights(transformer: nn.Module, folder: str | os.PathLike, expecte
     Raises:
         MHLACheckpointError: file missing or corrupted (``expected_sha256`` mismatch included), keys
             missing or unexpected, a dtype other than float32, shapes differ, non-finite values, MHLA
-            parameters on the meta device in a layer without values (:func:`_meta_mhla_homes`: an MHLA on the meta
-            device beside quantized weights that hold values is moved to their device).
+            parameters without values (on the meta device).
     """
     path = Path(folder) / MHLA_WEIGHTS_NAME
     if not path.is_file():
@@ -213,7 +248,7 @@ def _install_from_config(transformer: nn.Module, config: dict, folder: Path) -> 
         )
     except (ValueError, TypeError) as err:  # layers, block grid or settings that do not fit this model
         raise MHLACheckpointError(f"{folder / MHLA_CONFIG_NAME} does not fit the base model: {err}") from err
-    load_mhla_weights(transformer, folder, config.get("weights_sha256"))
+    _load_weights(transformer, folder, config.get("weights_sha256"))
     if "selection" in config:  # how the layers were chosen: kept, so that a re-saved model still says it
         record_selection(transformer, config["selection"])
 
@@ -299,7 +334,7 @@ def load_mhla_transformer(
 
     Raises:
         FileNotFoundError: no checkpoint at ``path`` (or no adapter at an explicit ``lora`` path).
-        MHLACheckpointError: see :func:`read_mhla_config`, :func:`load_mhla_weights`; peft-wrapped base
+        MHLACheckpointError: see :func:`read_mhla_config`, :func:`_load_weights`; peft-wrapped base
             keys; tensors left on the meta device.
         ValueError: an adapter whose keys do not match the model.
     """

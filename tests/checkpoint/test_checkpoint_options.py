@@ -256,3 +256,27 @@ def test_newer_format_versions_are_refused(saved, tmp_path):
     _edit(folder, format_version=4)
     with pytest.raises(MHLACheckpointError, match="format_version 4; this mhla_diffusers reads versions 1, 2, 3.*upgrade"):
         load_mhla_transformer(folder)
+
+
+def test_load_mhla_weights_onto_a_base_loaded_any_way(saved, tmp_path):
+    """load_mhla_weights puts a checkpoint's MHLA on a base loaded by other means (a single file, GGUF, ...): a model
+    without MHLA gets it installed as recorded, then the weights; one with MHLA at other settings is refused naming
+    them (its weights would run as another model); a folder without mhla_config.json is not a converted checkpoint."""
+    from mhla_diffusers import load_mhla_weights, remove_mhla
+
+    folder, model, run = saved["wan"]
+    base = type(model).from_pretrained(folder)  # diffusers' own load: the base weights, no MHLA
+    load_mhla_weights(base, folder)
+    assert mhla_spec(base) == mhla_spec(model)
+    assert torch.equal(run(realign_(base)), run(realign_(model)))
+    load_mhla_weights(base, folder)  # already the checkpoint's settings: the weights again
+    other = type(model).from_pretrained(folder)
+    apply_mhla(other, **{**CASES["wan"][1], "eps": 1e-3})
+    with pytest.raises(MHLACheckpointError, match=r"eps: 0\.001 here, 1e-06 in the checkpoint.*remove_mhla"):
+        load_mhla_weights(other, folder)
+    remove_mhla(other)
+    load_mhla_weights(other, folder)
+    assert torch.equal(run(realign_(other)), run(realign_(model)))
+    type(model).from_config(model.config).save_pretrained(tmp_path / "plain")
+    with pytest.raises(MHLACheckpointError, match="not a converted MHLA checkpoint"):
+        load_mhla_weights(base, tmp_path / "plain")

@@ -129,7 +129,6 @@ def _caches(pipe) -> dict:
 CACHE_NAMES = ["first_block", "pyramid_attention_broadcast", "faster", "taylorseer", "mag", "sea", "text_kv"]
 
 
-@pytest.mark.filterwarnings("ignore:.*FasterCache")
 @pytest.mark.parametrize("name", CACHE_NAMES)
 def test_diffusers_cache_runs_mhla_layers_as_stock_ones(name, capsys):
     pipe = _wan_pipe()
@@ -177,7 +176,6 @@ def test_taylorseer_default_patterns_match_no_wan_module():
     assert hooked == ["blocks.0.attn1", "blocks.1.attn1"]  # the attention modules; their MHLA is not matched
 
 
-@pytest.mark.filterwarnings("ignore:.*FasterCache")
 def test_faster_cache_skips_the_unconditional_batch_of_sana():
     """SANA batches classifier-free guidance ([uncond, cond]); FasterCache (``apply_faster_cache``: SANA's transformer
     has no ``enable_cache``) runs the conditional half alone on its skipped steps: the MHLA layers then see batch 1.
@@ -304,23 +302,19 @@ def test_cache_dit_runs_mhla_layers_as_stock_ones(family):
 
 # -- GGUF (optional) -------------------------------------------------------------------------------------------------
 GGUF_TOLERANCE = 1e-6  # observed 0.0
-# the keys of mhla_config.json that are apply_mhla arguments of the same name (as docs/tools.md lists them)
-SETTING_KEYS = ("normalize", "eps", "output_norm", "feature_eps", "feature_power", "mixing_clamp", "rope", "gate", "lepe",
-                "input_norm", "denominator")
 
 
 def test_gguf_base_with_mhla_weights(tmp_path):
     """A Q8_0 GGUF file of a tiny Wan (the original key layout, as GGUF releases of Wan are; head_dim 16 and ffn 64 so
     rows are whole 32-value Q8_0 blocks), loaded by diffusers' ``from_single_file`` with ``GGUFQuantizationConfig``;
-    MHLA installed from a converted folder's ``mhla_config.json`` and loaded with ``load_mhla_weights``, as
-    docs/tools.md shows: MHLA's parameters float32 and exactly as saved; the output is the float32 model's whose stock
+    MHLA put on it from a converted folder by ``load_mhla_weights`` (installed as its ``mhla_config.json`` records,
+    then its weights), as docs/tools.md shows: MHLA's parameters float32 and exactly as saved; the output is the float32 model's whose stock
     weights hold the values diffusers dequantizes (within Q8_0 rounding of the originals)."""
     gguf = pytest.importorskip("gguf")
     from diffusers import GGUFQuantizationConfig, WanTransformer3DModel
     from diffusers.quantizers.gguf.utils import GGUFParameter, dequantize_gguf_tensor
 
     import mhla_diffusers
-    from mhla_diffusers.checkpoint.loading import load_mhla_weights
 
     size = dict(num_layers=2, head_dim=16, ffn_dim=64)
     converted = tiny_wan(**size)
@@ -347,10 +341,7 @@ def test_gguf_base_with_mhla_weights(tmp_path):
     transformer = WanTransformer3DModel.from_single_file(
         str(tmp_path / "wan-Q8_0.gguf"), config=str(folder),
         quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32))
-    config = mhla_diffusers.read_mhla_config(folder)
-    settings = {k: config[k] for k in SETTING_KEYS if k in config}
-    mhla_diffusers.apply_mhla(transformer, layers=config["layers"], block_grid=tuple(config["block_grid"]), **settings)
-    load_mhla_weights(transformer, folder)
+    mhla_diffusers.load_mhla_weights(transformer, folder)  # MHLA installed as recorded, then its weights
 
     mhla = {n: p for n, p in transformer.named_parameters() if ".mhla." in n}
     saved = {n: p for n, p in converted.named_parameters() if ".mhla." in n}
