@@ -19,7 +19,9 @@ SCRIPT_PAGES = {
     "benchmarks/bench_ops.py": "docs/performance.md",
     "benchmarks/bench_pipeline.py": "docs/performance.md",
     "benchmarks/bench_blocks.py": "docs/performance.md",
-    "benchmarks/gpu_check.py": "docs/performance.md",
+    "benchmarks/gpu_check.py": "docs/triton.md",
+    "benchmarks/gpu_step.py": "docs/triton.md",
+    "benchmarks/kernel_report.py": "docs/performance.md",
     "benchmarks/diagnose.py": "docs/diagnostics.md",
     "benchmarks/bench_vace.py": "docs/families/wan-vace.md",
 }
