@@ -50,6 +50,7 @@ from kernel_costs import (  # noqa: E402
     record,
     torch_backend_traffic,
 )
+from kernel_launches import _layout  # noqa: E402
 
 __all__ = ["bytes_model", "main"]
 
@@ -58,8 +59,6 @@ ROPE = {"both": (False, True), "on": (True,), "off": (False,)}
 
 
 def _shape_row(shape) -> dict:
-    from kernel_costs import _layout
-
     layout = _layout(shape.grid, shape.block_grid, shape.num_blocks)
     return {"shape": shape.name, "heads": shape.heads, "head_dim": shape.head_dim, "grid": list(layout.grid),
             "block_grid": list(layout.block_grid), "num_blocks": layout.num_blocks, "max_block_size": layout.max_block_size,
@@ -107,8 +106,6 @@ def bytes_section(shapes, ropes, batch) -> list[dict]:
 
 
 def _block_grid(shape):
-    from kernel_costs import _layout
-
     return _layout(shape.grid, shape.block_grid, shape.num_blocks).block_grid
 
 

@@ -1,8 +1,11 @@
-"""MHLA in plain PyTorch: batched GEMMs over a padded block-major view of the tokens, chunk by chunk.
+"""MHLA in plain PyTorch: batched GEMMs over a padded block-major view of the tokens.
 
 Any device; cost O(N d^2 + M^2 d^2) per head, memory O(N d + M d^2). Forward and backward are
 hand-written (a first-order ``torch.autograd.Function``) and batch-invariant by construction: a
 sample's output and q, k, v gradients are the same bits alone and at any place in a batch.
+On the CPU the work goes chunk by chunk (cache-sized). Every other device (the GPU code path) runs the
+forward one sample at a time through strided windows (``ops/windows.py``: no gather, the feature map and the
+casts fused into the copies, one GEMM per step) and the backward in one chunk per sample.
 Steps, backward formulas and performance design: ``docs/operator.md``, "The torch backend".
 """
 
@@ -18,6 +21,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from mhla_diffusers.ops.layout import BlockLayout
+from mhla_diffusers.ops.windows import WindowForward, WindowPlan, window_plan
 
 __all__ = ["mhla_attention_torch", "compute_dtype"]
 
@@ -29,6 +33,15 @@ _CPU_CHUNK_BYTES = 1 << 20
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float64 for float64 inputs, float32 for everything else."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# Tests only: run the GPU code path (every device but the CPU) on CPU tensors. Never set in the package.
+_FORCE_DEVICE_PATH = False
+
+
+def _device_path(device: torch.device) -> bool:
+    """Whether tensors on ``device`` take the GPU code path (all but the CPU; the CPU too under ``_FORCE_DEVICE_PATH``)."""
+    return device.type != "cpu" or _FORCE_DEVICE_PATH
 
 
 @dataclass(frozen=True)
@@ -89,13 +102,16 @@ class _Chunk:
 
 @lru_cache(maxsize=256)
 @torch.inference_mode(False)
-def _chunks(layout: BlockLayout, device: torch.device, heads: int, width: int, itemsize: int) -> tuple[tuple[_Chunk, ...], ...]:
-    """Groups of heads, each a tuple of chunks over all blocks, of about ``_CPU_CHUNK_BYTES`` per operand (one chunk on CUDA)."""
+def _chunks(
+    layout: BlockLayout, device: torch.device, heads: int, width: int, itemsize: int, device_path: bool
+) -> tuple[tuple[_Chunk, ...], ...]:
+    """Groups of heads, each a tuple of chunks over all blocks, of about ``_CPU_CHUNK_BYTES`` per operand (one chunk
+    on the GPU code path, ``device_path``)."""
     plan = _plan(layout, device)
     m, length, first = plan.num_blocks, plan.length, plan.first_token
     rows = max(1, _CPU_CHUNK_BYTES // (width * itemsize))  # padded token slots per chunk
-    if device.type != "cpu" or m * length <= rows:
-        per = heads if device.type != "cpu" else rows // (m * length)
+    if device_path or m * length <= rows:
+        per = heads if device_path else rows // (m * length)
         head_ranges, runs = [(h, min(h + per, heads)) for h in range(0, heads, max(per, 1))], [(0, m)]
     else:
         head_ranges, runs, start, cuts = [(h, h + 1) for h in range(heads)], [], 0, plan.cuts
@@ -136,7 +152,7 @@ class _Workspace:
 
     def __init__(self, dtype: torch.dtype, device: torch.device):
         self.dtype, self.device = dtype, device
-        kept = device.type == "cpu"
+        kept = not _device_path(device)
         self.kept = _cpu_pool.__dict__.setdefault("buffers", {}) if kept else {}
         self.keep_bytes = _CPU_KEEP_BYTES if kept else math.inf
         self.local, self.views = {}, {}
@@ -169,9 +185,9 @@ def _load(x, b, c: _Chunk, plan: _Plan, ws: _Workspace, name: str, *, relu=False
     else:
         dst = ws.get(name, (g, c.gather.numel(), w))
         gathered = dst if src.dtype == dst.dtype else ws.get(name, dst.shape, src.dtype)
-        if src.is_contiguous():
+        if src.is_contiguous() or _device_path(src.device):  # a GPU's index_select reads any strides in place
             torch.index_select(src, 1, c.gather, out=gathered)
-        else:  # e.g. diffusers' [B, N, H, d] layout: a strided 3-D index_select would copy all of x first
+        else:  # e.g. diffusers' [B, N, H, d] layout: on CPU a strided 3-D index_select would copy all of x first
             for i in range(g):
                 torch.index_select(src[i], 0, c.gather, out=gathered[i])
         if gathered is not dst:
@@ -279,8 +295,83 @@ def _setup(q, v, mixing, layout):
     acc = compute_dtype(q.dtype)
     plan = _plan(layout, q.device)
     width = max(q.shape[-1], v.shape[-1])
-    groups = _chunks(layout, q.device, q.shape[1], width, torch.finfo(acc).bits // 8)
+    groups = _chunks(layout, q.device, q.shape[1], width, torch.finfo(acc).bits // 8, _device_path(q.device))
     return acc, plan, groups, _Workspace(acc, q.device), mixing.to(device=q.device, dtype=acc)
+
+
+def _forward_chunks(q, k, v, mixing, layout, normalize, eps, feature_map, need_grad):
+    """The forward chunk by chunk (the CPU code path): ``(S, z, output, denominator)``, S, z and the denominator
+    ``None`` unless ``need_grad``."""
+    acc, plan, groups, ws, mix = _setup(q, v, mixing, layout)
+    batch, heads, n, d = q.shape
+    dv, m, length = v.shape[-1], plan.num_blocks, plan.length
+    new = lambda *shape: _per_sample(shape[0], shape[1:], acc, q.device)  # noqa: E731
+    s_all = new(batch, heads, m, d, dv) if need_grad else None
+    z_all = new(batch, heads, m, d) if need_grad and normalize else None
+    den_all = new(batch, heads, m, length) if need_grad and normalize else None
+    out = _new_output(q, dv, q.dtype)
+    for b in range(batch):
+        for group in groups:
+            hs, g = group[0].heads, group[0].h1 - group[0].h0
+            s = s_all[b, hs] if need_grad else ws.get("s", (g, m, d, dv))
+            z = (z_all[b, hs] if need_grad else ws.get("z", (g, m, d))) if normalize else None
+            # Steps 1-2: per-block summaries S, z.
+            for c in group:
+                phi_k = _load(k, b, c, plan, ws, "k", relu=feature_map, mask_pad=True)
+                v_b = _load(v, b, c, plan, ws, "v")
+                torch.matmul(phi_k.transpose(-1, -2), v_b, out=s[:, c.blocks])
+                if normalize:
+                    torch.sum(phi_k, dim=-2, out=z[:, c.blocks])
+            # Step 3: mixing.
+            s_mix = _mix(mix, s, ws, "s_mix")
+            z_mix = _mix(mix, z, ws, "z_mix") if normalize else None
+            # Step 4: output, written straight into token order.
+            for c in group:
+                phi_q = _load(q, b, c, plan, ws, "q", relu=feature_map)
+                num = torch.matmul(phi_q, s_mix[:, c.blocks], out=ws.get("num", (*phi_q.shape[:3], dv)))
+                if normalize:
+                    prod = torch.mul(phi_q, z_mix[:, c.blocks, None, :], out=ws.get("prod", phi_q.shape))
+                    den = den_all[b, c.heads, c.blocks] if need_grad else ws.get("den", phi_q.shape[:3])
+                    torch.sum(prod, dim=-1, out=den).add_(eps)
+                    num.div_(den[..., None])
+                _store(num, out, b, c, ws)
+    return s_all, z_all, out, den_all
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU code path's forward: the windowed forward of ops/windows.py, one sample at a time (the batch never
+# enters a GEMM's shape: see there for how each step keeps a sample's bits whatever its batch).
+
+# Pieces (one op per tensor each, ops/windows.py) above which the GPU code path runs the chunked forward instead.
+_MAX_PIECES = 16
+
+
+def _window_plan(layout: BlockLayout, device: torch.device) -> WindowPlan | None:
+    """The windows of ``layout`` if tensors on ``device`` take the windowed forward, else ``None`` (chunked forward)."""
+    if not _device_path(device):
+        return None
+    plan = window_plan(layout)
+    return plan if len(plan.pieces) <= _MAX_PIECES else None
+
+
+def _forward_windows(q, k, v, mixing, layout, plan, normalize, eps, feature_map, need_grad):
+    """The forward of the GPU code path, sample by sample: ``(S, z, output, denominator)`` as :func:`_forward_chunks`."""
+    run = WindowForward(plan, q, k, v, compute_dtype(q.dtype), normalize, feature_map)
+    batch, heads, _, d = q.shape
+    dv, m, acc = v.shape[-1], layout.num_blocks, run.acc
+    mix = mixing.to(device=q.device, dtype=acc)
+    new = lambda *shape: _per_sample(shape[0], shape[1:], acc, q.device)  # noqa: E731
+    s_all = new(batch, heads, m, d, dv) if need_grad else None
+    z_all = new(batch, heads, m, d) if need_grad and normalize else None
+    den_all = new(batch, heads, m, layout.max_block_size) if need_grad and normalize else None
+    out = _new_output(q, dv, q.dtype)
+    for b in range(batch):
+        run.summaries(k[b], v[b])
+        run.mix(mix)
+        run.outputs(q[b], out[b], eps)
+        if need_grad:
+            run.save(b, s_all, z_all, den_all)
+    return s_all, z_all, out, den_all
 
 
 class _MHLA(torch.autograd.Function):
@@ -288,40 +379,12 @@ class _MHLA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mixing, layout, normalize, eps, feature_map, need_grad):
-        acc, plan, groups, ws, mix = _setup(q, v, mixing, layout)
-        batch, heads, n, d = q.shape
-        dv, m, length = v.shape[-1], plan.num_blocks, plan.length
-        new = lambda *shape: _per_sample(shape[0], shape[1:], acc, q.device)  # noqa: E731
-        s_all = new(batch, heads, m, d, dv) if need_grad else None
-        z_all = new(batch, heads, m, d) if need_grad and normalize else None
-        den_all = new(batch, heads, m, length) if need_grad and normalize else None
-        out = _new_output(q, dv, q.dtype)
-        for b in range(batch):
-            for group in groups:
-                hs, g = group[0].heads, group[0].h1 - group[0].h0
-                s = s_all[b, hs] if need_grad else ws.get("s", (g, m, d, dv))
-                z = (z_all[b, hs] if need_grad else ws.get("z", (g, m, d))) if normalize else None
-                # Steps 1-2: per-block summaries S, z.
-                for c in group:
-                    phi_k = _load(k, b, c, plan, ws, "k", relu=feature_map, mask_pad=True)
-                    v_b = _load(v, b, c, plan, ws, "v")
-                    torch.matmul(phi_k.transpose(-1, -2), v_b, out=s[:, c.blocks])
-                    if normalize:
-                        torch.sum(phi_k, dim=-2, out=z[:, c.blocks])
-                # Step 3: mixing.
-                s_mix = _mix(mix, s, ws, "s_mix")
-                z_mix = _mix(mix, z, ws, "z_mix") if normalize else None
-                # Step 4: output, written straight into token order.
-                for c in group:
-                    phi_q = _load(q, b, c, plan, ws, "q", relu=feature_map)
-                    num = torch.matmul(phi_q, s_mix[:, c.blocks], out=ws.get("num", (*phi_q.shape[:3], dv)))
-                    if normalize:
-                        prod = torch.mul(phi_q, z_mix[:, c.blocks, None, :], out=ws.get("prod", phi_q.shape))
-                        den = den_all[b, c.heads, c.blocks] if need_grad else ws.get("den", phi_q.shape[:3])
-                        torch.sum(prod, dim=-1, out=den).add_(eps)
-                        num.div_(den[..., None])
-                    _store(num, out, b, c, ws)
-
+        windows = _window_plan(layout, q.device)
+        if windows is None:
+            saved = _forward_chunks(q, k, v, mixing, layout, normalize, eps, feature_map, need_grad)
+        else:
+            saved = _forward_windows(q, k, v, mixing, layout, windows, normalize, eps, feature_map, need_grad)
+        s_all, z_all, out, den_all = saved
         ctx.save_for_backward(q, k, v, mixing, s_all, z_all, out, den_all)
         ctx.layout, ctx.normalize, ctx.feature_map = layout, normalize, feature_map
         return out

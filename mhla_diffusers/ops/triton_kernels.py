@@ -17,6 +17,20 @@ __all__ = ["fwd_summaries", "fwd_output", "bwd_query", "bwd_key", "mix_gemm"]
 
 
 @triton.jit
+def _multiple(x, ALIGN: tl.constexpr):
+    """``x`` rewritten so that the compiler knows it is a multiple of ``ALIGN`` (the launcher checked that it is).
+
+    Head dims and strides that are multiples of 8 but not of 16 (DiT's d = 72 in diffusers' ``[B, N, H, d]``
+    memory: a head starts 144 bytes after the previous one) are not specialised by Triton, so without this its
+    loads of such rows run one element per instruction, with a 64-bit address per element held in registers.
+    ``ALIGN`` 16 (Triton's own specialisation covers it) and 1 leave ``x`` as it is.
+    """
+    if ALIGN > 1 and ALIGN < 16:
+        x = (x // ALIGN) * ALIGN
+    return x
+
+
+@triton.jit
 def _rotate(x, cos, sin, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rotate the interleaved pairs of a ``[BLOCK_T, BLOCK_D]`` tile by per-row angles (``-sin``: ``R^T``)."""
     x0, x1 = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_D // 2, 2)))
@@ -39,9 +53,12 @@ def fwd_summaries(
     skb, skh, skn, skd, svb, svh, svn, svd,
     FEATURE_MAP: tl.constexpr, NORMALIZE: tl.constexpr, ROTARY: tl.constexpr,
     ACC: tl.constexpr, DOT: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ALIGN: tl.constexpr = 1,
 ):
     """``S_b = (R) phi(K_b)^T V_b`` and ``z_b = sum phi(K_b)`` over one split of one block, one (batch, head)."""
+    D, DV = _multiple(D, ALIGN), _multiple(DV, ALIGN)
+    skb, skh, skn = _multiple(skb, ALIGN), _multiple(skh, ALIGN), _multiple(skn, ALIGN)
+    svb, svh, svn = _multiple(svb, ALIGN), _multiple(svh, ALIGN), _multiple(svn, ALIGN)
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     m = pid // P
@@ -91,50 +108,64 @@ def fwd_summaries(
 @triton.jit
 def fwd_output(
     q_ptr, st_ptr, zt_ptr, eps_ptr, o_ptr, order_ptr, start_ptr, size_ptr, cos_ptr, sin_ptr,
-    H, D, DV, BH, TILES,
+    H, D, DV, BH, P, split_tokens,
     sqb, sqh, sqn, sqd, sob, soh, son, sod,
     FEATURE_MAP: tl.constexpr, NORMALIZE: tl.constexpr, ROTARY: tl.constexpr,
     ACC: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ALIGN: tl.constexpr = 1,
 ):
-    """``out = (R) phi(q) S~_b / (phi(q) . z~_b + eps)`` for one tile of block b's queries, one (batch, head)."""
+    """``out = (R) phi(q) S~_b / (phi(q) . z~_b + eps)`` over one split of block b's queries, one (batch, head).
+
+    ``S~_b`` and ``z~_b`` are loaded once and kept on chip while the program walks its split's token tiles.
+    """
     pid = tl.program_id(0)
     bh = tl.program_id(1)
-    m = pid // TILES
-    tile = pid % TILES
+    m = pid // P
+    p = pid % P
+    size = tl.load(size_ptr + m)
+    lo = p * split_tokens
+    if lo >= size:  # a split past a shorter block's end: nothing to load, compute or store
+        return
+    hi = tl.minimum(lo + split_tokens, size)
+    start = tl.load(start_ptr + m)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    start = tl.load(start_ptr + m)
-    size = tl.load(size_ptr + m)
+    D, DV = _multiple(D, ALIGN), _multiple(DV, ALIGN)
+    sqb, sqh, sqn = _multiple(sqb, ALIGN), _multiple(sqh, ALIGN), _multiple(sqn, ALIGN)
+    sob, soh, son = _multiple(sob, ALIGN), _multiple(soh, ALIGN), _multiple(son, ALIGN)
 
     offs_t = tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
     offs_e = tl.arange(0, BLOCK_DV)
     mask_d = offs_d < D
     mask_e = offs_e < DV
-    slot = tile * BLOCK_T + offs_t
-    mask_t = slot < size
-    tok = tl.load(order_ptr + start + slot, mask=mask_t, other=0).to(tl.int64)
-
-    qq = tl.load(q_ptr + b * sqb + h * sqh + tok[:, None] * sqn + offs_d[None, :] * sqd,
-                 mask=mask_t[:, None] & mask_d[None, :], other=0.0).to(ACC)
-    if FEATURE_MAP:
-        qq = tl.maximum(qq, 0.0)
-    if ROTARY:
-        cos, sin = _load_tables(cos_ptr, sin_ptr, tok, mask_t, D // 2, BLOCK_D)
-        rq = _rotate(qq, cos, sin, BLOCK_T, BLOCK_D)
-    else:
-        rq = qq
     row = (m * BH + bh).to(tl.int64)
     st = tl.load(st_ptr + row * D * DV + offs_d[:, None] * DV + offs_e[None, :], mask=mask_d[:, None] & mask_e[None, :], other=0.0)
-    num = tl.dot(rq, st, input_precision=PREC, out_dtype=ACC)
     if NORMALIZE:
         zt = tl.load(zt_ptr + row * D + offs_d, mask=mask_d, other=0.0)
-        den = tl.sum(qq * zt[None, :], axis=1) + tl.load(eps_ptr)
-        den = tl.where(mask_t, den, 1.0)  # padded rows are not stored; keep them finite even with eps = 0
-        num = num / den[:, None]
-    o_out = o_ptr + b * sob + h * soh + tok[:, None] * son + offs_e[None, :] * sod
-    tl.store(o_out, num.to(o_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_e[None, :])
+        eps = tl.load(eps_ptr)
+    q_base = q_ptr + b * sqb + h * sqh
+    o_base = o_ptr + b * sob + h * soh
+
+    for t0 in range(lo, hi, BLOCK_T):
+        slot = t0 + offs_t
+        mask_t = slot < hi
+        tok = tl.load(order_ptr + start + slot, mask=mask_t, other=0).to(tl.int64)
+        qq = tl.load(q_base + tok[:, None] * sqn + offs_d[None, :] * sqd, mask=mask_t[:, None] & mask_d[None, :], other=0.0).to(ACC)
+        if FEATURE_MAP:
+            qq = tl.maximum(qq, 0.0)
+        if ROTARY:
+            cos, sin = _load_tables(cos_ptr, sin_ptr, tok, mask_t, D // 2, BLOCK_D)
+            rq = _rotate(qq, cos, sin, BLOCK_T, BLOCK_D)
+        else:
+            rq = qq
+        num = tl.dot(rq, st, input_precision=PREC, out_dtype=ACC)
+        if NORMALIZE:
+            den = tl.sum(qq * zt[None, :], axis=1) + eps
+            den = tl.where(mask_t, den, 1.0)  # padded rows are not stored; keep them finite even with eps = 0
+            num = num / den[:, None]
+        o_out = o_base + tok[:, None] * son + offs_e[None, :] * sod
+        tl.store(o_out, num.to(o_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_e[None, :])
 
 
 @triton.jit
@@ -144,9 +175,18 @@ def bwd_query(
     sqb, sqh, sqn, sqd, sgb, sgh, sgn, sgd, sdb, sdh, sdn, sdd,
     FEATURE_MAP: tl.constexpr, NORMALIZE: tl.constexpr, STORE_DQ: tl.constexpr, ROTARY: tl.constexpr,
     ACC: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ALIGN: tl.constexpr = 1,
 ):
-    """Query side of the backward for one split of one block: dq, and partial dS~, dz~."""
+    """Query side of the backward for one split of one block: dq, and partial dS~, dz~.
+
+    One product with ``S~`` per tile, ``a = g S~^T`` (as ``(S~ g^T)^T``: ``S~`` is the left operand, read from
+    shared memory by the tensor cores, not copied into registers for a 16-row product); the numerator
+    ``num = (R) phi(q) S~`` is not formed: ``gn . num = (R) phi(q) . (gn S~^T)``.
+    """
+    D, DV = _multiple(D, ALIGN), _multiple(DV, ALIGN)
+    sqb, sqh, sqn = _multiple(sqb, ALIGN), _multiple(sqh, ALIGN), _multiple(sqn, ALIGN)
+    sgb, sgh, sgn = _multiple(sgb, ALIGN), _multiple(sgh, ALIGN), _multiple(sgn, ALIGN)
+    sdb, sdh, sdn = _multiple(sdb, ALIGN), _multiple(sdh, ALIGN), _multiple(sdn, ALIGN)
     pid = tl.program_id(0)
     bh = tl.program_id(1)
     m = pid // P
@@ -191,16 +231,17 @@ def bwd_query(
         else:
             rq = qq
         gn = tl.load(g_base + tok[:, None] * sgn + offs_e[None, :] * sgd, mask=mask_t[:, None] & mask_e[None, :], other=0.0).to(ACC)
+        if NORMALIZE or STORE_DQ:
+            da = tl.trans(tl.dot(st, tl.trans(gn), input_precision=PREC, out_dtype=ACC))  # g S~^T
         if NORMALIZE:
-            num = tl.dot(rq, st, input_precision=PREC, out_dtype=ACC)
             den = tl.sum(qq * zt[None, :], axis=1) + eps
             den = tl.where(mask_t, den, 1.0)  # padded rows: g = 0, keep 0 / den finite even with eps = 0
             gn = gn / den[:, None]
-            gd = -tl.sum(gn * num, axis=1) / den
+            da = da / den[:, None]  # gn S~^T
+            gd = -tl.sum(rq * da, axis=1) / den  # -(gn . num) / den
             dzt += tl.sum(qq * gd[:, None], axis=0)
         dst = tl.dot(tl.trans(rq), gn, dst, input_precision=PREC, out_dtype=ACC)
         if STORE_DQ:
-            da = tl.dot(gn, tl.trans(st), input_precision=PREC, out_dtype=ACC)
             if ROTARY:  # d/d phi(q) of (R phi(q)) S~ is R^T (gn S~^T)
                 da = _rotate(da, cos, -sin, BLOCK_T, BLOCK_D)
             if NORMALIZE:
@@ -218,61 +259,77 @@ def bwd_query(
 @triton.jit
 def bwd_key(
     k_ptr, v_ptr, ds_ptr, dz_ptr, dk_ptr, dv_ptr, order_ptr, start_ptr, size_ptr, cos_ptr, sin_ptr,
-    H, D, DV, BH, TILES,
+    H, D, DV, BH, P, split_tokens,
     skb, skh, skn, skd, svb, svh, svn, svd,
     sdkb, sdkh, sdkn, sdkd, sdvb, sdvh, sdvn, sdvd,
     FEATURE_MAP: tl.constexpr, NORMALIZE: tl.constexpr, NEED_DK: tl.constexpr, NEED_DV: tl.constexpr, ROTARY: tl.constexpr,
     ACC: tl.constexpr, PREC: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, ALIGN: tl.constexpr = 1,
 ):
-    """Key side of the backward for one tile: ``dv = (R) phi(K) dS_b``, ``dk = ((R^T) V dS_b^T + dz_b) [k > 0]``."""
+    """Key side of the backward over one split of block b: ``dv = (R) phi(K) dS_b``, ``dk = ((R^T) V dS_b^T + dz_b) [k > 0]``.
+
+    ``dS_b`` and ``dz_b`` are loaded once and kept on chip while the program walks its split's token tiles.
+    """
     pid = tl.program_id(0)
     bh = tl.program_id(1)
-    m = pid // TILES
-    tile = pid % TILES
+    m = pid // P
+    p = pid % P
+    size = tl.load(size_ptr + m)
+    lo = p * split_tokens
+    if lo >= size:  # a split past a shorter block's end: nothing to load, compute or store
+        return
+    hi = tl.minimum(lo + split_tokens, size)
+    start = tl.load(start_ptr + m)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    start = tl.load(start_ptr + m)
-    size = tl.load(size_ptr + m)
+    D, DV = _multiple(D, ALIGN), _multiple(DV, ALIGN)
+    skb, skh, skn = _multiple(skb, ALIGN), _multiple(skh, ALIGN), _multiple(skn, ALIGN)
+    svb, svh, svn = _multiple(svb, ALIGN), _multiple(svh, ALIGN), _multiple(svn, ALIGN)
+    sdkb, sdkh, sdkn = _multiple(sdkb, ALIGN), _multiple(sdkh, ALIGN), _multiple(sdkn, ALIGN)
+    sdvb, sdvh, sdvn = _multiple(sdvb, ALIGN), _multiple(sdvh, ALIGN), _multiple(sdvn, ALIGN)
 
     offs_t = tl.arange(0, BLOCK_T)
     offs_d = tl.arange(0, BLOCK_D)
     offs_e = tl.arange(0, BLOCK_DV)
     mask_d = offs_d < D
     mask_e = offs_e < DV
-    slot = tile * BLOCK_T + offs_t
-    mask_t = slot < size
-    tok = tl.load(order_ptr + start + slot, mask=mask_t, other=0).to(tl.int64)
-    mask_td = mask_t[:, None] & mask_d[None, :]
-    mask_te = mask_t[:, None] & mask_e[None, :]
     row = (m * BH + bh).to(tl.int64)
     ds = tl.load(ds_ptr + row * D * DV + offs_d[:, None] * DV + offs_e[None, :], mask=mask_d[:, None] & mask_e[None, :], other=0.0)
+    if NEED_DK and NORMALIZE:
+        dz = tl.load(dz_ptr + row * D + offs_d, mask=mask_d, other=0.0)
+    k_base = k_ptr + b * skb + h * skh
+    v_base = v_ptr + b * svb + h * svh
+    dk_base = dk_ptr + b * sdkb + h * sdkh
+    dv_base = dv_ptr + b * sdvb + h * sdvh
 
-    kraw = tl.load(k_ptr + b * skb + h * skh + tok[:, None] * skn + offs_d[None, :] * skd, mask=mask_td, other=0.0).to(ACC)
-    if ROTARY:
-        cos, sin = _load_tables(cos_ptr, sin_ptr, tok, mask_t, D // 2, BLOCK_D)
-    if NEED_DV:
-        if FEATURE_MAP:
-            kk = tl.maximum(kraw, 0.0)
-        else:
-            kk = kraw
+    for t0 in range(lo, hi, BLOCK_T):
+        slot = t0 + offs_t
+        mask_t = slot < hi
+        tok = tl.load(order_ptr + start + slot, mask=mask_t, other=0).to(tl.int64)
+        mask_td = mask_t[:, None] & mask_d[None, :]
+        mask_te = mask_t[:, None] & mask_e[None, :]
+        kraw = tl.load(k_base + tok[:, None] * skn + offs_d[None, :] * skd, mask=mask_td, other=0.0).to(ACC)
         if ROTARY:
-            kk = _rotate(kk, cos, sin, BLOCK_T, BLOCK_D)
-        dvv = tl.dot(kk, ds, input_precision=PREC, out_dtype=ACC)
-        tl.store(dv_ptr + b * sdvb + h * sdvh + tok[:, None] * sdvn + offs_e[None, :] * sdvd,
-                 dvv.to(dv_ptr.dtype.element_ty), mask=mask_te)
-    if NEED_DK:
-        vv = tl.load(v_ptr + b * svb + h * svh + tok[:, None] * svn + offs_e[None, :] * svd, mask=mask_te, other=0.0).to(ACC)
-        dphi = tl.dot(vv, tl.trans(ds), input_precision=PREC, out_dtype=ACC)
-        if ROTARY:
-            dphi = _rotate(dphi, cos, -sin, BLOCK_T, BLOCK_D)
-        if NORMALIZE:
-            dz = tl.load(dz_ptr + row * D + offs_d, mask=mask_d, other=0.0)
-            dphi += dz[None, :]
-        if FEATURE_MAP:
-            dphi = tl.where(kraw > 0.0, dphi, 0.0)
-        tl.store(dk_ptr + b * sdkb + h * sdkh + tok[:, None] * sdkn + offs_d[None, :] * sdkd,
-                 dphi.to(dk_ptr.dtype.element_ty), mask=mask_td)
+            cos, sin = _load_tables(cos_ptr, sin_ptr, tok, mask_t, D // 2, BLOCK_D)
+        if NEED_DV:
+            if FEATURE_MAP:
+                kk = tl.maximum(kraw, 0.0)
+            else:
+                kk = kraw
+            if ROTARY:
+                kk = _rotate(kk, cos, sin, BLOCK_T, BLOCK_D)
+            dvv = tl.dot(kk, ds, input_precision=PREC, out_dtype=ACC)
+            tl.store(dv_base + tok[:, None] * sdvn + offs_e[None, :] * sdvd, dvv.to(dv_ptr.dtype.element_ty), mask=mask_te)
+        if NEED_DK:
+            vv = tl.load(v_base + tok[:, None] * svn + offs_e[None, :] * svd, mask=mask_te, other=0.0).to(ACC)
+            dphi = tl.dot(vv, tl.trans(ds), input_precision=PREC, out_dtype=ACC)
+            if ROTARY:
+                dphi = _rotate(dphi, cos, -sin, BLOCK_T, BLOCK_D)
+            if NORMALIZE:
+                dphi += dz[None, :]
+            if FEATURE_MAP:
+                dphi = tl.where(kraw > 0.0, dphi, 0.0)
+            tl.store(dk_base + tok[:, None] * sdkn + offs_d[None, :] * sdkd, dphi.to(dk_ptr.dtype.element_ty), mask=mask_td)
 
 
 @triton.jit

@@ -90,11 +90,33 @@ def _config(d: int, dv: int, length: int, device: torch.device, prec: str) -> di
         tiles = (block_t, block_t, 4, 4)
     elif prec == "ieee":  # fp32 inputs: FMA products, small tiles keep operands in registers
         tiles = (32, 32, 4, 4) if widest <= 32 else (32, 16, 8, 8) if widest <= 64 else (16, 16, 8, 8)
-    else:  # fp16 / bf16 inputs: tensor cores
-        tiles = (128, 32, 4, 4) if widest <= 64 else (64, 16, 8, 8)
+    else:  # fp16 / bf16 inputs: tensor cores; bwd_query above d = 64 in 16 warps (<= 128 registers, no spill)
+        tiles = (128, 32, 4, 4) if widest <= 64 else (64, 16, 8, 16)
     block_t, block_t_bwd, warps, warps_bwd = tiles
     return dict(BLOCK_T=block_t, BLOCK_T_BWD=block_t_bwd, BLOCK_D=block_d, BLOCK_DV=block_dv,
-                num_warps=warps, num_warps_bwd=warps_bwd, num_stages=2)
+                num_warps=warps, num_warps_bwd=warps_bwd, num_stages=2, **_key_config(block_t, widest, device))
+
+
+def _key_config(block_t: int, widest: int, device: torch.device) -> dict:
+    """``bwd_key``'s token tile and stages: it holds ``dS_b`` twice in shared memory (each of its products needs its
+    own operand order; 64 KB fp32 each at d = 128) while it walks its split's tiles of k and v.
+
+    On a GPU: tiles of at most 64 tokens (128-token tiles spill at d = 64 with RoPE); above d = 64 one stage (two: 160-192 KB
+    of shared memory, over sm_80's 163 KB, and a spill with RoPE at sm_90).
+    """
+    if not _on_gpu(device):
+        return dict(BLOCK_T_KEY=block_t, num_stages_key=2)
+    return dict(BLOCK_T_KEY=min(block_t, 64), num_stages_key=2 if widest <= 64 else 1)
+
+
+def _align(d: int, dv: int, *tensors: torch.Tensor) -> int:
+    """The token kernels' ``ALIGN``: the largest of 16, 8, 4, 2, 1 dividing the head dims and every batch, head and
+    token stride of ``tensors`` (their channel strides aside), so the kernels may tell the compiler so.
+
+    Taken from one sample's memory layout (the strides of a sample do not change with the batch size).
+    """
+    values = [d, dv, *(stride for t in tensors for stride in t.stride()[:3])]
+    return next(a for a in (16, 8, 4, 2, 1) if all(v % a == 0 for v in values))
 
 
 def _split_tokens(length: int, programs: int, block_t: int, device: torch.device) -> int:
@@ -122,8 +144,8 @@ def _mix(mix: torch.Tensor, parts: torch.Tensor, prec: str, batch: int) -> torch
     if ncol == 0:
         return out
     cols = ncol // batch  # columns of one sample: H * d * d_v (or H * d)
-    if _on_gpu(parts.device):
-        block_r, block_k, block_n, warps = 64, 32, 128, 4
+    if _on_gpu(parts.device):  # 8 warps: no spill with A = Mc^T (unit row stride) either (4: 64 + 64 B at sm_90)
+        block_r, block_k, block_n, warps = 64, 32, 128, 8
     elif _INTERPRET_MIX_BLOCKS is not None:  # tests: several row tiles, K steps and column strips
         (block_r, block_k, block_n), warps = _INTERPRET_MIX_BLOCKS, 4
     else:  # interpreter: few, large programs (one strip per sample up to 4096 columns)
@@ -192,20 +214,19 @@ class _MHLATriton(torch.autograd.Function):
             heads, d, dv, bh, m, parts, split,
             *k.stride(), *v.stride(),
             FEATURE_MAP=feature_map, NORMALIZE=normalize, ROTARY=rotary is not None, ACC=_TL_DTYPE[acc], DOT=_TL_DTYPE[dot], PREC=prec,
-            BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"],
+            BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], ALIGN=_align(d, dv, k, v),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         s_mix = _mix(mix, s_parts, prec, batch)
         z_mix = _mix(mix, z_parts, prec, batch) if normalize else s_mix
 
-        tiles = -(-length // cfg["BLOCK_T"])
-        _launch(
-            fwd_output, (m * tiles, bh),
+        _launch(  # the summaries' splits: S~_b read once per split, not once per token tile
+            fwd_output, (m * parts, bh),
             q, s_mix, z_mix, eps_t, out, order, starts, sizes, cos, sin,
-            heads, d, dv, bh, tiles,
+            heads, d, dv, bh, parts, split,
             *q.stride(), *out.stride(),
             FEATURE_MAP=feature_map, NORMALIZE=normalize, ROTARY=rotary is not None, ACC=_TL_DTYPE[acc], PREC=prec,
-            BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"],
+            BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"], ALIGN=_align(d, dv, q, out),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         if need_grad:  # the un-mixed summaries (for dMc and the recomputed S~)
@@ -247,6 +268,7 @@ class _MHLATriton(torch.autograd.Function):
             *q.stride(), *grad_out.stride(), *dq_strides,
             FEATURE_MAP=feature_map, NORMALIZE=normalize, STORE_DQ=bool(need_q), ROTARY=rotary is not None, ACC=_TL_DTYPE[acc], PREC=prec,
             BLOCK_T=cfg["BLOCK_T_BWD"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"],
+            ALIGN=_align(d, dv, q, grad_out, *((dq,) if need_q else ())),
             num_warps=cfg["num_warps_bwd"], num_stages=cfg["num_stages"],
         )
         dmix = None
@@ -265,17 +287,19 @@ class _MHLATriton(torch.autograd.Function):
             dz = _mix(mix_t, dz_parts, prec, batch) if normalize else ds
             dk = empty_like_layout(k, d, k.dtype) if need_k else ds
             dvv = empty_like_layout(v, dv, v.dtype) if need_v else ds
-            tiles = -(-length // cfg["BLOCK_T"])
-            _launch(
-                bwd_key, (m * tiles, bh),
+            split = _split_tokens(length, heads * m, cfg["BLOCK_T_KEY"], device)
+            parts = -(-length // split)
+            _launch(  # dS_b read once per split, not once per token tile
+                bwd_key, (m * parts, bh),
                 k, v, ds, dz, dk, dvv, order, starts, sizes, cos, sin,
-                heads, d, dv, bh, tiles,
+                heads, d, dv, bh, parts, split,
                 *k.stride(), *v.stride(),
                 *(dk.stride() if need_k else (0, 0, 0, 0)), *(dvv.stride() if need_v else (0, 0, 0, 0)),
                 FEATURE_MAP=feature_map, NORMALIZE=normalize, NEED_DK=bool(need_k), NEED_DV=bool(need_v),
                 ROTARY=rotary is not None, ACC=_TL_DTYPE[acc], PREC=prec,
-                BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"],
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                BLOCK_T=cfg["BLOCK_T_KEY"], BLOCK_D=cfg["BLOCK_D"], BLOCK_DV=cfg["BLOCK_DV"],
+                ALIGN=_align(d, dv, k, v, *((dk,) if need_k else ()), *((dvv,) if need_v else ())),
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages_key"],
             )
             dk = dk if need_k else None
             dvv = dvv if need_v else None

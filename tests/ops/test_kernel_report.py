@@ -2,9 +2,9 @@
 
 Wan2.1-1.3B 480p (12 heads x 128, 21 x 30 x 52 tokens, M = 105), bf16, Wan's RoPE fused, compiled for sm_90 by
 the Triton wheel's ptxas without a GPU (one subprocess, about 10 s on 2 cores): the report's structure, every build
-within shared memory, and no register spill in bf16 for any kernel. Two builds spill today and are marked
-strict xfails, so this file fails when one of them stops spilling (remove its mark) and when any other
-starts. The full report (all shapes, fp16, sm_80): ``python benchmarks/kernel_report.py --arch sm_90 sm_80``.
+within shared memory, and no register spill in bf16 for any kernel (none spills since 2026-12-04; a build
+that must be let spill for a while goes into ``KNOWN_SPILLS``, a strict xfail, so the file fails again when it
+stops). The full report (all shapes, fp16, sm_80): ``python benchmarks/kernel_report.py --arch sm_90 sm_80``.
 """
 
 from __future__ import annotations
@@ -24,12 +24,10 @@ SHAPE = "wan2.1-1.3b-480p"
 
 # One build per entry: a kernel, and for the mixing GEMM which operand layout (Mc, or Mc^T with unit row stride).
 BUILDS = ("fwd_summaries", "mix_gemm (Mc)", "fwd_output", "bwd_query", "mix_gemm (Mc^T)", "bwd_key")
-# Spills of today (Triton 3.9, sm_90, bf16, RoPE on), issue 33 item 3: strict, so a fix shows as XPASS.
-KNOWN_SPILLS = {
-    "bwd_query": "bwd_query spills 24 B stored + 12 B loaded at d = 128 (255 registers, 8 warps, token tile 16): issue 33",
-    "mix_gemm (Mc^T)": "the backward's mixing GEMM (A = Mc^T, unit row stride, M = 105 not a multiple of 16) spills "
-                       "64 B stored + 64 B loaded (255 registers): issue 33",
-}
+# Builds allowed to spill (Triton 3.9, sm_90, bf16, RoPE on), by build id -> reason: strict xfails, so a fix shows
+# as XPASS. Empty since 2026-12-04 (issue 33 item 3): `bwd_query` (24 + 12 B) and the backward's mixing GEMM with
+# A = Mc^T (64 + 64 B) no longer spill.
+KNOWN_SPILLS: dict[str, str] = {}
 
 
 def _build_id(row: dict) -> str:

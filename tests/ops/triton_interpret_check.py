@@ -57,7 +57,7 @@ def _case(name, **kw):
     base = dict(
         name=name, grid=(7, 9), block_grid=(2, 3), batch=1, heads=2, d=16, dv=None, dtype="float32", kv_dtype=None,
         mix_dtype=None, normalize=True, feature_map=True, mixing="rand", memory="contiguous", eps=1e-6, inputs="randn",
-        requires="qkvm", split=None, rotary=False, oracle="dense", feature_eps=0.0, feature_power=1.0,
+        requires="qkvm", split=None, block_t=None, rotary=False, oracle="dense", feature_eps=0.0, feature_power=1.0,
     )
     unknown = set(kw) - set(base)
     assert not unknown, unknown
@@ -106,6 +106,9 @@ def cases() -> list[dict]:
     out.append(_case("splits-and-tiles-fp64", grid=(9, 13), block_grid=(2, 2), dtype="float64", split=16))
     out.append(_case("splits-and-tiles-nonorm-fp32", grid=(9, 13), block_grid=(2, 2), normalize=False, split=16))
     out.append(_case("splits-and-mixing-tiles-fp64", grid=(9, 13), block_grid=(5, 4), dtype="float64", split=16))
+    # Splits of two token tiles (blocks of 24-35 tokens, splits of 32, tiles of 16): programs that walk several
+    # tiles from a split's start, a partial last tile, and splits past a shorter block's end that return at once.
+    out.append(_case("splits-of-two-tiles-fp64", grid=(9, 13), block_grid=(2, 2), dtype="float64", split=32, block_t=16))
     # Mixing matrices of the degenerate identities.
     for kind in ("identity", "ones", "locality"):
         out.append(_case(f"mixing-{kind}-fp64", dtype="float64", mixing=kind, grid=(3, 5, 7), block_grid=(2, 2, 3)))
@@ -143,6 +146,8 @@ def cases() -> list[dict]:
     out.append(_case("rotary-fused-headdim-128-nonorm-fp32", d=128, normalize=False, **fused))
     out.append(_case("rotary-fused-noncontiguous-fp32", batch=2, heads=3, memory="bnhd", **fused))
     out.append(_case("rotary-fused-splits-fp64", dtype="float64", split=16, rotary="fused", grid=(9, 13), block_grid=(2, 2)))
+    out.append(_case("rotary-fused-splits-of-two-tiles-fp64", dtype="float64", split=32, block_t=16, rotary="fused", grid=(9, 13),
+                     block_grid=(2, 2)))
     out.append(_case("rotary-fused-grad-q-only-fp32", requires="q", **fused))
     out.append(_case("rotary-fused-grad-k-only-fp32", requires="k", **fused))
     out.append(_case("rotary-fused-grad-v-and-mixing-fp32", requires="vm", **fused))
@@ -431,7 +436,7 @@ def main(argv=None):
         torch.manual_seed(1000 + i)
         saved = triton_ops._INTERPRET_SPLIT_TOKENS, triton_ops._INTERPRET_BLOCK_T, triton_ops._INTERPRET_MIX_BLOCKS
         if c["split"]:  # small tiles: several tiles and splits per block, mixing GEMM in 16 x 16 x 64 tiles
-            triton_ops._INTERPRET_SPLIT_TOKENS = triton_ops._INTERPRET_BLOCK_T = c["split"]
+            triton_ops._INTERPRET_SPLIT_TOKENS, triton_ops._INTERPRET_BLOCK_T = c["split"], c["block_t"] or c["split"]
             triton_ops._INTERPRET_MIX_BLOCKS = (16, 16, 64)
         try:
             results.append(run_case(c, torch, ops, BlockLayout))
