@@ -271,3 +271,18 @@ def legacy_key(key: str) -> str:
     """The checkpoint-format 1 / 2 name of an MHLA key: ``<attention>.mhla.mixing.weight`` was
     ``<attention>.mhla_mixing.weight`` (each part a child of the attention module then), written here from that format."""
     return re.sub(r"\.mhla\.(mixing|output_norm|gate|lepe|input_norm)\.", r".mhla_\1.", key)
+
+
+def benchmark_module(name: str):
+    """Import ``benchmarks/<name>.py`` as the module ``name``, with ``benchmarks/`` on the path while it imports
+    (its siblings import each other by name)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(folder)

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import benchmark_module
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
@@ -37,12 +38,7 @@ def _build_id(row: dict) -> str:
 
 
 def _kernel_costs():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import kernel_costs
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return kernel_costs
+    return benchmark_module("kernel_costs")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ cost of the path as ``benchmarks/kernel_costs.py`` counts it on ``meta`` tensors
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ import test_ops
 import test_ops_features
 import test_ops_rotary
 import torch
+from helpers import benchmark_module
 from test_ops import TOL, make_inputs, make_mixing, rel_err
 
 from mhla_diffusers import BlockLayout, mhla_attention, mhla_attention_reference
@@ -171,12 +171,7 @@ def test_16_bit_buffers_only_where_the_device_gives_fp32_products(monkeypatch):
 
 
 def _kernel_costs():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import kernel_costs
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    return kernel_costs
+    return benchmark_module("kernel_costs")
 
 
 @pytest.mark.parametrize("memory", ["bhnd", "bnhd"])
