@@ -104,14 +104,7 @@ def apply_mhla(
         raise ValueError(f"lepe_init={lepe_init!r} is LePE's start: it only applies with lepe=True")
     auto = {"keep_softmax": keep_softmax, "max_attention_cost": max_attention_cost, "calibration": calibration,
             "sensitivity": sensitivity, "cost": cost}
-    selection = None
-    if isinstance(layers, str) and layers == "auto":
-        chosen, selection = auto_layers(transformer, len(modules), num_blocks, block_grid, normalize, backend=backend, **auto)
-    else:
-        given = [name for name, value in auto.items() if value is not None and not (name == "cost" and value == "flops")]
-        if given:
-            raise ValueError(f"{', '.join(given)} only apply with layers='auto'; got layers={layers!r}")
-        chosen = select_layers(len(modules), layers)
+    chosen, selection = _chosen_layers(transformer, len(modules), layers, auto, num_blocks, block_grid, normalize, backend)
     names = install_mhla(
         transformer, chosen, num_blocks=num_blocks, block_grid=block_grid, normalize=normalize, eps=eps, backend=backend,
         init=init, output_norm=output_norm, feature_eps=feature_eps, mixing_clamp=mixing_clamp, feature_power=feature_power,
@@ -120,3 +113,18 @@ def apply_mhla(
     if selection is not None:
         record_selection(transformer, selection)
     return names
+
+
+def _chosen_layers(transformer, num_layers: int, layers, auto: dict, num_blocks, block_grid, normalize, backend):
+    """``(layer indices, selection record or None)`` for ``layers=``: a fixed rule or indices
+    (:func:`~mhla_diffusers.selection.hybrid.select_layers`), or ``"auto"`` with the options in ``auto``.
+
+    Raises:
+        ValueError: bad ``layers``; an ``"auto"`` option given with another ``layers``.
+    """
+    if isinstance(layers, str) and layers == "auto":
+        return auto_layers(transformer, num_layers, num_blocks, block_grid, normalize, backend=backend, **auto)
+    given = [name for name, value in auto.items() if value is not None and not (name == "cost" and value == "flops")]
+    if given:
+        raise ValueError(f"{', '.join(given)} only apply with layers='auto'; got layers={layers!r}")
+    return select_layers(num_layers, layers), None

@@ -158,7 +158,8 @@ def _layer_record(proc: MHLAProcessor, attn: nn.Module, family, reference) -> tu
     layer = getattr(attn, "mhla", None)
     if layer is None:  # created at the first forward
         return settings_spec.resolve_settings(proc, family, reference), proc.backend
-    layer.settle(settings_spec.resolve_settings(proc, family, reference, block_grid=layer.mixing.block_grid))
+    if layer.unsettled:
+        layer.settle(settings_spec.resolve_settings(proc, family, reference, block_grid=layer.mixing.block_grid))
     settings_spec.check_layer(proc, layer, reference, family)  # a processor the layer contradicts: refused, never saved
     return layer.settings, proc.backend
 

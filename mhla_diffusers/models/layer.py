@@ -71,12 +71,11 @@ class MHLALayer(nn.Module):
 
     def settle(self, settings: spec.LayerSettings) -> None:
         """Take the scalar settings (``eps``, ``rope``, ...) of ``settings``, those the processor's settings give on the
-        model's family, once it is known: only for a layer made before (a ``load_state_dict`` before the first
-        forward, :mod:`~mhla_diffusers.models.lazy`); no-op for any other."""
-        if self.unsettled:
-            for name in _SCALARS:
-                setattr(self, name, getattr(settings, name))
-            self.unsettled = False
+        model's family, once it is known: for a layer made before (``unsettled``: a ``load_state_dict`` before the
+        first forward, :mod:`~mhla_diffusers.models.lazy`); callers check ``unsettled`` first."""
+        for name in _SCALARS:
+            setattr(self, name, getattr(settings, name))
+        self.unsettled = False
 
     @property
     def settings(self) -> spec.LayerSettings:

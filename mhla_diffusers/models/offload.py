@@ -31,17 +31,24 @@ def _hooks(model: nn.Module) -> list:
     return found
 
 
+def _in_modules(group, tensor: torch.Tensor) -> bool:
+    return any(tensor is p for module in group.modules for p in module.parameters())
+
+
 def _managed(group, tensor: torch.Tensor) -> bool:
-    """Whether diffusers' ``group`` moves ``tensor`` (a group with streams or a disk file: the tensors it listed when
-    made; otherwise every parameter of its modules, read at each move). A tensor of its modules that a streamed group
-    did not list is added to it (else its next onload would fail)."""
+    """Whether diffusers' ``group`` moves ``tensor``: a group with a disk file, the tensors it listed when made;
+    otherwise its listed parameters and every parameter of its modules, read at each move."""
     if getattr(group, "offload_to_disk_path", None) is not None:
         return tensor in group.tensor_to_key
-    listed = any(tensor is p for p in group.parameters)
-    in_modules = any(tensor is p for module in group.modules for p in module.parameters())
-    if group.stream is not None and in_modules and tensor not in group.cpu_param_dict:
+    return any(tensor is p for p in group.parameters) or _in_modules(group, tensor)
+
+
+def _pin_into_streamed(group, tensor: torch.Tensor) -> None:
+    """A streamed group keeps a pinned CPU copy of each tensor of its modules, made when the group was: add one for
+    a tensor of its modules made later (else its next onload fails)."""
+    disk = getattr(group, "offload_to_disk_path", None) is not None
+    if not disk and group.stream is not None and tensor not in group.cpu_param_dict and _in_modules(group, tensor):
         group.cpu_param_dict[tensor] = group._to_cpu(tensor, group.low_cpu_mem_usage)
-    return listed or in_modules
 
 
 def follow_group_offloading(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> list[str]:
@@ -63,7 +70,12 @@ def follow_group_offloading(model: nn.Module, layers: list[tuple[str, nn.Module]
     config, followed = hooks[0].config, []
     for name, attn in layers:
         layer = getattr(attn, "mhla", None)
-        if layer is None or any(_managed(hook.group, layer.mixing.weight) for hook in hooks):
+        if layer is None:
+            continue
+        for tensor in layer.parameters():
+            for hook in hooks:
+                _pin_into_streamed(hook.group, tensor)
+        if any(_managed(hook.group, layer.mixing.weight) for hook in hooks):
             continue
         disk = config.offload_to_disk_path
         if disk is not None:  # a folder of its own: diffusers names its files by module path, "mixing" in every layer

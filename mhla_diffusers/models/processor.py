@@ -188,7 +188,7 @@ class MHLAProcessor(GridReader, nn.Module):
             running = None if model is None else find_family(model)
             reference = None if running is None else running.reference_grid(model.config)
             family = running or self.family or attention_family(attn)
-            if family is not None:
+            if layer.unsettled and family is not None:
                 layer.settle(spec.resolve_settings(self, family, reference, block_grid=layer.mixing.block_grid))
             spec.check_layer(self, layer, reference, family)
             if not torch.compiler.is_compiling():
