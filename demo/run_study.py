@@ -38,6 +38,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "finetune" / "configs" / "dit_demo_finetune.yaml"
+# the data-free recipe (issue 34): the same settings, trained on the original's own samples, held out on photo crops
+DATAFREE_CONFIG = ROOT / "finetune" / "configs" / "dit_demo_datafree.yaml"
 SIZES = {  # tokens -> the base, MHLA's block count and the data / eval settings at that size
     "256": {"base": ROOT / "demo" / "base_dit", "num_blocks": 16, "overrides": []},
     "1024": {"base": ROOT / "demo" / "base_dit_64", "num_blocks": 30,
@@ -60,6 +62,11 @@ VARIANTS = {  # name -> conversion arguments (None: the softmax control)
     "mhla_lepe_power2": {"layers": "all", "lepe": True, "feature_power": 2.0},
     "mhla_lepe_power3": {"layers": "all", "lepe": True, "feature_power": 3.0},
     "mhla_auto1_lepe": {"layers": "auto", "keep_softmax": 1, "lepe": True},  # the auto hybrid, its MHLA layers with LePE
+    # data-free (issue 34): no photo seen in training; "teacher_samples" = the original's trajectories in the store
+    "mhla_lepe_datafree": {"layers": "all", "lepe": True, "teacher_samples": 64},
+    "mhla_auto1_datafree": {"layers": "auto", "keep_softmax": 1, "teacher_samples": 64},
+    "mhla_lepe_datafree_s16": {"layers": "all", "lepe": True, "teacher_samples": 16},
+    "mhla_lepe_datafree_s256": {"layers": "all", "lepe": True, "teacher_samples": 256},
 }
 DEFAULT_VARIANTS = ["softmax", "mhla_all", "mhla_hybrid", "mhla_auto", "linear"]
 LABELS = {
@@ -76,6 +83,10 @@ LABELS = {
     "mhla_lepe_power2": "MHLA, all layers, + LePE, phi = ReLU^2",
     "mhla_lepe_power3": "MHLA, all layers, + LePE, phi = ReLU^3",
     "mhla_auto1_lepe": "MHLA hybrid, auto, 1 softmax layer, + LePE",
+    "mhla_lepe_datafree": "MHLA, all layers, + LePE, data-free (64 teacher trajectories)",
+    "mhla_auto1_datafree": "MHLA hybrid, auto, 1 softmax layer, data-free (64 teacher trajectories)",
+    "mhla_lepe_datafree_s16": "MHLA, all layers, + LePE, data-free (16 teacher trajectories)",
+    "mhla_lepe_datafree_s256": "MHLA, all layers, + LePE, data-free (256 teacher trajectories)",
 }
 
 
@@ -124,7 +135,7 @@ def convert_variant(name: str, size: dict, out: Path, args) -> tuple[Path, dict 
     t0 = time.perf_counter()
     if VARIANTS[name] is None:
         return size["base"], None, 0.0
-    options = dict(VARIANTS[name])
+    options = {k: v for k, v in VARIANTS[name].items() if k != "teacher_samples"}
     if "block_grid" not in options:
         options["num_blocks"] = args.num_blocks or size["num_blocks"]
     if options["layers"] == "auto":
@@ -159,7 +170,8 @@ def study_size(tokens: str, args, out: Path) -> dict:
         print(f"[study] {tokens} tokens: {key}", flush=True)
         cpu0, wall0 = time.process_time(), time.perf_counter()
         start, spec, t_convert = convert_variant(name, size, out / "checkpoints" / f"{tokens}_{key}", args)
-        r = retrofit(args.config, start, size["base"], out / "runs" / f"{tokens}_{key}", distill_steps=args.distill_steps,
+        config, overrides = recipe_of(name, tokens, out, args, overrides)
+        r = retrofit(config, start, size["base"], out / "runs" / f"{tokens}_{key}", distill_steps=args.distill_steps,
                      distill_lr=args.distill_lr,
                      finetune_steps=args.distill_steps + args.finetune_steps if spec is None else args.finetune_steps,
                      overrides=overrides)
@@ -180,6 +192,16 @@ def study_size(tokens: str, args, out: Path) -> dict:
         atomic_write_json(done, results[key])
         del pipe
     return results
+
+
+def recipe_of(name: str, tokens: str, out: Path, args, overrides: list[str]) -> tuple[str, list[str]]:
+    """The config and overrides of a variant: the data recipe, or the data-free one with its store (one per size: a
+    smaller store is the first trajectories of a larger one, the same shards)."""
+    samples = VARIANTS[name] and VARIANTS[name].get("teacher_samples")
+    if not samples:
+        return args.config, overrides
+    store = out / f"teacher_store_{tokens}"
+    return str(DATAFREE_CONFIG), overrides + [f"data.teacher.samples={samples}", f"data.teacher.store_dir={store}"]
 
 
 def seed_overrides(seed: int) -> list[str]:
@@ -327,6 +349,7 @@ def markdown(report: dict) -> str:
                          f"{gap.get(name, float('nan')):.0%} | {r.get('total_cpu_s', '-')} ({r.get('total_wall_s', '-')}) |")
         lines.append("")
         lines += _seeds_table(block.get("over_seeds", {}), report["settings"].get("seeds", [0]))
+        lines += _datafree_table(block["results"], gap)
         lines += _diagnostics_table(block["results"])
     return "\n".join(lines) + "\n"
 
@@ -348,6 +371,23 @@ def _seeds_table(summary: dict, seeds: list[int]) -> list[str]:
         if loss is None:
             continue
         out.append(f"| {s['label']} | {loss['n']} | {cell(loss, '{:.4f}')} | {'-' if gap is None else cell(gap, '{:.1%}')} |")
+    return out + [""]
+
+
+def _datafree_table(results: dict, gap: dict) -> list[str]:
+    """The data-free runs: the store each trained on (trajectories, teacher steps and calls, its CPU seconds) beside
+    the fine-tuned held-out loss on photo crops (never seen in training) and the gap closed."""
+    rows = [(k, r) for k, r in results.items() if r.get("teacher_store")]
+    if not rows:
+        return []
+    out = ["Data-free runs (trained on the original's samples; held out on the same photo crops): the teacher store, "
+           "its sampling cost (the CPU seconds of the shards this run's store holds), the result.", "",
+           "| model | trajectories x steps | teacher calls | teacher CPU s | converted | distilled | fine-tuned | gap closed |",
+           "|---|---|---|---|---|---|---|---|"]
+    for key, r in rows:
+        t, h = r["teacher_store"], r["heldout_loss"]
+        out.append(f"| {r['label']} | {t['trajectories']} x {t['steps']} | {t['transformer_calls']} | {t['cpu_s']:.0f} | "
+                   f"{h['conversion']:.4f} | {h['distill']:.4f} | **{h['finetune']:.4f}** | {gap.get(key, float('nan')):.1%} |")
     return out + [""]
 
 

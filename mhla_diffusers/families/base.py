@@ -106,6 +106,10 @@ class TrainingSpec:
         """The model's prediction (epsilon or flow velocity, by :attr:`objective`) for ``noisy`` at ``timesteps``."""
         raise NotImplementedError
 
+    def prediction(self, output: torch.Tensor, noisy: torch.Tensor) -> torch.Tensor:
+        """The prediction in :meth:`predict`'s terms from the transformer's ``sample`` output (the output itself)."""
+        return output
+
     def finish_load(self, parts, config: dict) -> None:
         """Adjust or check the loaded ``parts`` (text families, after the generic load). Raises ``ValueError``."""
 

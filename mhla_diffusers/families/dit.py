@@ -224,8 +224,11 @@ class DiTTraining(TrainingSpec):
 
     def predict(self, model, noisy, timesteps, cond):
         """The epsilon half of the output (learned-sigma models predict ``2 C`` channels)."""
-        pred = model(noisy, timestep=timesteps, class_labels=cond["class_labels"]).sample
-        return pred[:, : noisy.shape[1]]
+        return self.prediction(model(noisy, timestep=timesteps, class_labels=cond["class_labels"]).sample, noisy)
+
+    def prediction(self, output, noisy):
+        """The first ``C`` channels of the output (``C`` = the latent's; learned-sigma models give ``2 C``)."""
+        return output[:, : noisy.shape[1]]
 
     def pipeline(self, transformer, vae, noise_scheduler, *, sampler: str, id2label):
         """The pipeline a run exports (:func:`build_dit_pipeline`)."""

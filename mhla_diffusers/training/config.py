@@ -12,14 +12,14 @@ import copy
 import importlib.util
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import yaml
 
 from mhla_diffusers.families import FAMILIES
 from mhla_diffusers.models.spec import GATE_FORMS, LEPE_INITS, ROPE_MODES, check_mixing_init
+from mhla_diffusers.training.config_rules import Boolean, Choice, Integer, Number
 from mhla_diffusers.training.distill import CONDITIONS, TRANSFER_LAYERS
 from mhla_diffusers.training.flow import LOSS_WEIGHTING, OBJECTIVES, TIMESTEP_SAMPLING
 
@@ -117,6 +117,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     },
     "data": {
         # photos | folder (root/<class>/<images>) | captions (images + metadata.jsonl / .txt) | video (videos + captions)
+        # | teacher (no data: the teacher's own samples, distill.teacher; the teacher section below)
         "kind": "photos",
         "root": None,  # kind=folder / captions
         "resolution": 64,  # crop side, pixels (kind=video: also [height, width])
@@ -134,6 +135,18 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "caption_template": "{}",  # text families on class-labelled data: caption = template.format(class name)
         "cache": False,  # encode latents (and text embeddings) once, to disk (fixes each index's crop)
         "cache_dir": None,  # null: output_dir/latent_cache
+        # kind=teacher: the store of the teacher's samples (docs/training.md, "Data-free retrofit")
+        "teacher": {
+            "samples": 64,  # trajectories (the store holds whole shards: a multiple of shard_size)
+            "steps": None,  # sampler steps K (a trajectory gives K training pairs); null: the pipeline's default
+            "guidance_scale": None,  # classifier-free guidance; null: the pipeline's default
+            "prompts": None,  # text families: a text file, one prompt per line; null: the list shipped with the package
+            "classes": None,  # class families: the class ids drawn in turn; null: the model's labelled classes
+            "seed": 0,  # initial noise and the order of conditions
+            "shard_size": 8,  # trajectories per shard (one sampler batch)
+            "store_dir": None,  # null: output_dir/teacher_store
+            "use": "auto",  # pairs (stored noisy latents + teacher predictions) | samples (clean latents) | auto: pairs iff data_weight = 0
+        },
     },
     "train": {
         "max_steps": 1000,  # optimizer steps
@@ -163,6 +176,9 @@ DEFAULT_CONFIG: dict[str, Any] = {
     },
     "eval": {
         "samples": 0,  # > 0: held-out losses on this many fixed crops, before and after training; 0: none
+        # null: held-out items of the training data (kind=teacher: a held-out store of eval.seed). A mapping:
+        # data keys for the held-out set, over the data section (e.g. {kind: photos} for a data-free run)
+        "data": None,
         "seed": 12345,  # crops, noise; timesteps evenly spaced
         "batch_size": 16,
     },
@@ -171,7 +187,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "dir": None,  # the final pipeline folder (null: output_dir/final; else a path as given)
     },
 }
-_FREE_SECTIONS = {("model", "init"), ("model", "vae"), ("model", "noise_scheduler"), ("mhla",)}
+_FREE_SECTIONS = {("model", "init"), ("model", "vae"), ("model", "noise_scheduler"), ("mhla",), ("eval", "data")}
 _MHLA_KEYS = {
     "layers", "num_blocks", "block_grid", "normalize", "eps", "backend", "init", "output_norm", "feature_eps", "mixing_clamp",
     "feature_power", "rope", "gate", "lepe", "lepe_init",
@@ -273,89 +289,6 @@ def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] 
 
 
 # -- validation: one typed rule per checked key ---------------------------------------------------
-@dataclass(frozen=True)
-class Choice:
-    """One of ``choices`` (or null when ``nullable``)."""
-
-    choices: tuple
-    nullable: bool = False
-
-    def check(self, name: str, value: Any) -> Any:
-        """``value``, or the choice YAML 1.1 read as this boolean; raises ``ValueError`` otherwise."""
-        if isinstance(value, bool):
-            # YAML 1.1 reads no / off / yes / on as booleans (`mixed_precision: no` arrives as False):
-            # the one choice that YAML reads as this boolean is what was written.
-            spelled = [c for c in self.choices if isinstance(c, str) and yaml.safe_load(c) is value]
-            if len(spelled) == 1:
-                value = spelled[0]
-        if (value is None and self.nullable) or (not isinstance(value, bool) and value in self.choices):
-            return value
-        raise ValueError(f"{name} must be one of {list(self.choices)}{' or null' if self.nullable else ''}; got {value!r}")
-
-
-def _refusal(name: str, wanted: str, nullable: bool, note: str, value: Any) -> ValueError:
-    """The one-line error of a rule: ``<name> must be <wanted>[ or null][ (<note>)]; got <value>``."""
-    return ValueError(f"{name} must be {wanted}{' or null' if nullable else ''}{f' ({note})' if note else ''}; got {value!r}")
-
-
-@dataclass(frozen=True)
-class Integer:
-    """An integer (not a boolean) ``>= minimum`` (1: "a positive integer"), or null when ``nullable``; ``note``
-    (what 0 / null mean) is said in the error."""
-
-    minimum: int
-    nullable: bool = False
-    note: str = ""
-
-    def check(self, name: str, value: Any) -> Any:
-        """``value`` unchanged; raises ``ValueError`` when it breaks the rule."""
-        if value is None and self.nullable:
-            return value
-        if isinstance(value, int) and not isinstance(value, bool) and value >= self.minimum:
-            return value
-        wanted = "a positive integer" if self.minimum == 1 else f"an integer >= {self.minimum}"
-        raise _refusal(name, wanted, self.nullable, self.note, value)
-
-
-@dataclass(frozen=True)
-class Boolean:
-    """``true`` or ``false`` (YAML booleans; not 0 / 1 or strings), or null when ``nullable``."""
-
-    nullable: bool = False
-
-    def check(self, name: str, value: Any) -> Any:
-        """``value`` unchanged; raises ``ValueError`` unless it is a boolean (or an allowed null)."""
-        if isinstance(value, bool) or (value is None and self.nullable):
-            return value
-        raise ValueError(f"{name} must be true or false{' or null' if self.nullable else ''}; got {value!r}")
-
-
-@dataclass(frozen=True)
-class Number:
-    """A finite number (numeric strings accepted: PyYAML reads ``1e-4`` as a string; booleans, NaN and
-    infinities refused) for which ``valid`` holds (``bound`` says it in words: ``"a finite number > 0"``);
-    null when ``nullable``; ``note`` (what 0 / null mean) is said in the error."""
-
-    valid: Callable[[float], bool] = lambda v: True
-    bound: str = "a finite number"
-    nullable: bool = False
-    note: str = ""
-
-    def check(self, name: str, value: Any) -> Any:
-        """``float(value)`` (or None); raises ``ValueError`` when it is not a finite number or out of bounds."""
-        if value is None and self.nullable:
-            return None
-        try:
-            if isinstance(value, bool):  # YAML's true / false: not a number (float(True) would be 1.0)
-                raise TypeError
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{name} must be a number; got {value!r}") from None
-        if not (math.isfinite(number) and self.valid(number)):
-            raise _refusal(name, self.bound, self.nullable, self.note, number)
-        return number
-
-
 _ANY = Number()
 _POSITIVE = Number(lambda v: v > 0, "a finite number > 0")
 _NON_NEGATIVE = Number(lambda v: v >= 0, "a finite number >= 0")
@@ -368,7 +301,13 @@ _MODE_SCALE_MAX = 2.0 / (math.pi - 2.0)
 # YAML booleans back to the choice written).
 _RULES: dict[str, Choice | Integer | Number | Boolean] = {
     "model.expert": Choice(("transformer", "transformer_2"), nullable=True),
-    "data.kind": Choice(("photos", "folder", "captions", "video")),
+    "data.kind": Choice(("photos", "folder", "captions", "video", "teacher")),
+    "data.teacher.samples": Integer(1),
+    "data.teacher.steps": Integer(1, nullable=True, note="null: the pipeline's default"),
+    "data.teacher.guidance_scale": Number(lambda v: v >= 0, "a finite number >= 0", nullable=True, note="null: the pipeline's default"),
+    "data.teacher.seed": _SEED,
+    "data.teacher.shard_size": Integer(1),
+    "data.teacher.use": Choice(("auto", "pairs", "samples")),
     "data.missing_caption": Choice(("error", "empty")),
     "data.short_side": Integer(1, nullable=True, note="null: the dataset's default"),
     "data.crops_per_image": Integer(1),
@@ -463,6 +402,7 @@ def validate_config(config: dict) -> None:
     if config["train"]["report_to"] == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("train.report_to=tensorboard needs the tensorboard package: pip install tensorboard (or set report_to: null)")
     _check_distill(config["distill"])
+    _check_teacher_run(config)
     if config["model"]["expert"] == "transformer_2" and config["train"]["trainable"] == "lora" and config["lora"]["export"] == "separate":
         raise ValueError(
             "lora.export=separate writes the adapter as transformer_lora/, which loads onto the first expert: with "
@@ -537,12 +477,57 @@ def _check_data(d: Mapping) -> None:
         raise ValueError(f"data.kind={d['kind']} needs data.root (the image folder)")
     if not isinstance(d["caption_template"], str) or "{}" not in d["caption_template"]:
         raise ValueError(f"data.caption_template must be a string containing {{}}; got {d['caption_template']!r}")
+    _check_teacher(d)
     r = d["resolution"]
     if d["kind"] == "video":
         if not (_is_positive_int(r) or (isinstance(r, list) and len(r) == 2 and all(_is_positive_int(x) for x in r))):
             raise ValueError(f"data.resolution must be a positive integer or [height, width] of them for videos (pixels); got {r!r}")
     elif not _is_positive_int(r):
         raise ValueError(f"data.resolution must be a positive integer (pixels: square crops of images); got {r!r}")
+
+
+def _check_teacher_run(config: Mapping) -> None:
+    """``data.kind=teacher`` needs the teacher; its pairs train output matching on their own conditions; ``eval.data``."""
+    d, ds, ev = config["data"], config["distill"], config["eval"]
+    if ev["data"] is not None:
+        if not isinstance(ev["data"], Mapping) or set(ev["data"]) - set(d):
+            raise ValueError(f"eval.data must be null or a mapping of data keys ({sorted(d)}); got {ev['data']!r}")
+        held = {**d, **ev["data"]}
+        for name, rule in _RULES.items():
+            if name.count(".") == 1 and name.startswith("data.") and name[5:] in ev["data"]:
+                held[name[5:]] = ev["data"][name[5:]] = rule.check(f"eval.{name}", held[name[5:]])
+        if held["kind"] == "teacher":
+            raise ValueError("eval.data.kind=teacher: leave eval.data null for held-out samples of the teacher (a store of eval.seed)")
+        _check_data(held)
+    if d["kind"] != "teacher":
+        return
+    if ds["teacher"] is None:
+        raise ValueError(
+            "data.kind=teacher samples from the original model: set distill.teacher (original or the original pipeline folder)"
+        )
+    pairs = d["teacher"]["use"] == "pairs" or (d["teacher"]["use"] == "auto" and ds["data_weight"] == 0)
+    if pairs and (ds["data_weight"] > 0 or ds["condition"] == "random"):
+        raise ValueError(
+            "data.teacher.use=pairs trains output matching on the stored conditions: set distill.data_weight=0 and "
+            "distill.condition to dataset or null (or data.teacher.use=samples for the data loss)"
+        )
+
+
+def _check_teacher(d: Mapping) -> None:
+    """``data.teacher``: class ids, a prompts path; no latent cache over a store (it holds latents already)."""
+    t = d["teacher"]
+    classes = t["classes"]
+    if classes is not None and not (isinstance(classes, list) and classes and all(_is_int(c) and c >= 0 for c in classes)):
+        raise ValueError(f"data.teacher.classes must be null or a non-empty list of class ids >= 0; got {t['classes']!r}")
+    for key in ("prompts", "store_dir"):
+        if t[key] is not None and not isinstance(t[key], str):
+            raise ValueError(f"data.teacher.{key} must be null or a path; got {t[key]!r}")
+    if d["kind"] == "teacher" and d["cache"]:
+        raise ValueError("data.cache with data.kind=teacher: the teacher store already holds latents; set data.cache=false")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_positive_int(value: Any) -> bool:

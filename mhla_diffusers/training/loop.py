@@ -25,14 +25,13 @@ from torch.utils.data import DataLoader, DistributedSampler
 from tqdm.auto import tqdm
 
 from mhla_diffusers.checkpoint.io import atomic_write_json, atomic_write_text
-from mhla_diffusers.data.build import build_dataset
 from mhla_diffusers.models.installer import is_mhla_model
 
 # clamp_mixing_ is looked up in the module at each step (tests patch it there)
 from mhla_diffusers.ops import mixing as mixing_ops
 from mhla_diffusers.ops.mixing import mixing_parameters
-from mhla_diffusers.training.cache import CachedDataset, build_cache, cache_key, module_fingerprint
 from mhla_diffusers.training.config import validate_config
+from mhla_diffusers.training.datasets import heldout_data, training_data
 from mhla_diffusers.training.distill import AttentionRecorder, transfer_modules
 from mhla_diffusers.training.evaluation import evaluate_heldout
 from mhla_diffusers.training.export import export_model
@@ -69,18 +68,6 @@ def _flat_config(config: Mapping, prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v if isinstance(v, (int, float, str, bool)) else str(v)
     return out
-
-
-def _cached_dataset(parts: TrainingParts, dataset, cache_dir: Path, accelerator, batch_size: int):
-    """Encode ``dataset`` once into ``cache_dir/<key>`` (all processes share the work); the cache."""
-    encoders = [e if isinstance(e, Mapping) else module_fingerprint(e) for e in parts.recipe.encoders(parts)]
-    key = cache_key(parts.family, dataset.fingerprint(), encoders)
-    folder = build_cache(
-        dataset, lambda batch: parts.recipe.cache_encode(parts, batch, accelerator.device), cache_dir / key,
-        batch_size=batch_size, rank=accelerator.process_index, world_size=accelerator.num_processes,
-        barrier=accelerator.wait_for_everyone, progress=accelerator.is_local_main_process,
-    )
-    return CachedDataset(folder)
 
 
 def train(config: dict) -> dict[str, Any]:
@@ -179,11 +166,6 @@ class _Run:
         return int(self.config["train"]["gradient_accumulation_steps"])
 
     @property
-    def cache_dir(self) -> Path:
-        d_cfg = self.config["data"]
-        return Path(d_cfg["cache_dir"]) if d_cfg["cache_dir"] else self.out / "latent_cache"
-
-    @property
     def fsdp(self) -> bool:
         """Whether parameters are FSDP2-sharded (the main process alone cannot evaluate or export them)."""
         return self.accelerator.distributed_type == DistributedType.FSDP
@@ -255,18 +237,12 @@ def _build_parts(run: _Run) -> None:
 
 
 def _build_data(run: _Run) -> None:
-    """The dataset (cached if asked), its classes, the recipe's checks, the sampler; ``ValueError`` if under one step."""
-    parts, d_cfg = run.parts, run.config["data"]
-    dataset = build_dataset(d_cfg)
-    labels = getattr(dataset, "id2label", None)
-    parts.id2label = labels if labels else parts.id2label  # the training data defines the classes
-    run.restore = parts.recipe.prepare(parts, dataset, run.config)
-    if d_cfg["cache"]:
-        dataset = _cached_dataset(parts, dataset, run.cache_dir, run.accelerator, run.batch_size)
+    """The dataset (:func:`training_data`), the sampler; ``ValueError`` if under one step."""
+    dataset, run.restore = training_data(run.parts, run.config, run.accelerator)
     run.dataset = dataset
     run.sampler = DistributedSampler(
         dataset, num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index,
-        shuffle=True, seed=int(d_cfg["seed"]), drop_last=True,
+        shuffle=True, seed=int(run.config["data"]["seed"]), drop_last=True,
     )
     # An epoch = a whole number of optimizer steps (drop the remainder): keeps resume arithmetic exact.
     run.steps_per_epoch = len(run.sampler) // (run.batch_size * run.accum)
@@ -357,12 +333,10 @@ def _resume(run: _Run, latest: tuple[int, Path], changes: Mapping[str, tuple[Any
 def _evaluate_start(run: _Run) -> None:
     """Build the held-out set and, on a fresh run, its losses before training."""
     config, accelerator = run.config, run.accelerator
-    d_cfg, ev_cfg = config["data"], config["eval"]
+    ev_cfg = config["eval"]
     if int(ev_cfg["samples"]) <= 0:
         return
-    run.eval_set = build_dataset({**d_cfg, "seed": int(ev_cfg["seed"])})
-    if d_cfg["cache"]:
-        run.eval_set = _cached_dataset(run.parts, run.eval_set, run.cache_dir, accelerator, int(ev_cfg["batch_size"]))
+    run.eval_set = heldout_data(run.parts, config, accelerator)
     if accelerator.is_main_process and run.step == 0 and not run.fsdp:
         with accelerator.autocast():
             run.eval_start = evaluate_heldout(run.parts, accelerator.unwrap_model(run.model), run.eval_set, **run.eval_kwargs)
@@ -582,4 +556,5 @@ def _summary(run: _Run, model: torch.nn.Module, eval_end: Mapping) -> dict[str, 
         "eval_loss": eval_end.get("loss"),
         "eval_distill_start": run.eval_start.get("distill_output"),
         "eval_distill": eval_end.get("distill_output"),
+        "teacher_store": getattr(run.dataset, "cost", None),  # data.kind=teacher: what its samples cost the teacher
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
@@ -31,6 +32,28 @@ def _step_draws(parts: TrainingParts, latents: torch.Tensor, generator, *, rank:
     return noise[sel], draw[sel], drop[sel], None if random_labels is None else random_labels[sel]
 
 
+def _stored_pair(batch: Mapping[str, Any], drop: torch.Tensor, condition: str, data_weight: float):
+    """``(noisy, timesteps, teacher prediction)`` of a teacher store's pairs (``None`` for other batches): the stored
+    latent at a step of the teacher's trajectory and its prediction there, the null-condition one for dropped samples.
+
+    Raises:
+        ValueError: a data loss or random labels on stored pairs, or dropped samples without stored null predictions.
+    """
+    if "teacher_pred" not in batch:
+        return None
+    if data_weight > 0 or condition == "random":
+        raise ValueError("a teacher store's pairs train output matching on their own conditions: distill.data_weight must be 0 "
+                         "and distill.condition dataset or null (data.teacher.use=samples trains the data loss)")
+    pred = batch["teacher_pred"]
+    dropped = drop.to(pred.device) if condition != "null" else torch.ones(len(drop), dtype=torch.bool, device=pred.device)
+    if bool(dropped.any()):
+        if "teacher_null_pred" not in batch:
+            raise ValueError("the teacher store holds no null-condition predictions (sampled without guidance): set the "
+                             "condition dropout to 0 (train.class_dropout / caption_dropout) or build it with guidance_scale > 1")
+        pred = torch.where(dropped.view(-1, *([1] * (pred.ndim - 1))), batch["teacher_null_pred"], pred)
+    return batch["noisy"], batch["timesteps"], pred
+
+
 def training_loss(
     parts: TrainingParts,
     model: torch.nn.Module,
@@ -51,6 +74,8 @@ def training_loss(
 
     ``batch`` holds ``pixel_values`` or cached ``latents`` plus labels, captions or embeddings, on the
     device; the step's draws come from ``generator`` for the global batch (``rank`` of ``world_size``);
+    A teacher store's pair (``noisy``, ``timesteps``, ``teacher_pred``: :class:`~mhla_diffusers.data.store.TeacherPairs`)
+    brings its own noisy latent and the teacher's prediction, which replace the drawn noise and the teacher's forward.
     ``condition`` is ``"dataset"``, ``"random"`` or ``"null"``; ``recorders`` the ``(student, teacher)``
     :class:`~mhla_diffusers.training.distill.AttentionRecorder` pair for attention transfer.
 
@@ -62,28 +87,28 @@ def training_loss(
     noise, draw, drop, random_labels = _step_draws(
         parts, latents, generator, rank=rank, world_size=world_size, dropout=dropout, condition=condition, num_classes=num_classes,
     )
-    noisy, timesteps, target, weights = parts.objective.inputs(latents, noise, draw)
+    stored = _stored_pair(batch, drop, condition, data_weight)
+    if stored is None:
+        noisy, timesteps, target, weights = parts.objective.inputs(latents, noise, draw)
+    else:
+        noisy, timesteps, stored_pred = stored
     cond = recipe.condition(parts, batch, drop, condition, random_labels)
     student_rec, teacher_rec = recorders if recorders is not None else (None, None)
     if attention_weight > 0 and student_rec is None:
         raise ValueError("attention_weight > 0 needs recorders=(student, teacher) AttentionRecorders")
-    if attention_weight > 0:
-        with student_rec:
-            pred = recipe.predict(model, noisy, timesteps, cond)
-    else:
+    with student_rec if attention_weight > 0 else contextlib.nullcontext():
         pred = recipe.predict(model, noisy, timesteps, cond)
     terms: dict[str, torch.Tensor] = {}
     if data_weight > 0:
         terms["data"] = parts.objective.loss(pred, target, weights)
     if output_weight > 0 or attention_weight > 0:
-        if parts.teacher is None:
-            raise ValueError("distillation weights > 0 need parts.teacher (distill.teacher)")
-        with torch.no_grad():
-            if attention_weight > 0:
-                with teacher_rec:
-                    teacher_pred = recipe.predict(parts.teacher, noisy, timesteps, cond)
-            else:
-                teacher_pred = recipe.predict(parts.teacher, noisy, timesteps, cond)
+        teacher_pred = stored_pred if stored is not None else None
+        if teacher_pred is None or attention_weight > 0:  # a teacher store's pair holds the prediction, not the attention
+            if parts.teacher is None:
+                raise ValueError("distillation weights > 0 need parts.teacher (distill.teacher)")
+            with torch.no_grad(), teacher_rec if attention_weight > 0 else contextlib.nullcontext():
+                live = recipe.predict(parts.teacher, noisy, timesteps, cond)
+            teacher_pred = live if teacher_pred is None else teacher_pred
         if output_weight > 0:
             terms["output"] = output_matching_loss(pred, teacher_pred)
         if attention_weight > 0:

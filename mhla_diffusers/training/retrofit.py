@@ -28,16 +28,19 @@ def retrofit(
     finetune_steps: int,
     attention_weight: float = 5.0,
     output_weight: float = 1.0,
-    distill_condition: str = "random",
+    distill_condition: str | None = None,
     distill_lr: float | None = None,
     overrides: Iterable[str] = (),
 ) -> dict:
     """Distil then fine-tune ``pretrained`` against ``teacher`` (pipeline folders), into ``<output_dir>/{distill,finetune}``.
 
     Phase 1 (``distill_steps``; skipped at 0 or without MHLA): attention transfer and output matching,
-    no data loss, ``distill_lr`` a constant rate (``None``: the config's schedule). Phase 2
+    no data loss, ``distill_lr`` a constant rate (``None``: the config's schedule), on ``distill_condition``
+    (``None``: ``"random"`` class labels, or the stored conditions of a teacher store). Phase 2
     (``finetune_steps >= 1``): the data loss plus output matching. ``config`` is the YAML both start
-    from; ``overrides`` apply to both. Returns held-out losses and teacher MSEs at ``conversion`` /
+    from; ``overrides`` apply to both. A data-free config (``data.kind: teacher``) trains both phases on one
+    store of the teacher's samples (``data.teacher.store_dir``, default ``<output_dir>/teacher_store``): the
+    distillation on its trajectory pairs, the fine-tuning on its clean samples. Returns held-out losses and teacher MSEs at ``conversion`` /
     ``distill`` / ``finetune``, steps, times, ``final_dir`` and the run folders.
 
     Raises:
@@ -51,6 +54,11 @@ def retrofit(
             f"retrofit needs integers finetune_steps >= 1 and distill_steps >= 0; got {finetune_steps!r}, {distill_steps!r}"
         )
     out, common = Path(output_dir), [*overrides, f"distill.teacher={teacher}", f"distill.output_weight={output_weight}"]
+    data_free = load_config(config, common + [f"output_dir={out}", f"model.pretrained={pretrained}"])["data"]
+    if data_free["kind"] == "teacher":  # one store for both phases
+        common.append(f"data.teacher.store_dir={data_free['teacher']['store_dir'] or out / 'teacher_store'}")
+    if distill_condition is None:
+        distill_condition = "dataset" if data_free["kind"] == "teacher" else "random"
     runs, s1 = {"distill": None}, None
     if int(distill_steps) > 0 and read_mhla_config(pretrained) is not None:
         runs["distill"] = out / "distill"
@@ -75,5 +83,6 @@ def retrofit(
         "step_time_s": {"distill": s1["step_time_s"] if s1 else None, "finetune": s2["step_time_s"]},
         "wall_time_s": {"distill": s1["wall_time_s"] if s1 else 0.0, "finetune": s2["wall_time_s"]},
         "final_dir": s2["final_dir"],
+        "teacher_store": s2.get("teacher_store"),  # a data-free config: what the teacher's samples cost
         "runs": {k: None if v is None else str(v) for k, v in runs.items()},
     }
