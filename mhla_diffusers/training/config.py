@@ -139,6 +139,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "teacher": {
             "samples": 64,  # trajectories (the store holds whole shards: a multiple of shard_size)
             "steps": None,  # sampler steps K (a trajectory gives K training pairs); null: the pipeline's default
+            "pairs_per_trajectory": None,  # steps stored per trajectory, evenly spaced (null: all K; videos: keep the store small)
             "guidance_scale": None,  # classifier-free guidance; null: the pipeline's default
             "prompts": None,  # text families: a text file, one prompt per line; null: the list shipped with the package
             "classes": None,  # class families: the class ids drawn in turn; null: the model's labelled classes
@@ -306,6 +307,7 @@ _RULES: dict[str, Choice | Integer | Number | Boolean] = {
     "data.teacher.steps": Integer(1, nullable=True, note="null: the pipeline's default"),
     "data.teacher.guidance_scale": Number(lambda v: v >= 0, "a finite number >= 0", nullable=True, note="null: the pipeline's default"),
     "data.teacher.seed": _SEED,
+    "data.teacher.pairs_per_trajectory": Integer(1, nullable=True, note="null: every step"),
     "data.teacher.shard_size": Integer(1),
     "data.teacher.use": Choice(("auto", "pairs", "samples")),
     "data.missing_caption": Choice(("error", "empty")),
@@ -479,9 +481,11 @@ def _check_data(d: Mapping) -> None:
         raise ValueError(f"data.caption_template must be a string containing {{}}; got {d['caption_template']!r}")
     _check_teacher(d)
     r = d["resolution"]
-    if d["kind"] == "video":
+    if d["kind"] in ("video", "teacher"):  # a teacher store of a text family samples at [height, width] too
         if not (_is_positive_int(r) or (isinstance(r, list) and len(r) == 2 and all(_is_positive_int(x) for x in r))):
-            raise ValueError(f"data.resolution must be a positive integer or [height, width] of them for videos (pixels); got {r!r}")
+            raise ValueError(
+                f"data.resolution must be a positive integer or [height, width] of them for videos and teacher stores (pixels); got {r!r}"
+            )
     elif not _is_positive_int(r):
         raise ValueError(f"data.resolution must be a positive integer (pixels: square crops of images); got {r!r}")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 from typing import Iterable
 
 import torch
@@ -18,6 +19,7 @@ from mhla_diffusers.checkpoint.format import load_mhla_transformer
 from mhla_diffusers.checkpoint.lora import has_lora, unload_lora_
 from mhla_diffusers.families import self_attention_modules
 from mhla_diffusers.models.installer import is_mhla_model, remove_mhla
+from mhla_diffusers.models.provenance import is_hub_id
 
 __all__ = [
     "CONDITIONS", "TRANSFER_LAYERS", "make_teacher", "load_teacher", "transfer_modules", "AttentionRecorder", "attention_transfer_loss",
@@ -41,13 +43,40 @@ def make_teacher(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Modul
     return teacher
 
 
-def load_teacher(path: str | os.PathLike, dtype: torch.dtype | None = None) -> nn.Module:
-    """The frozen transformer of a pipeline or transformer folder, as a teacher (errors: ``load_mhla_transformer``'s)."""
+def load_teacher(path: str | os.PathLike, dtype: torch.dtype | None = None, component: str = "transformer") -> nn.Module:
+    """The frozen transformer of a pipeline or transformer folder, or of a Hub pipeline ``owner/name`` (its
+    ``component`` fetched, or read from the local cache offline), as a teacher.
+
+    Raises:
+        FileNotFoundError: a Hub id neither reachable nor cached; ``load_mhla_transformer``'s errors.
+    """
+    if not Path(path).exists() and is_hub_id(str(path)):
+        path = _hub_component(str(path), component)
+    elif component != "transformer" and (Path(path) / "model_index.json").is_file():
+        path = Path(path) / component
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"distill.teacher {path.parent} has no {component} (model.expert): give a pipeline with both experts")
     teacher = load_mhla_transformer(path, torch_dtype=torch.float32)
     teacher.requires_grad_(False).eval()
     if dtype is not None:
         teacher.to(dtype)
     return teacher
+
+
+def _hub_component(repo: str, component: str) -> Path:
+    """The local folder of ``component`` of the Hub pipeline ``repo`` (downloaded, or the cached copy offline)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(repo, allow_patterns=["model_index.json", f"{component}/*"]))
+    except Exception as err:  # offline without a cached copy, no such repository, no network
+        raise FileNotFoundError(
+            f"distill.teacher {repo!r}: not a local folder, and the Hub pipeline could not be fetched or found in the "
+            f"local cache ({type(err).__name__}: {' '.join(str(err).split())[:200]}); pass the original's folder"
+        ) from err
+    if not (folder / component / "config.json").is_file():
+        raise FileNotFoundError(f"distill.teacher {repo!r} has no {component} (model.expert)")
+    return folder / component
 
 
 def transfer_modules(model: nn.Module, which: str = "mhla") -> dict[str, nn.Module]:

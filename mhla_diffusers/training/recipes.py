@@ -232,16 +232,6 @@ def select_expert(pipe, expert: str | None, where="the pipeline") -> tuple[str, 
     return expert, expert_timestep_range(pipe, expert)
 
 
-def _expert_folder(path, expert: str):
-    """``expert``'s folder in pipeline folder ``path`` (``path`` itself for the first transformer); ``FileNotFoundError``."""
-    path = Path(path)
-    if expert == "transformer" or not (path / "model_index.json").is_file():
-        return path
-    if not (path / expert / "config.json").is_file():
-        raise FileNotFoundError(f"distill.teacher {path} has no {expert} (model.expert): give a pipeline with both experts")
-    return path / expert
-
-
 class TextRecipe(_Recipe):
     """Text-conditioned flow-matching families (SANA, Wan): the pipeline's own ``encode_prompt`` (the spec's
     ``encode_text``), caption dropout to the empty caption, export as the same pipeline."""
@@ -419,7 +409,7 @@ def build_models(config: dict) -> TrainingParts:
     if teacher == "original":
         parts.teacher = make_teacher(transformer)
     elif teacher:
-        parts.teacher = load_teacher(_expert_folder(teacher, parts.expert))
+        parts.teacher = load_teacher(teacher, component=parts.expert)
         if type(parts.teacher) is not type(transformer):
             raise ValueError(
                 f"distill.teacher {teacher} holds a {type(parts.teacher).__name__}; the student is a {type(transformer).__name__}"

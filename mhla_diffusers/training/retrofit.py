@@ -30,6 +30,7 @@ def retrofit(
     output_weight: float = 1.0,
     distill_condition: str | None = None,
     distill_lr: float | None = None,
+    finetune_data_weight: float = 1.0,
     overrides: Iterable[str] = (),
 ) -> dict:
     """Distil then fine-tune ``pretrained`` against ``teacher`` (pipeline folders), into ``<output_dir>/{distill,finetune}``.
@@ -37,7 +38,8 @@ def retrofit(
     Phase 1 (``distill_steps``; skipped at 0 or without MHLA): attention transfer and output matching,
     no data loss, ``distill_lr`` a constant rate (``None``: the config's schedule), on ``distill_condition``
     (``None``: ``"random"`` class labels, or the stored conditions of a teacher store). Phase 2
-    (``finetune_steps >= 1``): the data loss plus output matching. ``config`` is the YAML both start
+    (``finetune_steps >= 1``): the data loss (weight ``finetune_data_weight``; 0: output matching alone, a
+    distillation on the phase's samples) plus output matching. ``config`` is the YAML both start
     from; ``overrides`` apply to both. A data-free config (``data.kind: teacher``) trains both phases on one
     store of the teacher's samples (``data.teacher.store_dir``, default ``<output_dir>/teacher_store``): the
     distillation on its trajectory pairs, the fine-tuning on its clean samples. Returns held-out losses and teacher MSEs at ``conversion`` /
@@ -46,6 +48,8 @@ def retrofit(
     Raises:
         ValueError: non-integer or out-of-range step counts, ``distill_lr <= 0``, config errors.
     """
+    if not finetune_data_weight >= 0:
+        raise ValueError(f"finetune_data_weight must be >= 0; got {finetune_data_weight!r}")
     if distill_lr is not None and not distill_lr > 0:
         raise ValueError(f"distill_lr must be > 0 or None; got {distill_lr!r}")
     whole = [isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in (finetune_steps, distill_steps)]
@@ -70,7 +74,8 @@ def retrofit(
     runs["finetune"] = out / "finetune"
     s2 = train(load_config(config, common + [
         f"model.pretrained={s1['final_dir'] if s1 else pretrained}", f"output_dir={runs['finetune']}",
-        f"train.max_steps={int(finetune_steps)}", "distill.data_weight=1", "distill.attention_weight=0", "distill.condition=dataset",
+        f"train.max_steps={int(finetune_steps)}", f"distill.data_weight={finetune_data_weight}", "distill.attention_weight=0",
+        "distill.condition=dataset",
     ]))
     first = s1 or s2
     return {

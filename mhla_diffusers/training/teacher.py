@@ -142,6 +142,7 @@ def store_settings(parts, config: Mapping, pipe, *, seed: int) -> dict:
         "other_transformers": others,
         "scheduler": {"class": type(pipe.scheduler).__name__, "config": dict(pipe.scheduler.config)},
         "guidance_scale": _guidance(t_cfg, pipe), "steps": _steps(t_cfg, pipe), "seed": int(seed),
+        "pairs_per_trajectory": t_cfg["pairs_per_trajectory"],
         "conditions": conditions, "size": _size(parts, config, pipe),
         "dtype": str(next(parts.teacher.parameters()).dtype),
     }
@@ -185,9 +186,18 @@ class _CallRecorder:
         return False
 
 
-def _trajectories(calls: list, n: int) -> dict[str, torch.Tensor]:
+def kept_steps(steps: int, keep: int | None) -> list[int]:
+    """The steps of a ``steps``-call trajectory that are stored: all (``keep`` None or >= steps), else ``keep`` evenly
+    spaced ones, the first and the last included."""
+    if keep is None or keep >= steps:
+        return list(range(steps))
+    return sorted({round(i * (steps - 1) / max(keep - 1, 1)) for i in range(keep)}) if keep > 1 else [steps - 1]
+
+
+def _trajectories(calls: list, n: int, keep: int | None = None) -> dict[str, torch.Tensor]:
     """The recorded calls of ``n`` trajectories as ``[n, K, ...]`` tensors (the j-th conditional row of a call is
-    trajectory j; the null-condition rows pair with the conditional ones of the same step).
+    trajectory j; the null-condition rows pair with the conditional ones of the same step); ``keep``: the number of
+    steps stored (:func:`kept_steps`).
 
     Raises:
         RuntimeError: calls that do not split into ``n`` conditional (and ``n`` null) rows, or null rows whose
@@ -202,11 +212,12 @@ def _trajectories(calls: list, n: int) -> dict[str, torch.Tensor]:
                 group.append((noisy[rows], t[rows], pred[rows]))
     if not cond:
         raise RuntimeError("the teacher's transformer ran no conditional row: the pipeline did not call the teacher")
-    out = {name: torch.stack([c[i] for c in cond], 1) for i, name in enumerate(("noisy", "timesteps", "teacher_pred"))}
+    if null and (len(null) != len(cond) or any(not torch.equal(a[0], b[0]) for a, b in zip(cond, null))):
+        raise RuntimeError("the teacher's null-condition calls do not pair with its conditional ones (step by step)")
+    steps = kept_steps(len(cond), keep)
+    out = {name: torch.stack([cond[k][i] for k in steps], 1) for i, name in enumerate(("noisy", "timesteps", "teacher_pred"))}
     if null:
-        if len(null) != len(cond) or any(not torch.equal(a[0], b[0]) for a, b in zip(cond, null)):
-            raise RuntimeError("the teacher's null-condition calls do not pair with its conditional ones (step by step)")
-        out["teacher_null_pred"] = torch.stack([u[2] for u in null], 1)
+        out["teacher_null_pred"] = torch.stack([null[k][2] for k in steps], 1)
     return out
 
 
@@ -283,7 +294,8 @@ def _generate_shard(parts, pipe, settings: Mapping, conditions: dict, index: int
     with torch.random.fork_rng(devices=devices), recorder, torch.no_grad():
         torch.manual_seed(_seed(settings["seed"], index, 2))  # a scheduler drawing from the global generator
         latents = _sample(parts, pipe, call, generators, settings)
-    return {"latents": latents, **stored, **_trajectories(recorder.calls, shard_size)}, len(recorder.calls)
+    pairs = _trajectories(recorder.calls, shard_size, settings["pairs_per_trajectory"])
+    return {"latents": latents, **stored, **pairs}, len(recorder.calls)
 
 
 # -- the store ---------------------------------------------------------------------------------------

@@ -329,3 +329,58 @@ def test_shipped_prompts_and_prompt_files():
     assert len(prompts) == 64 and len(set(prompts)) == 64 and all(p.strip() == p and p for p in prompts)
     with pytest.raises(FileNotFoundError, match="one prompt per line"):
         teacher_mod.read_prompts("/nonexistent/prompts.txt")
+
+
+def test_pairs_per_trajectory_keeps_evenly_spaced_steps(tmp_path, dit_base):
+    assert teacher_mod.kept_steps(5, None) == [0, 1, 2, 3, 4] and teacher_mod.kept_steps(5, 9) == [0, 1, 2, 3, 4]
+    assert teacher_mod.kept_steps(5, 3) == [0, 2, 4] and teacher_mod.kept_steps(20, 4) == [0, 6, 13, 19]
+    assert teacher_mod.kept_steps(5, 1) == [4]
+    config = load_config(dit_config(tmp_path, dit_base), ["data.teacher.steps=5"])
+    parts = _parts(config)
+    full = load_file(shard_path(_build(parts, config, tmp_path / "all", trajectories=2), 0))
+    config = load_config(dit_config(tmp_path, dit_base), ["data.teacher.steps=5", "data.teacher.pairs_per_trajectory=3"])
+    some = load_file(shard_path(_build(parts, config, tmp_path / "some", trajectories=2), 0))
+    for name in ("noisy", "timesteps", "teacher_pred", "teacher_null_pred"):
+        assert torch.equal(some[name], full[name][:, [0, 2, 4]]), name
+    assert torch.equal(some["latents"], full["latents"]) and len(TeacherPairs(tmp_path / "some", 2)) == 6
+
+
+def test_the_teacher_may_be_a_hub_pipeline_read_from_the_local_cache(tmp_path, dit_base, monkeypatch):
+    """``distill.teacher: owner/name`` (what retrofit.py --teacher takes): offline, the cached snapshot loads."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    from mhla_diffusers.training.distill import load_teacher
+
+    base, _ = dit_base
+    cache = tmp_path / "hub"
+    repo = cache / "models--someone--tiny-dit"
+    shutil.copytree(base, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    teacher = load_teacher("someone/tiny-dit")
+    local = load_teacher(base)
+    assert all(torch.equal(a, b) for a, b in zip(teacher.state_dict().values(), local.state_dict().values()))
+    with pytest.raises(FileNotFoundError, match="could not be fetched or found in the local cache"):
+        load_teacher("someone/absent")
+
+
+def test_retrofit_cli_runs_both_phases_on_one_store_and_refuses_in_one_line(tmp_path, dit_base, capsys):
+    from helpers import load_script
+
+    base, student = dit_base
+    cfg = dit_config(tmp_path, dit_base)
+    main = load_script("finetune/retrofit.py").main
+    common = ["--config", str(cfg), "--pretrained", str(student), "--teacher", str(base), "--distill-steps", "1", "--finetune-steps", "1"]
+    code = main(common + ["--output_dir", str(tmp_path / "cli"), "--finetune-data-weight", "0", "--set", "data.teacher.store_dir=null"])
+    out = capsys.readouterr().out
+    assert code == 0 and "held-out loss" in out and '"trajectories": 4' in out
+    assert (tmp_path / "cli" / "finetune" / "final" / "transformer" / "mhla.safetensors").is_file()
+    assert read_loss_terms(tmp_path / "cli" / "finetune" / "loss.csv").keys() == {"output"}  # data weight 0: pairs again
+    code = main(common + ["--output_dir", str(tmp_path / "cli2"), "--set", "data.teacher.guidance_scale=2.0",
+                          "--set", f"data.teacher.store_dir={tmp_path / 'cli' / 'teacher_store'}"])
+    last = capsys.readouterr().err.splitlines()[-1]  # after the loading progress bars: one line
+    assert code == 2 and last.startswith("retrofit.py: ") and "guidance_scale: 4.0 (store) vs 2.0" in last
