@@ -62,11 +62,14 @@ VARIANTS = {  # name -> conversion arguments (None: the softmax control)
     "mhla_lepe_power2": {"layers": "all", "lepe": True, "feature_power": 2.0},
     "mhla_lepe_power3": {"layers": "all", "lepe": True, "feature_power": 3.0},
     "mhla_auto1_lepe": {"layers": "auto", "keep_softmax": 1, "lepe": True},  # the auto hybrid, its MHLA layers with LePE
-    # data-free (issue 34): no photo seen in training; "teacher_samples" = the original's trajectories in the store
-    "mhla_lepe_datafree": {"layers": "all", "lepe": True, "teacher_samples": 64},
-    "mhla_auto1_datafree": {"layers": "auto", "keep_softmax": 1, "teacher_samples": 64},
-    "mhla_lepe_datafree_s16": {"layers": "all", "lepe": True, "teacher_samples": 16},
-    "mhla_lepe_datafree_s256": {"layers": "all", "lepe": True, "teacher_samples": 256},
+    # data-free (issue 34): no photo seen in training; "teacher": the data.teacher settings over the data-free config
+    # (samples = the original's trajectories in the store), "retrofit": retrofit() options of the variant
+    "mhla_lepe_datafree": {"layers": "all", "lepe": True, "teacher": {"samples": 64}},
+    "mhla_auto1_datafree": {"layers": "auto", "keep_softmax": 1, "teacher": {"samples": 64}},
+    "mhla_lepe_datafree_s16": {"layers": "all", "lepe": True, "teacher": {"samples": 16}},
+    "mhla_lepe_datafree_s256": {"layers": "all", "lepe": True, "teacher": {"samples": 256}},
+    # the store sampled with the pipeline's own guidance (DiTPipeline: 4.0) instead of the config's 1.5
+    "mhla_lepe_datafree_g4": {"layers": "all", "lepe": True, "teacher": {"samples": 64, "guidance_scale": 4.0}},
 }
 DEFAULT_VARIANTS = ["softmax", "mhla_all", "mhla_hybrid", "mhla_auto", "linear"]
 LABELS = {
@@ -87,6 +90,7 @@ LABELS = {
     "mhla_auto1_datafree": "MHLA hybrid, auto, 1 softmax layer, data-free (64 teacher trajectories)",
     "mhla_lepe_datafree_s16": "MHLA, all layers, + LePE, data-free (16 teacher trajectories)",
     "mhla_lepe_datafree_s256": "MHLA, all layers, + LePE, data-free (256 teacher trajectories)",
+    "mhla_lepe_datafree_g4": "MHLA, all layers, + LePE, data-free (64 trajectories at guidance 4)",
 }
 
 
@@ -135,7 +139,7 @@ def convert_variant(name: str, size: dict, out: Path, args) -> tuple[Path, dict 
     t0 = time.perf_counter()
     if VARIANTS[name] is None:
         return size["base"], None, 0.0
-    options = {k: v for k, v in VARIANTS[name].items() if k != "teacher_samples"}
+    options = {k: v for k, v in VARIANTS[name].items() if k not in ("teacher", "retrofit")}
     if "block_grid" not in options:
         options["num_blocks"] = args.num_blocks or size["num_blocks"]
     if options["layers"] == "auto":
@@ -170,8 +174,8 @@ def study_size(tokens: str, args, out: Path) -> dict:
         print(f"[study] {tokens} tokens: {key}", flush=True)
         cpu0, wall0 = time.process_time(), time.perf_counter()
         start, spec, t_convert = convert_variant(name, size, out / "checkpoints" / f"{tokens}_{key}", args)
-        config, overrides = recipe_of(name, tokens, out, args, overrides)
-        r = retrofit(config, start, size["base"], out / "runs" / f"{tokens}_{key}", distill_steps=args.distill_steps,
+        config, overrides, options = recipe_of(name, tokens, out, args, overrides)
+        r = retrofit(config, start, size["base"], out / "runs" / f"{tokens}_{key}", distill_steps=args.distill_steps, **options,
                      distill_lr=args.distill_lr,
                      finetune_steps=args.distill_steps + args.finetune_steps if spec is None else args.finetune_steps,
                      overrides=overrides)
@@ -194,14 +198,16 @@ def study_size(tokens: str, args, out: Path) -> dict:
     return results
 
 
-def recipe_of(name: str, tokens: str, out: Path, args, overrides: list[str]) -> tuple[str, list[str]]:
-    """The config and overrides of a variant: the data recipe, or the data-free one with its store (one per size: a
-    smaller store is the first trajectories of a larger one, the same shards)."""
-    samples = VARIANTS[name] and VARIANTS[name].get("teacher_samples")
-    if not samples:
-        return args.config, overrides
-    store = out / f"teacher_store_{tokens}"
-    return str(DATAFREE_CONFIG), overrides + [f"data.teacher.samples={samples}", f"data.teacher.store_dir={store}"]
+def recipe_of(name: str, tokens: str, out: Path, args, overrides: list[str]) -> tuple[str, list[str], dict]:
+    """The config, overrides and retrofit options of a variant: the data recipe, or the data-free one with its store
+    (one per size and store setting: a smaller store is the first trajectories of a larger one, the same shards)."""
+    teacher = (VARIANTS[name] or {}).get("teacher")
+    if not teacher:
+        return args.config, overrides, {}
+    settings = {k: v for k, v in teacher.items() if k != "samples"}
+    store = out / ("teacher_store_" + "_".join([tokens] + [f"{k}{v}" for k, v in sorted(settings.items())]))
+    data = [f"data.teacher.{k}={v}" for k, v in teacher.items()] + [f"data.teacher.store_dir={store}"]
+    return str(DATAFREE_CONFIG), overrides + data, dict(VARIANTS[name].get("retrofit", {}))
 
 
 def seed_overrides(seed: int) -> list[str]:

@@ -33,6 +33,7 @@ def parse_args(argv=None):
     p.add_argument("--attention-weight", type=float, default=5.0, help="attention transfer weight while distilling")
     p.add_argument("--output-weight", type=float, default=1.0, help="output matching weight in both phases")
     p.add_argument("--finetune-data-weight", type=float, default=1.0, help="data loss weight while fine-tuning (0: output matching alone)")
+    p.add_argument("--finetune-attention-weight", type=float, default=0.0, help="attention transfer weight while fine-tuning")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     return p.parse_args(argv)
 
@@ -44,6 +45,7 @@ def main(argv=None) -> int:
         result = retrofit(args.config, args.pretrained, args.teacher, args.output_dir, distill_steps=args.distill_steps,
                           finetune_steps=args.finetune_steps, distill_lr=args.distill_lr, attention_weight=args.attention_weight,
                           output_weight=args.output_weight, finetune_data_weight=args.finetune_data_weight,
+                          finetune_attention_weight=args.finetune_attention_weight,
                           overrides=args.overrides)
     except (ValueError, FileNotFoundError) as err:
         print(f"retrofit.py: {err}", file=sys.stderr)

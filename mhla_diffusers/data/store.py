@@ -33,12 +33,15 @@ from torch.utils.data import Dataset
 from mhla_diffusers.checkpoint.io import atomic_write_json
 
 __all__ = [
-    "STORE_FORMAT", "TRAJECTORY_KEYS", "open_store", "shard_path", "missing_shards", "write_shard", "num_shards",
-    "TeacherSamples", "TeacherPairs",
+    "STORE_FORMAT", "TRAJECTORY_KEYS", "COST_DIR", "open_store", "shard_path", "missing_shards", "write_shard", "num_shards",
+    "store_cost", "TeacherSamples", "TeacherPairs",
 ]
 
 STORE_FORMAT = 1
 _RECORD = "store.json"
+#: per shard, what sampling it cost (``<store>/cost/NNNNN.json``: calls, wall and CPU seconds), apart from the shards
+#: so that their bytes stay a function of the key
+COST_DIR = "cost"
 # per-step tensors of a trajectory: [S, K, ...] in a shard, [...] in a pair item
 TRAJECTORY_KEYS = ("noisy", "timesteps", "teacher_pred", "teacher_null_pred")
 
@@ -77,6 +80,8 @@ def open_store(folder: str | os.PathLike, key: str, settings: Mapping, shard_siz
         folder: the store folder. key: a digest of ``settings`` (the teacher's weights, scheduler, guidance,
             sampling settings). settings: a JSON-able mapping, recorded so that a refusal can name what changed.
         shard_size: trajectories per shard (part of the layout: recorded and checked like the key).
+
+    The process that creates (``create``) also removes what a killed writer left: temporary shard files.
 
     Raises:
         ValueError: ``folder`` holds a store of another key or shard size (naming the settings that differ),
@@ -134,6 +139,19 @@ def write_shard(folder: str | os.PathLike, index: int, tensors: Mapping[str, tor
     return path
 
 
+def store_cost(folder: str | os.PathLike, trajectories: int) -> dict[str, Any]:
+    """What the shards holding the first ``trajectories`` cost the teacher: shards, trajectories, steps, guidance,
+    transformer calls, wall and CPU seconds (summed over the processes that generated them)."""
+    record = json.loads((Path(folder) / _RECORD).read_text())
+    count = num_shards(trajectories, int(record["shard_size"]))
+    paths = [Path(folder) / COST_DIR / f"{j:05d}.json" for j in range(count)]
+    costs = [json.loads(p.read_text()) for p in paths if p.is_file()]
+    settings = record["settings"]
+    return {"folder": str(folder), "shards": count, "trajectories": count * int(record["shard_size"]), "steps": settings.get("steps"),
+            "guidance_scale": settings.get("guidance_scale"), "transformer_calls": sum(c["calls"] for c in costs),
+            "wall_s": round(sum(c["wall_s"] for c in costs), 2), "cpu_s": round(sum(c["cpu_s"] for c in costs), 2)}
+
+
 class _StoreView(Dataset):
     """Items of the first ``trajectories`` of a complete store, read one row at a time (memory bounded)."""
 
@@ -147,6 +165,11 @@ class _StoreView(Dataset):
         with safe_open(str(shard_path(self.folder, 0)), framework="pt") as f:
             self.names = list(f.keys())
             self.steps = int(f.get_slice("noisy").get_shape()[1]) if "noisy" in self.names else 0
+
+    @property
+    def cost(self) -> dict[str, Any]:
+        """What sampling these trajectories cost the teacher (:func:`store_cost`)."""
+        return store_cost(self.folder, self.trajectories)
 
     def set_epoch(self, epoch: int) -> None:
         """No-op: stored items are fixed."""

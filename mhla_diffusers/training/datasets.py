@@ -62,6 +62,6 @@ def heldout_data(parts, config: Mapping, accelerator):
 
 
 def cost_line(cost: Mapping) -> str:
-    """A teacher store's cost in one line (:func:`~mhla_diffusers.training.teacher.store_cost`)."""
+    """A teacher store's cost in one line (:func:`~mhla_diffusers.data.store.store_cost`)."""
     return (f"{cost['trajectories']} trajectories x {cost['steps']} steps, {cost['transformer_calls']} teacher calls, "
             f"{cost['wall_s']} s wall / {cost['cpu_s']} s CPU to sample")

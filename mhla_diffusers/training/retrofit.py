@@ -31,25 +31,27 @@ def retrofit(
     distill_condition: str | None = None,
     distill_lr: float | None = None,
     finetune_data_weight: float = 1.0,
+    finetune_attention_weight: float = 0.0,
     overrides: Iterable[str] = (),
 ) -> dict:
     """Distil then fine-tune ``pretrained`` against ``teacher`` (pipeline folders), into ``<output_dir>/{distill,finetune}``.
 
-    Phase 1 (``distill_steps``; skipped at 0 or without MHLA): attention transfer and output matching,
-    no data loss, ``distill_lr`` a constant rate (``None``: the config's schedule), on ``distill_condition``
-    (``None``: ``"random"`` class labels, or the stored conditions of a teacher store). Phase 2
-    (``finetune_steps >= 1``): the data loss (weight ``finetune_data_weight``; 0: output matching alone, a
-    distillation on the phase's samples) plus output matching. ``config`` is the YAML both start
-    from; ``overrides`` apply to both. A data-free config (``data.kind: teacher``) trains both phases on one
-    store of the teacher's samples (``data.teacher.store_dir``, default ``<output_dir>/teacher_store``): the
-    distillation on its trajectory pairs, the fine-tuning on its clean samples. Returns held-out losses and teacher MSEs at ``conversion`` /
-    ``distill`` / ``finetune``, steps, times, ``final_dir`` and the run folders.
+    Phase 1 (``distill_steps``; skipped at 0 or without MHLA): attention transfer and output matching, no data
+    loss, ``distill_lr`` a constant rate (``None``: the config's schedule), on ``distill_condition`` (``None``:
+    ``"random"`` class labels, or the stored conditions of a teacher store). Phase 2 (``finetune_steps >= 1``):
+    the data loss (weight ``finetune_data_weight``; 0: a distillation on the phase's samples) plus output
+    matching and attention transfer (``finetune_attention_weight``, default 0). ``config`` is the YAML both
+    start from; ``overrides`` apply to both. A data-free config (``data.kind: teacher``) trains both phases on
+    one store of the teacher's samples (``data.teacher.store_dir``, default ``<output_dir>/teacher_store``).
+    Returns held-out losses and teacher MSEs at ``conversion`` / ``distill`` / ``finetune``, steps, times,
+    ``final_dir``, the run folders and the store's cost (``teacher_store``).
 
     Raises:
         ValueError: non-integer or out-of-range step counts, ``distill_lr <= 0``, config errors.
     """
-    if not finetune_data_weight >= 0:
-        raise ValueError(f"finetune_data_weight must be >= 0; got {finetune_data_weight!r}")
+    if not (finetune_data_weight >= 0 and finetune_attention_weight >= 0):
+        raise ValueError(f"finetune_data_weight and finetune_attention_weight must be >= 0; got {finetune_data_weight!r}, "
+                         f"{finetune_attention_weight!r}")
     if distill_lr is not None and not distill_lr > 0:
         raise ValueError(f"distill_lr must be > 0 or None; got {distill_lr!r}")
     whole = [isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in (finetune_steps, distill_steps)]
@@ -74,7 +76,8 @@ def retrofit(
     runs["finetune"] = out / "finetune"
     s2 = train(load_config(config, common + [
         f"model.pretrained={s1['final_dir'] if s1 else pretrained}", f"output_dir={runs['finetune']}",
-        f"train.max_steps={int(finetune_steps)}", f"distill.data_weight={finetune_data_weight}", "distill.attention_weight=0",
+        f"train.max_steps={int(finetune_steps)}", f"distill.data_weight={finetune_data_weight}",
+        f"distill.attention_weight={finetune_attention_weight}",
         "distill.condition=dataset",
     ]))
     first = s1 or s2

@@ -20,19 +20,27 @@ import hashlib
 import inspect
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 import torch
 from tqdm.auto import tqdm
 
 from mhla_diffusers.checkpoint.format import pipeline_transformers
 from mhla_diffusers.checkpoint.io import atomic_write_json
-from mhla_diffusers.data.store import TeacherPairs, TeacherSamples, missing_shards, num_shards, open_store, write_shard
+from mhla_diffusers.data.store import (
+    COST_DIR,
+    TeacherPairs,
+    TeacherSamples,
+    missing_shards,
+    num_shards,
+    open_store,
+    write_shard,
+)
 from mhla_diffusers.families.base import call_default
 from mhla_diffusers.training.cache import cache_key, module_fingerprint
 
 __all__ = ["PROMPTS", "USES", "read_prompts", "teacher_pipeline", "store_settings", "build_teacher_store", "teacher_dataset",
-           "store_cost", "uses_pairs"]
+           "uses_pairs", "kept_steps"]
 
 #: the prompt list shipped with the package (64 everyday scenes), used when ``data.teacher.prompts`` is null
 PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts.txt"
@@ -329,26 +337,12 @@ def build_teacher_store(parts, config: Mapping, folder: str | Path, *, trajector
         tensors, calls = _generate_shard(parts, pipe, settings, conditions, j, shard_size, device)
         cost = {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu, "calls": calls,
                 "trajectories": shard_size, "steps": settings["steps"]}
-        atomic_write_json(Path(folder) / "cost" / f"{j:05d}.json", cost, sort_keys=True)
+        atomic_write_json(Path(folder) / COST_DIR / f"{j:05d}.json", cost, sort_keys=True)
         write_shard(folder, j, tensors, key)
         bar.set_postfix(s_per_trajectory=f"{cost['wall_s'] / shard_size:.2f}", calls=calls)
     if barrier is not None:
         barrier()
     return Path(folder)
-
-
-def store_cost(folder: str | Path, trajectories: int) -> dict[str, Any]:
-    """What the first ``trajectories`` of a store cost the teacher: shards, trajectories, steps, calls, wall and CPU seconds
-    (summed over the processes that generated them; a shard generated before its cost was recorded counts nothing)."""
-    import json
-
-    record = json.loads((Path(folder) / "store.json").read_text())
-    count = num_shards(trajectories, int(record["shard_size"]))
-    costs = [json.loads(p.read_text()) for j in range(count) if (p := Path(folder) / "cost" / f"{j:05d}.json").is_file()]
-    return {"folder": str(folder), "shards": count, "trajectories": count * int(record["shard_size"]),
-            "steps": record["settings"]["steps"], "guidance_scale": record["settings"]["guidance_scale"],
-            "transformer_calls": sum(c["calls"] for c in costs), "wall_s": round(sum(c["wall_s"] for c in costs), 2),
-            "cpu_s": round(sum(c["cpu_s"] for c in costs), 2)}
 
 
 def teacher_dataset(parts, config: Mapping, accelerator, *, heldout: bool = False):
@@ -367,6 +361,4 @@ def teacher_dataset(parts, config: Mapping, accelerator, *, heldout: bool = Fals
                         world_size=accelerator.num_processes, barrier=accelerator.wait_for_everyone,
                         progress=accelerator.is_local_main_process)
     view = TeacherPairs if uses_pairs(config) and not heldout else TeacherSamples
-    dataset = view(folder, trajectories)
-    dataset.cost = store_cost(folder, trajectories)
-    return dataset
+    return view(folder, trajectories)

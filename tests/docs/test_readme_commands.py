@@ -63,3 +63,23 @@ def test_every_config_named_in_the_readme_loads():
     for path in named:
         assert (ROOT / path).is_file(), path
         load_config(ROOT / path)
+
+
+def test_the_data_free_commands_fit_together():
+    """README, "Without a dataset": retrofit.py trains what convert.py wrote, against the model it converted, with a
+    data-free config whose resolution the Hub DiT takes."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("**Without a dataset**", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    convert, retrofit = [shlex.split(line) for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+    assert convert[1] == "conversion/convert.py" and "finetune/retrofit.py" in retrofit
+    assert _option(retrofit, "--pretrained") == _option(convert, "--out")
+    assert _option(retrofit, "--teacher") == _option(convert, "--src")
+    config = load_config(ROOT / _option(retrofit, "--config")[0])
+    assert config["data"]["kind"] == "teacher"
+    sample_size, levels = HUB_DIT[_option(convert, "--src")[0]]
+    transformer = SimpleNamespace(config=SimpleNamespace(sample_size=sample_size))
+    check_resolution(transformer, SimpleNamespace(config=_Config(block_out_channels=levels)), int(config["data"]["resolution"]))
+    from helpers import load_script
+
+    args = load_script("finetune/retrofit.py").parse_args(retrofit[retrofit.index("finetune/retrofit.py") + 1:])
+    assert args.distill_steps > 0 and args.finetune_steps > 0

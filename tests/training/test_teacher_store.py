@@ -101,7 +101,7 @@ def test_dit_store_holds_the_teachers_trajectories_and_samples(tmp_path, dit_bas
     images = pipe(class_labels=[0, 1], generator=generators, num_inference_steps=3, output_type="pt").images
     decoded = pipe.vae.decode(shard["latents"] / pipe.vae.config.scaling_factor).sample
     assert torch.allclose(images, (decoded / 2 + 0.5).clamp(0, 1), atol=1e-5)
-    cost = teacher_mod.store_cost(folder, 4)
+    cost = TeacherSamples(folder, 4).cost
     assert cost["trajectories"] == 4 and cost["transformer_calls"] == 6 and cost["steps"] == 3 and cost["guidance_scale"] == 4.0
 
 
