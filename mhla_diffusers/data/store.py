@@ -81,7 +81,8 @@ def open_store(folder: str | os.PathLike, key: str, settings: Mapping, shard_siz
             sampling settings). settings: a JSON-able mapping, recorded so that a refusal can name what changed.
         shard_size: trajectories per shard (part of the layout: recorded and checked like the key).
 
-    The process that creates (``create``) also removes what a killed writer left: temporary shard files.
+    The process that creates (``create``) also removes what a killed writer left: temporary shard files whose
+    writing process is no longer running on this machine.
 
     Raises:
         ValueError: ``folder`` holds a store of another key or shard size (naming the settings that differ),
@@ -111,7 +112,8 @@ def open_store(folder: str | os.PathLike, key: str, settings: Mapping, shard_siz
                          "use a new store_dir")
     if create:  # the one process that opens first: what a killed writer left (a temporary shard) goes
         for stale in (folder / "shards").glob(".*.tmp-*"):
-            stale.unlink(missing_ok=True)
+            if not _running(stale.name.rsplit("-", 1)[-1]):  # another run writing into the store keeps its file
+                stale.unlink(missing_ok=True)
     if stored_key != key or int(stored.get("shard_size", -1)) != int(shard_size):
         changed = _differences({**stored.get("settings", {}), "shard_size": stored.get("shard_size")},
                                {**wanted["settings"], "shard_size": int(shard_size)})
@@ -120,6 +122,17 @@ def open_store(folder: str | os.PathLike, key: str, settings: Mapping, shard_siz
             + ". Its shards cannot train this run: give data.teacher.store_dir a new folder (or set the settings back)"
         )
     return folder
+
+
+def _running(pid: str) -> bool:
+    """Whether ``pid`` is a live process of this machine (the writer of a temporary shard)."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def missing_shards(folder: str | os.PathLike, count: int) -> list[int]:

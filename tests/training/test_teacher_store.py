@@ -384,3 +384,15 @@ def test_retrofit_cli_runs_both_phases_on_one_store_and_refuses_in_one_line(tmp_
                           "--set", f"data.teacher.store_dir={tmp_path / 'cli' / 'teacher_store'}"])
     last = capsys.readouterr().err.splitlines()[-1]  # after the loading progress bars: one line
     assert code == 2 and last.startswith("retrofit.py: ") and "guidance_scale: 4.0 (store) vs 2.0" in last
+
+
+def test_opening_a_store_keeps_a_live_writers_temporary_shard(tmp_path):
+    from mhla_diffusers.data.store import open_store
+
+    folder = open_store(tmp_path / "s", "k", {"a": 1}, 2)
+    live = folder / "shards" / f".00003.safetensors.tmp-{os.getpid()}"
+    dead = folder / "shards" / ".00004.safetensors.tmp-999999999"
+    live.write_bytes(b"being written")
+    dead.write_bytes(b"left by a kill")
+    open_store(folder, "k", {"a": 1}, 2)
+    assert live.is_file() and not dead.exists()
