@@ -224,7 +224,7 @@ class DiTTraining(TrainingSpec):
 
     def predict(self, model, noisy, timesteps, cond):
         """The epsilon half of the output (learned-sigma models predict ``2 C`` channels)."""
-        return self.prediction(model(noisy, timestep=timesteps, class_labels=cond["class_labels"]).sample, noisy)
+        return self.prediction(model(noisy, timestep=timesteps, class_labels=cond["class_labels"], return_dict=False)[0], noisy)
 
     def prediction(self, output, noisy):
         """The first ``C`` channels of the output (``C`` = the latent's; learned-sigma models give ``2 C``)."""

@@ -70,8 +70,8 @@ class SanaTraining(TrainingSpec):
         """The velocity prediction ``v = noise - x0``."""
         return model(
             noisy, encoder_hidden_states=cond["encoder_hidden_states"], encoder_attention_mask=cond["encoder_attention_mask"],
-            timestep=timesteps,
-        ).sample
+            timestep=timesteps, return_dict=False,
+        )[0]
 
 
 SANA = register_family(Family(

@@ -207,7 +207,7 @@ class WanTraining(TrainingSpec):
 
     def predict(self, model, noisy, timesteps, cond):
         """The velocity prediction ``v = noise - x0``."""
-        return model(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=cond["encoder_hidden_states"]).sample
+        return model(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=cond["encoder_hidden_states"], return_dict=False)[0]
 
 
 WAN = register_family(Family(

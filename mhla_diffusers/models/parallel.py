@@ -42,6 +42,7 @@ __all__ = [
     "record_exchanges",
     "context_parallel_plan",
     "enable_context_parallel",
+    "check_context_parallel",
     "cpu_device_mesh",
     "communication_bytes",
 ]
@@ -398,6 +399,26 @@ def _attention_backend(attn: nn.Module) -> str:
     return getattr(backend, "value", backend)
 
 
+def check_context_parallel(model: nn.Module) -> None:
+    """``ValueError`` for MHLA layers that cannot run on a rank's share of the tokens: a LePE convolution, the authors'
+    DiT normaliser (both need tokens other ranks hold). Needs no process group; :func:`enable_context_parallel`
+    runs it first."""
+    lepe = [name for name, attn in self_attention_modules(model, family_of(model)) if _has_lepe(attn)]
+    if lepe:
+        raise ValueError(
+            f"{lepe} have a LePE convolution (lepe=True), which needs each token's neighbours on the token grid, but under "
+            "context parallelism a rank holds only its share of the tokens: LePE is not supported under context "
+            "parallelism; run this model in one process, or convert without lepe"
+        )
+    positional = [name for name, attn in self_attention_modules(model, family_of(model)) if _denominator(attn) != "paper"]
+    if positional:
+        raise ValueError(
+            f"{positional} use the authors' DiT normaliser (denominator='authors_dit'), which pairs each query with the "
+            "queries at its position in every other block, but under context parallelism a rank holds only its share of "
+            "the tokens: not supported under context parallelism; run this model in one process"
+        )
+
+
 def enable_context_parallel(model: nn.Module, config) -> None:
     """Put an MHLA transformer under diffusers' context parallelism, checked (``torch.distributed`` initialised).
 
@@ -413,20 +434,7 @@ def enable_context_parallel(model: nn.Module, config) -> None:
             without log-sum-exp; a degree above the world size.
         RuntimeError: torch.distributed not initialised.
     """
-    lepe = [name for name, attn in self_attention_modules(model, family_of(model)) if _has_lepe(attn)]
-    if lepe:
-        raise ValueError(
-            f"{lepe} have a LePE convolution (lepe=True), which needs each token's neighbours on the token grid, but under "
-            "context parallelism a rank holds only its share of the tokens: LePE is not supported under context "
-            "parallelism; run this model in one process, or convert without lepe"
-        )
-    positional = [name for name, attn in self_attention_modules(model, family_of(model)) if _denominator(attn) != "paper"]
-    if positional:
-        raise ValueError(
-            f"{positional} use the authors' DiT normaliser (denominator='authors_dit'), which pairs each query with the "
-            "queries at its position in every other block, but under context parallelism a rank holds only its share of "
-            "the tokens: not supported under context parallelism; run this model in one process"
-        )
+    check_context_parallel(model)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("context parallelism needs torch.distributed initialised (run under torchrun, then init_process_group)")
     plan = context_parallel_plan(model)

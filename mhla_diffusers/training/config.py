@@ -20,6 +20,7 @@ import yaml
 from mhla_diffusers.families import FAMILIES
 from mhla_diffusers.models.spec import GATE_FORMS, LEPE_INITS, ROPE_MODES, check_mixing_init
 from mhla_diffusers.training.config_rules import Boolean, Choice, Integer, Number
+from mhla_diffusers.training.context import check_context_section
 from mhla_diffusers.training.distill import CONDITIONS, TRANSFER_LAYERS
 from mhla_diffusers.training.flow import LOSS_WEIGHTING, OBJECTIVES, TIMESTEP_SAMPLING
 
@@ -183,12 +184,17 @@ DEFAULT_CONFIG: dict[str, Any] = {
         "seed": 12345,  # crops, noise; timesteps evenly spaced
         "batch_size": 16,
     },
+    "parallel": {
+        # null: each process trains its own samples (data parallel). {ring_degree: P} or {ulysses_degree: P}: P processes
+        # share each sample's tokens (context parallelism; Wan, DiT; + ring_anything / ulysses_anything: uneven shards)
+        "context": None,
+    },
     "export": {
         "sampler": "dpm",  # DiT: dpm | ddim | ddpm : the scheduler of the exported pipeline (SANA keeps its own)
         "dir": None,  # the final pipeline folder (null: output_dir/final; else a path as given)
     },
 }
-_FREE_SECTIONS = {("model", "init"), ("model", "vae"), ("model", "noise_scheduler"), ("mhla",), ("eval", "data")}
+_FREE_SECTIONS = {("model", "init"), ("model", "vae"), ("model", "noise_scheduler"), ("mhla",), ("eval", "data"), ("parallel", "context")}
 _MHLA_KEYS = {
     "layers", "num_blocks", "block_grid", "normalize", "eps", "backend", "init", "output_norm", "feature_eps", "mixing_clamp",
     "feature_power", "rope", "gate", "lepe", "lepe_init",
@@ -405,6 +411,7 @@ def validate_config(config: dict) -> None:
         raise ValueError("train.report_to=tensorboard needs the tensorboard package: pip install tensorboard (or set report_to: null)")
     _check_distill(config["distill"])
     _check_teacher_run(config)
+    _check_parallel(config)
     if config["model"]["expert"] == "transformer_2" and config["train"]["trainable"] == "lora" and config["lora"]["export"] == "separate":
         raise ValueError(
             "lora.export=separate writes the adapter as transformer_lora/, which loads onto the first expert: with "
@@ -536,6 +543,18 @@ def _is_int(value: Any) -> bool:
 
 def _is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_parallel(config: Mapping) -> None:
+    """``parallel.context``: a section diffusers accepts; attention transfer refused under it."""
+    context = config["parallel"]["context"]
+    check_context_section(context)
+    if context is not None and config["distill"]["attention_weight"]:
+        raise ValueError(
+            "distill.attention_weight > 0 under parallel.context: attention transfer compares each layer's whole output "
+            "with the teacher's, and a rank holds only its share of the tokens. Set distill.attention_weight: 0 (the data "
+            "loss and output matching run under context parallelism) or parallel.context: null"
+        )
 
 
 def _check_distill(ds: Mapping) -> None:

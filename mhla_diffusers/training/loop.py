@@ -31,6 +31,7 @@ from mhla_diffusers.models.installer import is_mhla_model
 from mhla_diffusers.ops import mixing as mixing_ops
 from mhla_diffusers.ops.mixing import mixing_parameters
 from mhla_diffusers.training.config import validate_config
+from mhla_diffusers.training.context import DataLayout, context_loss_scale, data_layout, enable_training_context
 from mhla_diffusers.training.datasets import heldout_data, training_data
 from mhla_diffusers.training.distill import AttentionRecorder, transfer_modules
 from mhla_diffusers.training.evaluation import evaluate_heldout
@@ -86,6 +87,7 @@ def train(config: dict) -> dict[str, Any]:
     t_cfg = config["train"]
     run = _Run(config=config, accelerator=_accelerator(t_cfg, Path(config["output_dir"])))
     accelerator, out = run.accelerator, run.out
+    run.layout = data_layout(config["parallel"]["context"], accelerator.process_index, accelerator.num_processes)
     # Resume (or refuse to start over a run that has checkpoints, or to go back behind a later step):
     # checked before anything is written or loaded.
     complete, incomplete = find_checkpoints(out / "checkpoints")
@@ -123,6 +125,7 @@ class _Run:
 
     config: dict
     accelerator: Accelerator
+    layout: DataLayout | None = None  # data ranks x context ranks (parallel.context)
     parts: TrainingParts | None = None
     frozen_fp32: dict = field(default_factory=dict)  # main process: the frozen weights at full precision
     restore: list = field(default_factory=list)  # [(module, attribute, value)] to put back before export
@@ -169,6 +172,17 @@ class _Run:
     def fsdp(self) -> bool:
         """Whether parameters are FSDP2-sharded (the main process alone cannot evaluate or export them)."""
         return self.accelerator.distributed_type == DistributedType.FSDP
+
+    @property
+    def context(self) -> bool:
+        """Whether the transformer runs under context parallelism (its forward is a collective of a context group)."""
+        return self.layout.context_degree > 1
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether this process runs the held-out evaluation: the main one; under context parallelism every one (the
+        transformer's forward takes its whole context group)."""
+        return self.accelerator.is_main_process or self.context
 
     @property
     def eval_kwargs(self) -> dict:
@@ -225,7 +239,7 @@ def _build_parts(run: _Run) -> None:
         transformer.enable_gradient_checkpointing()
     # Frozen weights are about to be cast down: the main process keeps their fp32 values (CPU) so that
     # the export (LoRA merged into them) is written at full precision, not from the bf16 / fp16 copies.
-    if weight_dtype != torch.float32 and accelerator.is_main_process:
+    if weight_dtype != torch.float32 and run.evaluates:
         run.frozen_fp32 = {n: p.detach().to("cpu", copy=True) for n, p in transformer.named_parameters() if not p.requires_grad}
     prepare_parameter_dtypes(transformer, weight_dtype)  # frozen -> weight_dtype, trainable -> fp32 (GradScaler)
     frozen = [parts.teacher, getattr(parts.pipeline, "text_encoder", None)]
@@ -234,6 +248,7 @@ def _build_parts(run: _Run) -> None:
         if weight_dtype != torch.float32:
             prepare_parameter_dtypes(module, weight_dtype)
     parts.vae.to(accelerator.device)  # the autoencoder stays fp32 (as diffusers' SANA / SD3 recipes keep it)
+    enable_training_context(transformer, run.layout, accelerator.device)  # parallel.context: before prepare
 
 
 def _build_data(run: _Run) -> None:
@@ -241,7 +256,7 @@ def _build_data(run: _Run) -> None:
     dataset, run.restore = training_data(run.parts, run.config, run.accelerator)
     run.dataset = dataset
     run.sampler = DistributedSampler(
-        dataset, num_replicas=run.accelerator.num_processes, rank=run.accelerator.process_index,
+        dataset, num_replicas=run.layout.data_world, rank=run.layout.data_rank,  # a context group: the same samples
         shuffle=True, seed=int(run.config["data"]["seed"]), drop_last=True,
     )
     # An epoch = a whole number of optimizer steps (drop the remainder): keeps resume arithmetic exact.
@@ -337,7 +352,7 @@ def _evaluate_start(run: _Run) -> None:
     if int(ev_cfg["samples"]) <= 0:
         return
     run.eval_set = heldout_data(run.parts, config, accelerator)
-    if accelerator.is_main_process and run.step == 0 and not run.fsdp:
+    if run.evaluates and run.step == 0 and not run.fsdp:
         with accelerator.autocast():
             run.eval_start = evaluate_heldout(run.parts, accelerator.unwrap_model(run.model), run.eval_set, **run.eval_kwargs)
         accelerator.print(f"held-out loss before training: {run.eval_start['loss']:.5f}")
@@ -402,11 +417,11 @@ def _micro_step(run: _Run, batch: Mapping, micro: int, loss_options: Mapping[str
     g = torch.Generator(device=accelerator.device).manual_seed(_step_seed(int(run.config["train"]["seed"]), run.step, micro))
     with accelerator.accumulate(model):
         with accelerator.autocast():
-            loss, terms = training_loss(run.parts, model, batch, generator=g, rank=accelerator.process_index,
-                                        world_size=accelerator.num_processes, **loss_options)
+            loss, terms = training_loss(run.parts, model, batch, generator=g, rank=run.layout.data_rank,
+                                        world_size=run.layout.data_world, **loss_options)
         if not torch.isfinite(loss):
             raise ValueError(f"non-finite loss {loss.item()} at step {run.step + 1}; lower train.lr or use mixed_precision=no")
-        accelerator.backward(loss)
+        accelerator.backward(loss * context_loss_scale(run.layout) if run.context else loss)
         norms, skip = {}, False
         if accelerator.sync_gradients:
             norms = clip_step_gradients(accelerator, model, run.clip_groups, run.config["train"]["grad_clip"], run.per_group_clip)
@@ -476,12 +491,13 @@ def _finish(run: _Run) -> dict[str, Any]:
     accelerator.wait_for_everyone()
     summary: dict[str, Any] = {}
     full_state = accelerator.get_state_dict(run.model) if run.fsdp else None  # a collective: every process takes part
-    if accelerator.is_main_process:
+    eval_end: dict = {}
+    if accelerator.is_main_process or (run.context and not run.fsdp):  # FSDP: a fresh model, without context parallelism
         model = _final_model(run, full_state)
-        eval_end: dict = {}
         if run.eval_set is not None:
             with accelerator.autocast():
                 eval_end = evaluate_heldout(run.parts, model, run.eval_set, **run.eval_kwargs)
+    if accelerator.is_main_process:
         export_model(run.parts, model, run.final_dir, sampler=run.config["export"]["sampler"], id2label=run.parts.id2label,
                      lora_export=run.config["lora"]["export"])
         write_loss_csv(run.out / LOSS_CSV, run.rows)
@@ -549,7 +565,8 @@ def _summary(run: _Run, model: torch.nn.Module, eval_end: Mapping) -> dict[str, 
         "mhla": is_mhla_model(model),
         "mhla_layers": len(mixing),
         "mixing_range": [min(float(p.detach().min()) for p in mixing), max(float(p.detach().max()) for p in mixing)] if mixing else None,
-        "batch_size": run.batch_size * run.accelerator.num_processes * run.accum,
+        "batch_size": run.batch_size * run.layout.data_world * run.accum,
+        "context_degree": run.layout.context_degree,
         # steps whose update was not applied (a non-finite gradient norm; see loss.csv's grad_norm_* columns)
         "skipped_steps": [r[0] for r in rows if len(r) > 4 and any(not math.isfinite(v) for v in r[4].values())],
         "eval_loss_start": run.eval_start.get("loss"),  # None when eval.samples = 0 or when resumed

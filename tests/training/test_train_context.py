@@ -1,0 +1,192 @@
+"""Context parallelism in the trainer (``parallel.context``): CPU processes over gloo equal one process.
+
+tests/training/context_check.py runs the cases in two launches: 2 processes under DDP (one context group: Wan
+all-MHLA in ring mode; Wan hybrid with LoRA in Ulysses mode, its softmax layer on diffusers' Ulysses attention,
+output matching against the original; DiT all-MHLA on the trunk plan; a checkpointed and resumed Wan run) and
+4 processes under FSDP2 (2 data ranks x 2 context ranks). The one-process references run here through the same
+probes, on the data rank's batch. Compared, step by step: the loss, every gradient (mixing matrices included;
+before clipping), every parameter after the clamp, and the exported checkpoint.
+
+Tolerances: the same samples, noise and timesteps reach both runs; the context ranks' sums (MHLA's block
+summaries, the gradients of each rank's tokens) are reduced in another order. Measured: gradients within 5.5e-6 of
+the step's largest entry, parameters and exported tensors within 2.4e-6 (absolute; lr 1e-3, mixing_lr 0.3), losses
+equal to the 6 digits of loss.csv. The bounds are 10x those. A context group whose gradients were averaged instead
+of summed, or whose ranks drew different noise, misses them by orders of magnitude (gradients off by 50%).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import load_script
+from safetensors.torch import load_file
+
+from mhla_diffusers.training import load_config, read_loss_csv
+from mhla_diffusers.training.context import DataLayout, context_loss_scale, data_layout
+
+ROOT = Path(__file__).resolve().parents[2]
+GRAD_TOL = 6e-5  # of the step's largest gradient entry
+WEIGHT_TOL = 3e-5  # absolute
+CASES = ("wan_all_ring", "wan_lora_ulysses", "dit_all_ring")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(config: str, processes: int, out: Path, base: Path, *flags: str) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
+    cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", str(ROOT / "finetune/accelerate" / config),
+           "--num_processes", str(processes), "--main_process_port", str(_free_port()),
+           str(ROOT / "tests/training/context_check.py"), str(out), str(base), *flags]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``root``: root/context/<case> (2 processes), root/fsdp/<case> (4), root/one/<case> (one process)."""
+    from helpers_wan import tiny_wan_pipeline
+
+    root = tmp_path_factory.mktemp("context")
+    tiny_wan_pipeline(num_layers=3).save_pretrained(root / "base")
+    _launch("multi_cpu.yaml", 2, root / "context", root / "base")
+    _launch("fsdp.yaml", 4, root / "fsdp", root / "base", "--fsdp")
+    check = load_script("tests/training/context_check.py")
+    for name in CASES:
+        check.run_case(name, root / "one" / name, root / "base", context=False)
+    # 2 data ranks x batch 1 under FSDP = one process on the batch of 2
+    check.run_case("wan_all_ring_fsdp", root / "one" / "wan_all_ring_fsdp", root / "base", context=False, batch=2)
+    return root
+
+
+def _error(a, b) -> float:
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def _probes(folder: Path) -> dict:
+    """The probe tensors, named as on the bare model (DDP's ``module.`` dropped)."""
+    return {k.replace(".module.", ".", 1): v for k, v in load_file(folder / "probe.safetensors").items()}
+
+
+def _exported(folder: Path) -> dict:
+    out = {}
+    for name in ("diffusion_pytorch_model.safetensors", "mhla.safetensors"):
+        if (folder / "final" / "transformer" / name).is_file():
+            out.update({f"{name}:{k}": v for k, v in load_file(folder / "final" / "transformer" / name).items()})
+    return out
+
+
+def _assert_same_run(one: Path, parallel: Path) -> None:
+    la, lb = read_loss_csv(one / "loss.csv"), read_loss_csv(parallel / "loss.csv")
+    assert [r[0] for r in la] == [r[0] for r in lb] == [1, 2, 3]
+    assert all(abs(x[1] - y[1]) <= 2e-5 for x, y in zip(la, lb)), (la, lb)
+    a, b = _probes(one), _probes(parallel)
+    assert a.keys() == b.keys()
+    for step in (1, 2, 3):
+        grads = [k for k in a if k.startswith(f"grad.{step}.")]
+        assert any("mhla.mixing" in k for k in grads)
+        scale = max(float(a[k].abs().max()) for k in grads)
+        for k in grads:
+            assert _error(a[k], b[k]) < GRAD_TOL * scale, (k, _error(a[k], b[k]), scale)
+        for k in [k for k in a if k.startswith(f"weight.{step}.")]:
+            assert _error(a[k], b[k]) < WEIGHT_TOL, (k, _error(a[k], b[k]))
+    ea, eb = _exported(one), _exported(parallel)
+    assert ea.keys() == eb.keys() and len(ea) > 50
+    for k in ea:
+        assert _error(ea[k], eb[k]) < WEIGHT_TOL, (k, _error(ea[k], eb[k]))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_context_group_of_two_equals_one_process(runs, name):
+    """Loss, gradients (mixing matrices included), clamped parameters after each of 3 steps, and the export."""
+    _assert_same_run(runs / "one" / name, runs / "context" / name)
+    summary = (runs / "context" / name / "train_summary.json").read_text()
+    assert '"context_degree": 2' in summary and '"batch_size": 2' in summary
+
+
+def test_context_times_fsdp_on_four_processes_equals_one_process(runs):
+    """2 data ranks x 2 context ranks, FSDP2 over all 4: the one-process run on the 2 data ranks' batch."""
+    _assert_same_run(runs / "one" / "wan_all_ring_fsdp", runs / "fsdp" / "wan_all_ring_fsdp")
+    import json
+
+    layout = json.loads((runs / "fsdp" / "wan_all_ring_fsdp" / "fsdp.json").read_text())
+    shares = layout["elements_per_rank"]
+    assert len(shares) == 4 and sum(shares) == layout["elements"] and max(shares) < 0.3 * layout["elements"], shares
+
+
+def test_a_resume_under_context_parallelism_is_exact(runs):
+    """2 steps with a checkpoint, resumed to step 3 == the uninterrupted 3 steps (and one process)."""
+    resumed, one = runs / "context" / "wan_all_ring_resumed", runs / "one" / "wan_all_ring"
+    assert (resumed / "checkpoints" / "checkpoint_0" / "train_state.json").is_file()
+    la, lb = read_loss_csv(one / "loss.csv"), read_loss_csv(resumed / "loss.csv")
+    assert all(abs(x[1] - y[1]) <= 2e-5 for x, y in zip(la, lb)) and len(lb) == 3
+    ea, eb = _exported(one), _exported(resumed)
+    assert ea.keys() == eb.keys()
+    for k in ea:
+        assert _error(ea[k], eb[k]) < WEIGHT_TOL, (k, _error(ea[k], eb[k]))
+
+
+# -- the layout and the refusals, in process ----------------------------------------------------------
+def test_the_layout_puts_a_context_group_on_consecutive_ranks():
+    layouts = [data_layout({"ring_degree": 2}, rank, 4) for rank in range(4)]
+    assert [(x.data_rank, x.data_world) for x in layouts] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert context_loss_scale(layouts[0]) == 2.0
+    assert data_layout(None, 3, 4) == DataLayout(data_rank=3, data_world=4)
+    assert data_layout({"ring_degree": 2, "ulysses_degree": 2}, 3, 8).data_rank == 0
+    with pytest.raises(ValueError, match="does not divide the 3 launched"):
+        data_layout({"ulysses_degree": 2}, 0, 3)
+
+
+def _dit(tmp_path, *overrides):
+    tiny = ("model.init={num_attention_heads: 2, attention_head_dim: 8, in_channels: 12, out_channels: 12, num_layers: 2, "
+            "sample_size: 8, patch_size: 2, num_embeds_ada_norm: 1000}")
+    return load_config(None, [f"output_dir={tmp_path}", tiny, "model.vae={factor: 2, scaling_factor: 1.8}", *overrides])
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{ring_degree: 0}", "ring_degree must be an integer >= 1"),
+    ("{ring: 2}", "must be null or a mapping of"),
+    ("2", "must be null or a mapping of"),
+    ("{ring_degree: 1}", "ring_degree or ulysses_degree must be greater than 1"),
+    ("{ring_degree: 2, ulysses_anything: true}", "ulysses_degree must be greater than 1"),
+    ("{ring_degree: 2, ring_anything: 1}", "must be true or false"),
+])
+def test_a_bad_context_section_is_refused_by_name(tmp_path, value, message):
+    with pytest.raises(ValueError, match=message):
+        _dit(tmp_path, f"parallel.context={value}")
+
+
+def test_attention_transfer_under_context_parallelism_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="distill.attention_weight: 0"):
+        _dit(tmp_path, "parallel.context={ring_degree: 2}", "distill.teacher=original", "distill.attention_weight=1")
+    assert _dit(tmp_path, "parallel.context={ulysses_degree: 2}")["parallel"]["context"] == {"ulysses_degree": 2}
+
+
+def test_a_model_without_a_training_plan_is_refused_before_the_first_step(tmp_path):
+    """SANA's plan shards each MHLA layer alone (every rank runs the rest on all tokens): not a training layout.
+    LePE: refused as in inference, with the trainer's prefix. Neither needs torch.distributed to say so."""
+    import torch
+    from helpers_sana import tiny_sana
+
+    import mhla_diffusers
+    from mhla_diffusers.training.context import enable_training_context
+
+    model = tiny_sana(num_layers=2)
+    mhla_diffusers.apply_mhla(model, layers="all", num_blocks=4)
+    layout = data_layout({"ring_degree": 2}, 0, 2)
+    with pytest.raises(ValueError, match="no context-parallel training plan .* set parallel.context: null"):
+        enable_training_context(model, layout, torch.device("cpu"))
+    from helpers_wan import tiny_wan
+
+    wan = tiny_wan(num_layers=2)
+    mhla_diffusers.apply_mhla(wan, layers="all", block_grid=(1, 2, 2), lepe=True)
+    with pytest.raises(ValueError, match="parallel.context: .*LePE"):
+        enable_training_context(wan, layout, torch.device("cpu"))
