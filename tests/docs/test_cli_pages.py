@@ -14,6 +14,8 @@ from examples import ROOT, script_options
 SCRIPT_PAGES = {
     "conversion/convert.py": "docs/conversion.md",
     "finetune/train.py": "docs/training.md",
+    "finetune/retrofit.py": "docs/training.md",
+    "benchmarks/bench_context_memory.py": "docs/training.md",
     "pipelines/generate.py": "docs/generation.md",
     "demo/run_study.py": "docs/study.md",
     "benchmarks/bench_ops.py": "docs/performance.md",

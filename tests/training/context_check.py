@@ -13,12 +13,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fsdp_check: the cases, the probes, FSDP on the CPU
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fsdp_check import case_config, fsdp_on_cpu, probes  # noqa: E402
+from fsdp_check import case_config, fsdp_on_cpu, probes, several_runs  # noqa: E402
 
 from mhla_diffusers import training  # noqa: E402
 
@@ -64,12 +62,8 @@ def resumed(out: Path, base: str | Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from accelerate.state import PartialState
-
     out, base, fsdp = Path(argv[0]), argv[1], "--fsdp" in argv
-    destroy = PartialState.destroy_process_group
-    PartialState.destroy_process_group = lambda self, group=None: None  # train() ends with it: keep the group for the next case
-    try:
+    with several_runs():
         if fsdp:
             with fsdp_on_cpu():
                 for name in FSDP_CASES:
@@ -78,9 +72,6 @@ def main(argv: list[str]) -> int:
             for name in CASES:
                 run_case(name, out / name, base)
             resumed(out / "wan_all_ring_resumed", base)
-    finally:
-        PartialState.destroy_process_group = destroy
-    dist.destroy_process_group()
     return 0
 
 

@@ -135,6 +135,21 @@ def probes(folder: str | Path):
 
 
 @contextlib.contextmanager
+def several_runs():
+    """Several :func:`~mhla_diffusers.training.train` calls in one launch: ``train`` ends with accelerate's
+    ``destroy_process_group``; kept as a no-op inside the block, the group is destroyed once at its end."""
+    from accelerate.state import PartialState
+
+    destroy = PartialState.destroy_process_group
+    PartialState.destroy_process_group = lambda self, group=None: None
+    try:
+        yield
+    finally:
+        PartialState.destroy_process_group = destroy
+    dist.destroy_process_group()
+
+
+@contextlib.contextmanager
 def fsdp_on_cpu():
     """Make the trainer's ``Accelerator`` take accelerate's FSDP path on CPU processes (see the module
     docstring): after accelerate has built it (MULTI_CPU over gloo), its shared state says FSDP and
@@ -218,20 +233,13 @@ def run_case(name: str, out: str | Path, base: str | Path, batch_size: int) -> d
 def main(argv: list[str]) -> int:
     """Every case of :data:`CASES` under FSDP2, batch 1 per process, into ``OUT/<case>``; then
     ``OUT/wan_all_resumed`` (:func:`resumed`) and ``OUT/sana.json`` (:func:`sana_blocks`)."""
-    from accelerate.state import PartialState
-
     out, base = Path(argv[0]), argv[1]
-    destroy = PartialState.destroy_process_group
-    PartialState.destroy_process_group = lambda self, group=None: None  # train() ends with it: keep the group for the next case
-    try:
+    with several_runs():
         with fsdp_on_cpu():
             for name in CASES:
                 run_case(name, out / name, base, batch_size=1)
             resumed(out / "wan_all_resumed", base)
         sana_blocks(out)
-    finally:
-        PartialState.destroy_process_group = destroy
-    dist.destroy_process_group()
     return 0
 
 

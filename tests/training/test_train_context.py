@@ -16,14 +16,11 @@ of summed, or whose ranks drew different noise, misses them by orders of magnitu
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from helpers import load_script
+from helpers_parallel import accelerate_launch, assert_same_probes, exported_tensors, max_error
 from safetensors.torch import load_file
 
 from mhla_diffusers.training import load_config, read_loss_csv
@@ -33,21 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 GRAD_TOL = 6e-5  # of the step's largest gradient entry
 WEIGHT_TOL = 3e-5  # absolute
 CASES = ("wan_all_ring", "wan_lora_ulysses", "dit_all_ring")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(config: str, processes: int, out: Path, base: Path, *flags: str) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
-    cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", str(ROOT / "finetune/accelerate" / config),
-           "--num_processes", str(processes), "--main_process_port", str(_free_port()),
-           str(ROOT / "tests/training/context_check.py"), str(out), str(base), *flags]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+SCRIPT = "tests/training/context_check.py"
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +40,9 @@ def runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("context")
     tiny_wan_pipeline(num_layers=3).save_pretrained(root / "base")
-    _launch("multi_cpu.yaml", 2, root / "context", root / "base")
-    _launch("fsdp.yaml", 4, root / "fsdp", root / "base", "--fsdp")
-    check = load_script("tests/training/context_check.py")
+    accelerate_launch("multi_cpu.yaml", 2, SCRIPT, str(root / "context"), str(root / "base"))
+    accelerate_launch("fsdp.yaml", 4, SCRIPT, str(root / "fsdp"), str(root / "base"), "--fsdp")
+    check = load_script(SCRIPT)
     for name in CASES:
         check.run_case(name, root / "one" / name, root / "base", context=False)
     # 2 data ranks x batch 1 under FSDP = one process on the batch of 2
@@ -67,21 +50,9 @@ def runs(tmp_path_factory):
     return root
 
 
-def _error(a, b) -> float:
-    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
-
-
 def _probes(folder: Path) -> dict:
     """The probe tensors, named as on the bare model (DDP's ``module.`` dropped)."""
     return {k.replace(".module.", ".", 1): v for k, v in load_file(folder / "probe.safetensors").items()}
-
-
-def _exported(folder: Path) -> dict:
-    out = {}
-    for name in ("diffusion_pytorch_model.safetensors", "mhla.safetensors"):
-        if (folder / "final" / "transformer" / name).is_file():
-            out.update({f"{name}:{k}": v for k, v in load_file(folder / "final" / "transformer" / name).items()})
-    return out
 
 
 def _assert_same_run(one: Path, parallel: Path) -> None:
@@ -89,19 +60,11 @@ def _assert_same_run(one: Path, parallel: Path) -> None:
     assert [r[0] for r in la] == [r[0] for r in lb] == [1, 2, 3]
     assert all(abs(x[1] - y[1]) <= 2e-5 for x, y in zip(la, lb)), (la, lb)
     a, b = _probes(one), _probes(parallel)
-    assert a.keys() == b.keys()
-    for step in (1, 2, 3):
-        grads = [k for k in a if k.startswith(f"grad.{step}.")]
-        assert any("mhla.mixing" in k for k in grads)
-        scale = max(float(a[k].abs().max()) for k in grads)
-        for k in grads:
-            assert _error(a[k], b[k]) < GRAD_TOL * scale, (k, _error(a[k], b[k]), scale)
-        for k in [k for k in a if k.startswith(f"weight.{step}.")]:
-            assert _error(a[k], b[k]) < WEIGHT_TOL, (k, _error(a[k], b[k]))
-    ea, eb = _exported(one), _exported(parallel)
+    assert_same_probes(a, b, GRAD_TOL, WEIGHT_TOL)
+    ea, eb = exported_tensors(one), exported_tensors(parallel)
     assert ea.keys() == eb.keys() and len(ea) > 50
     for k in ea:
-        assert _error(ea[k], eb[k]) < WEIGHT_TOL, (k, _error(ea[k], eb[k]))
+        assert max_error(ea[k], eb[k]) < WEIGHT_TOL, (k, max_error(ea[k], eb[k]))
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -128,10 +91,10 @@ def test_a_resume_under_context_parallelism_is_exact(runs):
     assert (resumed / "checkpoints" / "checkpoint_0" / "train_state.json").is_file()
     la, lb = read_loss_csv(one / "loss.csv"), read_loss_csv(resumed / "loss.csv")
     assert all(abs(x[1] - y[1]) <= 2e-5 for x, y in zip(la, lb)) and len(lb) == 3
-    ea, eb = _exported(one), _exported(resumed)
+    ea, eb = exported_tensors(one), exported_tensors(resumed)
     assert ea.keys() == eb.keys()
     for k in ea:
-        assert _error(ea[k], eb[k]) < WEIGHT_TOL, (k, _error(ea[k], eb[k]))
+        assert max_error(ea[k], eb[k]) < WEIGHT_TOL, (k, max_error(ea[k], eb[k]))
 
 
 # -- the layout and the refusals, in process ----------------------------------------------------------

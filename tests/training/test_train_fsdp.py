@@ -19,10 +19,6 @@ weights by ~lr. Adam turns the zero true gradient of a softmax layer's key bias 
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,6 +26,7 @@ import pytest
 import torch
 import yaml
 from helpers import load_script
+from helpers_parallel import accelerate_launch, assert_same_probes, exported_tensors, max_error
 from safetensors.torch import load_file
 
 from mhla_diffusers.training import read_grad_norms, read_loss_csv
@@ -41,12 +38,6 @@ WEIGHT_TOL = 2e-5  # absolute
 CASES = ("wan_all", "wan_lora", "dit_hybrid")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """``(root, check module)``: root/fsdp/<case> from the 2-process launch, root/one/<case> from one process."""
@@ -54,27 +45,11 @@ def runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("fsdp")
     tiny_wan_pipeline(num_layers=3).save_pretrained(root / "base")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
-    cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", str(ROOT / "finetune/accelerate/fsdp.yaml"),
-           "--num_processes", "2", "--main_process_port", str(_free_port()),
-           str(ROOT / "tests/training/fsdp_check.py"), str(root / "fsdp"), str(root / "base")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    accelerate_launch("fsdp.yaml", 2, "tests/training/fsdp_check.py", str(root / "fsdp"), str(root / "base"))
     check = load_script("tests/training/fsdp_check.py")
     for name in CASES:
         check.run_case(name, root / "one" / name, root / "base", batch_size=2)
     return root, check
-
-
-def _error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
-
-
-def _exported(folder: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for name in ("diffusion_pytorch_model.safetensors", "mhla.safetensors"):
-        out.update({f"{name}:{k}": v for k, v in load_file(folder / "final" / "transformer" / name).items()})
-    return out
 
 
 def test_fsdp_yaml_is_fsdp2_and_shards_one_unit_per_block(runs):
@@ -113,23 +88,14 @@ def test_fsdp_two_processes_equal_one_process(runs, name):
     norms = [values for _, values in read_grad_norms(one / "loss.csv").values()]
     assert len(norms) > 1 and all(max(step) > 0.02 for step in zip(*norms)), norms
     a, b = load_file(one / "probe.safetensors"), load_file(two / "probe.safetensors")
-    assert a.keys() == b.keys()
-    for step in (1, 2, 3):
-        grads = [k for k in a if k.startswith(f"grad.{step}.")]
-        assert any("mhla.mixing" in k for k in grads)
-        scale = max(float(a[k].abs().max()) for k in grads)
-        for k in grads:
-            assert _error(a[k], b[k]) < GRAD_TOL * scale, (k, _error(a[k], b[k]), scale)
-        weights = [k for k in a if k.startswith(f"weight.{step}.")]
-        for k in weights:
-            assert _error(a[k], b[k]) < WEIGHT_TOL, (k, _error(a[k], b[k]))
+    assert_same_probes(a, b, GRAD_TOL, WEIGHT_TOL)
     mixing = [k for k in a if k.startswith("weight.3.") and "mhla.mixing" in k]
     assert all(float(b[k].min()) >= 0.0 and float(b[k].max()) <= 1.0 for k in mixing)
     assert sum(int((b[k] == 0).sum()) for k in mixing) > 0  # the clamp acted (mixing_lr 0.3 pushed entries below 0)
-    ea, eb = _exported(one), _exported(two)
+    ea, eb = exported_tensors(one), exported_tensors(two)
     assert ea.keys() == eb.keys() and len(ea) > 50
     for k in ea:
-        assert _error(ea[k], eb[k]) < WEIGHT_TOL, (k, _error(ea[k], eb[k]))
+        assert max_error(ea[k], eb[k]) < WEIGHT_TOL, (k, max_error(ea[k], eb[k]))
     if name == "wan_lora":  # merged: no adapter keys, the base weights changed by the merge
         assert not any("lora" in k for k in eb) and not (two / "final" / "transformer_lora").exists()
 
@@ -140,10 +106,10 @@ def test_fsdp_checkpoint_and_resume_equal_the_uninterrupted_run(runs):
     resumed, one = root / "fsdp" / "wan_all_resumed", root / "one" / "wan_all"
     assert (resumed / "checkpoints" / "checkpoint_0" / "train_state.json").is_file()
     assert [r[1] for r in read_loss_csv(resumed / "loss.csv")] == [r[1] for r in read_loss_csv(one / "loss.csv")]
-    ea, eb = _exported(one), _exported(resumed)
+    ea, eb = exported_tensors(one), exported_tensors(resumed)
     assert ea.keys() == eb.keys()
     for k in ea:
-        assert _error(ea[k], eb[k]) < WEIGHT_TOL, (k, _error(ea[k], eb[k]))
+        assert max_error(ea[k], eb[k]) < WEIGHT_TOL, (k, max_error(ea[k], eb[k]))
 
 
 # -- the trainer's FSDP rules, in process ------------------------------------------------------------
