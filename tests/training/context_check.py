@@ -33,8 +33,8 @@ CASES = {
     # Wan hybrid (softmax on layer 0: diffusers' Ulysses attention), LoRA + the mixing matrices, output matching
     # against the original teacher
     "wan_lora_ulysses": ("wan_lora", 2, [ULYSSES, "distill.teacher=original", "distill.output_weight=0.5"]),
-    # DiT, MHLA on every layer (the trunk plan), the class-conditional recipe
-    "dit_all_ring": ("dit_hybrid", 2, ["mhla.layers=all", RING]),
+    # DiT, MHLA on every layer (the trunk plan), the class-conditional recipe, its EMA exported
+    "dit_all_ring": ("dit_hybrid", 2, ["mhla.layers=all", RING, "ema.enabled=true", "ema.decay=0.5", "ema.export=true"]),
 }
 # 4 processes under FSDP2: 2 data ranks x 2 context ranks
 FSDP_CASES = {"wan_all_ring_fsdp": ("wan_all", 1, [RING])}
@@ -61,8 +61,33 @@ def resumed(out: Path, base: str | Path) -> None:
         run_case("wan_all_ring", out, base, f"train.max_steps={steps}", "train.checkpointing_steps=2", f"train.resume={resume}")
 
 
+def killed(out: Path, base: str | Path) -> None:
+    """``wan_all_ring`` to 3 steps, checkpointing at step 2, every rank SIGKILLed right after that checkpoint is
+    complete (the launch fails); ``--resume-killed`` then resumes it in a new launch."""
+    import os
+    import signal
+
+    from mhla_diffusers.training import loop
+
+    save = loop._save_checkpoint
+
+    def save_then_die(run, epoch):
+        save(run, epoch)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    loop._save_checkpoint = save_then_die
+    run_case("wan_all_ring", out, base, "train.checkpointing_steps=2")
+
+
 def main(argv: list[str]) -> int:
     out, base, fsdp = Path(argv[0]), argv[1], "--fsdp" in argv
+    if "--kill" in argv:
+        killed(out, base)
+        return 0  # not reached
+    if "--resume-killed" in argv:
+        with several_runs():
+            run_case("wan_all_ring", out, base, "train.checkpointing_steps=2", "train.resume=true")
+        return 0
     with several_runs():
         if fsdp:
             with fsdp_on_cpu():

@@ -2,8 +2,9 @@
 
 tests/training/context_check.py runs the cases in two launches: 2 processes under DDP (one context group: Wan
 all-MHLA in ring mode; Wan hybrid with LoRA in Ulysses mode, its softmax layer on diffusers' Ulysses attention,
-output matching against the original; DiT all-MHLA on the trunk plan; a checkpointed and resumed Wan run) and
-4 processes under FSDP2 (2 data ranks x 2 context ranks). The one-process references run here through the same
+output matching against the original; DiT all-MHLA on the trunk plan with its EMA exported; a checkpointed and
+resumed Wan run), 4 processes under FSDP2 (2 data ranks x 2 context ranks), and a Wan run whose ranks are all
+SIGKILLed after a checkpoint, resumed by a third launch. The one-process references run here through the same
 probes, on the data rank's batch. Compared, step by step: the loss, every gradient (mixing matrices included;
 before clipping), every parameter after the clamp, and the exported checkpoint.
 
@@ -42,6 +43,9 @@ def runs(tmp_path_factory):
     tiny_wan_pipeline(num_layers=3).save_pretrained(root / "base")
     accelerate_launch("multi_cpu.yaml", 2, SCRIPT, str(root / "context"), str(root / "base"))
     accelerate_launch("fsdp.yaml", 4, SCRIPT, str(root / "fsdp"), str(root / "base"), "--fsdp")
+    killed = str(root / "context" / "wan_all_ring_killed")
+    accelerate_launch("multi_cpu.yaml", 2, SCRIPT, killed, str(root / "base"), "--kill", fails=True)
+    accelerate_launch("multi_cpu.yaml", 2, SCRIPT, killed, str(root / "base"), "--resume-killed")
     check = load_script(SCRIPT)
     for name in CASES:
         check.run_case(name, root / "one" / name, root / "base", context=False)
@@ -85,9 +89,11 @@ def test_context_times_fsdp_on_four_processes_equals_one_process(runs):
     assert len(shares) == 4 and sum(shares) == layout["elements"] and max(shares) < 0.3 * layout["elements"], shares
 
 
-def test_a_resume_under_context_parallelism_is_exact(runs):
-    """2 steps with a checkpoint, resumed to step 3 == the uninterrupted 3 steps (and one process)."""
-    resumed, one = runs / "context" / "wan_all_ring_resumed", runs / "one" / "wan_all_ring"
+@pytest.mark.parametrize("run", ["wan_all_ring_resumed", "wan_all_ring_killed"])
+def test_a_resume_under_context_parallelism_is_exact(runs, run):
+    """Stopped (2 steps, then resumed to 3 in the same launch) or killed (every rank SIGKILLed after the step-2
+    checkpoint, resumed by a new launch): the 3 steps equal the uninterrupted one-process run."""
+    resumed, one = runs / "context" / run, runs / "one" / "wan_all_ring"
     assert (resumed / "checkpoints" / "checkpoint_0" / "train_state.json").is_file()
     la, lb = read_loss_csv(one / "loss.csv"), read_loss_csv(resumed / "loss.csv")
     assert all(abs(x[1] - y[1]) <= 2e-5 for x, y in zip(la, lb)) and len(lb) == 3
