@@ -33,8 +33,10 @@ CASES = {
     # Wan hybrid (softmax on layer 0: diffusers' Ulysses attention), LoRA + the mixing matrices, output matching
     # against the original teacher
     "wan_lora_ulysses": ("wan_lora", 2, [ULYSSES, "distill.teacher=original", "distill.output_weight=0.5"]),
-    # DiT, MHLA on every layer (the trunk plan), the class-conditional recipe, its EMA exported
-    "dit_all_ring": ("dit_hybrid", 2, ["mhla.layers=all", RING, "ema.enabled=true", "ema.decay=0.5", "ema.export=true"]),
+    # DiT, MHLA on every layer (the trunk plan), the class-conditional recipe, its EMA exported, held-out losses
+    # before and after training (every rank of the group evaluates: the forward is a collective)
+    "dit_all_ring": ("dit_hybrid", 2, ["mhla.layers=all", RING, "ema.enabled=true", "ema.decay=0.5", "ema.export=true",
+                                       "eval.samples=4", "eval.batch_size=2"]),
 }
 # 4 processes under FSDP2: 2 data ranks x 2 context ranks
 FSDP_CASES = {"wan_all_ring_fsdp": ("wan_all", 1, [RING])}
