@@ -18,7 +18,7 @@ import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
-from accelerate.utils import DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, broadcast_object_list, set_seed
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel
 from torch.utils.data import DataLoader, DistributedSampler
@@ -47,6 +47,7 @@ from mhla_diffusers.training.resume import (
     apply_optimizer_settings,
     check_resume,
     check_resume_config,
+    check_resume_layout,
     find_checkpoints,
     load_ema,
     save_ema,
@@ -75,13 +76,14 @@ def train(config: dict) -> dict[str, Any]:
     """Train / fine-tune as ``config`` says (:data:`DEFAULT_CONFIG`), under accelerate; the run's summary.
 
     Writes ``config.yaml``, ``loss.csv``, ``loss.png``, ``checkpoints/``, the final pipeline and
-    ``train_summary.json`` into ``output_dir`` (``docs/training.md``, "The loop"). The summary is empty
-    on non-main processes.
+    ``train_summary.json`` into ``output_dir`` (``docs/training.md``, "The loop"). Every process returns the
+    summary the main process wrote.
 
     Raises:
         ValueError: invalid config, an FSDP launch that would not shard, a dataset smaller than one
-            batch, a resume that does not fit the output folder or changes a setting that shapes the
-            trained parameters (raised before anything is written), a non-finite loss.
+            batch, a resume that does not fit the output folder, changes a setting that shapes the
+            trained parameters or the number of processes / data-parallel ranks (raised before anything
+            is written), a non-finite loss.
     """
     validate_config(config)
     t_cfg = config["train"]
@@ -98,9 +100,11 @@ def train(config: dict) -> dict[str, Any]:
             "nothing to resume (raise train.max_steps to train further)"
         )
         accelerator.end_training()
-        return finished if accelerator.is_main_process else {}
+        return finished  # every process read it
     # A resume with settings that shape the trained parameters changed is refused here, by name.
     changes = check_resume_config(out, complete[-1][1], config) if t_cfg["resume"] else {}
+    if t_cfg["resume"]:
+        check_resume_layout(complete[-1][1], accelerator.num_processes, run.layout.data_world)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
     set_seed(int(t_cfg["seed"]))  # model init (from scratch) and anything else seeded globally
@@ -127,7 +131,7 @@ class _Run:
     accelerator: Accelerator
     layout: DataLayout | None = None  # data ranks x context ranks (parallel.context)
     parts: TrainingParts | None = None
-    frozen_fp32: dict = field(default_factory=dict)  # main process: the frozen weights at full precision
+    frozen_fp32: dict = field(default_factory=dict)  # processes that evaluate: the frozen weights at full precision
     restore: list = field(default_factory=list)  # [(module, attribute, value)] to put back before export
     dataset: Any = None
     sampler: Any = None
@@ -180,9 +184,10 @@ class _Run:
 
     @property
     def evaluates(self) -> bool:
-        """Whether this process runs the held-out evaluation: the main one; under context parallelism every one (the
-        transformer's forward takes its whole context group)."""
-        return self.accelerator.is_main_process or self.context
+        """Whether this process evaluates the trained model: the main one; under context parallelism with DDP every one
+        (the transformer's forward takes its whole context group). Under FSDP the main process evaluates a fresh,
+        unsharded copy, without context parallelism."""
+        return self.accelerator.is_main_process or (self.context and not self.fsdp)
 
     @property
     def eval_kwargs(self) -> dict:
@@ -237,7 +242,7 @@ def _build_parts(run: _Run) -> None:
         weight_dtype = torch.float32
     if t_cfg["gradient_checkpointing"]:
         transformer.enable_gradient_checkpointing()
-    # Frozen weights are about to be cast down: the main process keeps their fp32 values (CPU) so that
+    # Frozen weights are about to be cast down: the processes that evaluate (run.evaluates) keep their fp32 values (CPU) so that
     # the export (LoRA merged into them) is written at full precision, not from the bf16 / fp16 copies.
     if weight_dtype != torch.float32 and run.evaluates:
         run.frozen_fp32 = {n: p.detach().to("cpu", copy=True) for n, p in transformer.named_parameters() if not p.requires_grad}
@@ -481,7 +486,8 @@ def _save_checkpoint(run: _Run, epoch: int) -> None:
             save_ema(run.ema, folder)
         # Written last: marks the checkpoint complete (resume ignores folders without it),
         # with the config it was trained with: a resume compares its own against it.
-        atomic_write_json(folder / TRAIN_STATE, {"step": run.step, "epoch": epoch, "config": run.config}, sort_keys=True)
+        atomic_write_json(folder / TRAIN_STATE, {"step": run.step, "epoch": epoch, "config": run.config, "processes":
+                                                 accelerator.num_processes, "data_world": run.layout.data_world}, sort_keys=True)
     accelerator.wait_for_everyone()
 
 
@@ -492,7 +498,7 @@ def _finish(run: _Run) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     full_state = accelerator.get_state_dict(run.model) if run.fsdp else None  # a collective: every process takes part
     eval_end: dict = {}
-    if accelerator.is_main_process or (run.context and not run.fsdp):  # FSDP: a fresh model, without context parallelism
+    if run.evaluates:
         model = _final_model(run, full_state)
         if run.eval_set is not None:
             with accelerator.autocast():
@@ -504,7 +510,8 @@ def _finish(run: _Run) -> dict[str, Any]:
         _plot_losses(run)
         summary = _summary(run, model, eval_end)
         atomic_write_json(run.out / SUMMARY, summary, sort_keys=True)
-    accelerator.wait_for_everyone()
+    # every process returns the main process's summary (retrofit() starts its next phase from its final_dir)
+    summary = broadcast_object_list([summary])[0] if accelerator.num_processes > 1 else summary
     accelerator.end_training()
     return summary
 

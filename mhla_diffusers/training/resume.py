@@ -122,11 +122,16 @@ def _dotted(config: Mapping, prefix: str = "") -> dict[str, Any]:
 
 
 def _config_changes(recorded: Mapping, config: Mapping) -> dict[str, tuple[Any, Any]]:
-    """``{dotted key: (recorded, new)}`` of every differing key (``"<unset>"`` where missing)."""
-    old, new = _dotted(recorded), _dotted(config)
+    """``{dotted key: (recorded, new)}`` of every differing key (``"<unset>"`` where missing; a key the recorded
+    config lacks, written before the key existed, is no change while this run keeps its default)."""
+    from mhla_diffusers.training.config import DEFAULT_CONFIG
+
+    old, new, defaults = _dotted(recorded), _dotted(config), _dotted(DEFAULT_CONFIG)
     changes = {}
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, _UNSET), new.get(key, _UNSET)
+        if a == _UNSET and key in defaults and b == defaults[key]:
+            continue
         if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
             a, b = list(a), list(b)
         if a != b and key != "train.resume":
@@ -186,6 +191,31 @@ def check_resume_config(out: Path, folder: Path, config: Mapping) -> dict[str, t
             "output_dir. Nothing was written."
         )
     return changes
+
+
+def check_resume_layout(folder: Path, processes: int, data_world: int) -> None:
+    """``ValueError`` if checkpoint ``folder`` was written by another number of processes or data-parallel ranks
+    (``train_state.json``'s ``processes`` / ``data_world``; a checkpoint without them is not checked).
+
+    The learning-rate schedule's position counts steps of every process (accelerate steps a prepared scheduler once
+    per process), and the sampler's order and the global batch follow the data ranks: resumed on another layout, the
+    run would silently follow another schedule and other samples.
+    """
+    try:
+        state = json.loads((folder / TRAIN_STATE).read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(state, Mapping):
+        return
+    was = (state.get("processes"), state.get("data_world"))
+    if None in was or was == (processes, data_world):
+        return
+    raise ValueError(
+        f"cannot resume from {folder}: it was trained by {was[0]} process(es) in {was[1]} data-parallel rank(s), and this "
+        f"launch has {processes} in {data_world}. The learning-rate schedule's position and the samples each step draws "
+        f"depend on both: launch {was[0]} processes with a parallel.context that gives {was[1]} data ranks, or train into "
+        "a new output_dir. Nothing was written."
+    )
 
 
 def apply_optimizer_settings(optimizer, lr_scheduler, fresh: Sequence[Mapping[str, Any]]) -> list[str]:

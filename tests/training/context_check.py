@@ -10,8 +10,11 @@ fsdp_check.py (every gradient when the trainer clips, every parameter after each
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
+
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fsdp_check: the cases, the probes, FSDP on the CPU
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -97,7 +100,9 @@ def main(argv: list[str]) -> int:
                     run_case(name, out / name, base)
         else:
             for name in CASES:
-                run_case(name, out / name, base)
+                summary = run_case(name, out / name, base)
+                # what train() returned on this rank: the main process's summary on every rank
+                (out / name / f"returned_{dist.get_rank()}.json").write_text(json.dumps(summary, sort_keys=True))
             resumed(out / "wan_all_ring_resumed", base)
     return 0
 

@@ -225,7 +225,7 @@ def resumed(out: Path, base: str | Path) -> None:
 
 
 def run_case(name: str, out: str | Path, base: str | Path, batch_size: int) -> dict:
-    """Train case ``name`` into ``out`` with the probes on; returns the summary (empty off the main process)."""
+    """Train case ``name`` into ``out`` with the probes on; returns the summary."""
     with probes(out):
         return training.train(case_config(name, out, base, batch_size))
 

@@ -17,6 +17,7 @@ of summed, or whose ranks drew different noise, misses them by orders of magnitu
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -75,10 +76,10 @@ def _assert_same_run(one: Path, parallel: Path) -> None:
 def test_a_context_group_of_two_equals_one_process(runs, name):
     """Loss, gradients (mixing matrices included), clamped parameters after each of 3 steps, and the export."""
     _assert_same_run(runs / "one" / name, runs / "context" / name)
-    import json
-
     one, two = (json.loads((runs / run / name / "train_summary.json").read_text()) for run in ("one", "context"))
     assert two["context_degree"] == 2 and two["batch_size"] == 2 and one["context_degree"] == 1
+    returned = [json.loads((runs / "context" / name / f"returned_{r}.json").read_text()) for r in (0, 1)]
+    assert returned[0] == returned[1] == json.loads(json.dumps(two, sort_keys=True))  # train() returns it on every rank
     if name == "dit_all_ring":  # held-out losses, evaluated by the context group before and after training
         for key in ("eval_loss_start", "eval_loss"):
             assert one[key] is not None and abs(one[key] - two[key]) < 1e-6 * one[key], (key, one[key], two[key])  # 5.2e-8
@@ -87,8 +88,6 @@ def test_a_context_group_of_two_equals_one_process(runs, name):
 def test_context_times_fsdp_on_four_processes_equals_one_process(runs):
     """2 data ranks x 2 context ranks, FSDP2 over all 4: the one-process run on the 2 data ranks' batch."""
     _assert_same_run(runs / "one" / "wan_all_ring_fsdp", runs / "fsdp" / "wan_all_ring_fsdp")
-    import json
-
     layout = json.loads((runs / "fsdp" / "wan_all_ring_fsdp" / "fsdp.json").read_text())
     shares = layout["elements_per_rank"]
     assert len(shares) == 4 and sum(shares) == layout["elements"] and max(shares) < 0.3 * layout["elements"], shares
@@ -164,3 +163,34 @@ def test_a_model_without_a_training_plan_is_refused_before_the_first_step(tmp_pa
     mhla_diffusers.apply_mhla(wan, layers="all", block_grid=(1, 2, 2), lepe=True)
     with pytest.raises(ValueError, match="parallel.context: .*LePE"):
         enable_training_context(wan, layout, torch.device("cpu"))
+
+
+def test_a_resume_on_another_process_layout_is_refused(tmp_path):
+    """A checkpoint records its processes and data ranks: resumed on another layout, the learning-rate schedule's
+    position and the samples would silently change. One without them (older runs) is not checked."""
+    from mhla_diffusers.training.resume import check_resume_layout
+
+    folder = tmp_path / "checkpoint_0"
+    folder.mkdir()
+    (folder / "train_state.json").write_text(json.dumps({"step": 2, "processes": 4, "data_world": 2}))
+    check_resume_layout(folder, 4, 2)
+    for processes, data_world in ((4, 4), (2, 2), (2, 1)):
+        with pytest.raises(ValueError, match="trained by 4 process\\(es\\) in 2 data-parallel rank.*Nothing was written"):
+            check_resume_layout(folder, processes, data_world)
+    (folder / "train_state.json").write_text(json.dumps({"step": 2}))
+    check_resume_layout(folder, 1, 1)
+
+
+def test_a_config_key_newer_than_the_checkpoint_at_its_default_is_no_change(tmp_path):
+    """A checkpoint written before parallel.context existed resumes without a change reported for it; set, it is one."""
+    from mhla_diffusers.training.resume import check_resume_config
+
+    config = _dit(tmp_path)
+    recorded = json.loads(json.dumps(config))
+    del recorded["parallel"]
+    folder = tmp_path / "checkpoint_0"
+    folder.mkdir()
+    (folder / "train_state.json").write_text(json.dumps({"step": 1, "config": recorded}))
+    assert check_resume_config(tmp_path, folder, config) == {}
+    changed = _dit(tmp_path, "parallel.context={ring_degree: 2}")
+    assert check_resume_config(tmp_path, folder, changed) == {"parallel.context.ring_degree": ("<unset>", 2)}
