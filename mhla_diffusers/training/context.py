@@ -137,4 +137,6 @@ def enable_training_context(model: nn.Module, layout: DataLayout, device: torch.
     try:  # diffusers takes the context group from the mesh's ring x ulysses dimensions
         enable_context_parallel(model, _diffusers_config(layout.context, mesh=mesh))
     except ValueError as e:
-        raise ValueError(f"parallel.context: {e}") from None
+        hint = (" In the trainer: launch with DIFFUSERS_ATTN_BACKEND=_native_cudnn (or flash) in the environment, or set "
+                "parallel.context: {ulysses_degree: P}") if "log-sum-exp" in str(e) else ""
+        raise ValueError(f"parallel.context: {e}.{hint}") from None

@@ -269,7 +269,7 @@ def _build_data(run: _Run) -> None:
     if run.steps_per_epoch < 1:
         raise ValueError(
             f"the dataset has {len(dataset)} crops, fewer than one optimizer step of {run.batch_size} x {run.accum} "
-            f"(batch_size x gradient_accumulation_steps) per process: raise data.crops_per_image or lower data.batch_size"
+            f"(batch_size x gradient_accumulation_steps) per data-parallel rank: raise data.crops_per_image or lower data.batch_size"
         )
 
 
