@@ -88,8 +88,8 @@ def measure(model, inputs) -> dict:
     libc = ctypes.CDLL(None)
     libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: large allocations mapped afresh, returned when freed
     libc.mallopt(-1, 0)  # M_TRIM_THRESHOLD
+    Path("/proc/self/clear_refs").write_text("5")  # the peak-RSS mark back to the current RSS (then read: peak >= base)
     base = _status_kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # the peak-RSS mark back to the current RSS
     c0, t0 = time.process_time(), time.perf_counter()
     with record_exchanges() as log:
         step(model, inputs)

@@ -23,7 +23,7 @@ def test_quick_runs_at_degree_one_and_two_and_their_report(tmp_path):
     payload = 2 * blocks * 12 * 13 * 4  # heads x M x d x (d + 1) float32 numbers: tiny Wan, 2 heads of 12
     for rank in two["ranks"]:
         assert rank["exchange_bytes"] == {"forward": payload, "backward": payload}, rank
-        assert rank["peak_bytes"] > 0 and rank["wall_s"] > 0
+        assert rank["peak_bytes"] >= 0 and rank["wall_s"] > 0  # a tiny block may fit pages the process already holds
     assert two["formulas_forward_bytes"]["mhla"] == payload  # 2 (P - 1) / P of it leaves a rank: P = 2
     assert bench.main(["--report", "--out", str(tmp_path)]) == 0
     table = (tmp_path / "context_memory.md").read_text()
