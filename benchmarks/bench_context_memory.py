@@ -157,7 +157,8 @@ def markdown(reports: list[dict]) -> str:
         ex = max(r["ranks"], key=lambda x: x["exchange_bytes"]["forward"])["exchange_bytes"]
         f = r["formulas_forward_bytes"]
         sent = f"{mib(f['mhla'])} / {mib(f['ring'])} / {mib(f['ulysses'])}" if f else "-"
-        lines.append(f"| {r['degree']} | {peak / 2**30:.2f} ({peak / one:.2f}) | {wall:.1f} | {sent} | "
+        share = f"{peak / one:.2f}" if one else "-"  # a tiny --quick block may add no resident memory at all
+        lines.append(f"| {r['degree']} | {peak / 2**30:.2f} ({share}) | {wall:.1f} | {sent} | "
                      f"{mib(ex['forward'])} / {mib(ex['backward'])} |")
     return "\n".join(lines) + "\n"
 

@@ -16,6 +16,7 @@ losses after conversion, distillation and fine-tuning, and what the teacher's sa
 
 import argparse
 import json
+import os
 import sys
 
 from mhla_diffusers.training import retrofit
@@ -50,7 +51,7 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"retrofit.py: {err}", file=sys.stderr)
         return 2
-    if result.get("final_dir"):
+    if result.get("final_dir") and os.environ.get("RANK", "0") == "0":  # every process returns the result: the first one says it
         print("held-out loss: " + json.dumps(result["heldout_loss"]))
         if result.get("teacher_store"):
             print("teacher store: " + json.dumps(result["teacher_store"]))

@@ -27,6 +27,7 @@ Processes: finetune/accelerate/*.yaml (multi_cpu.yaml: DDP on CPU processes; fsd
 """
 
 import argparse
+import os
 import sys
 
 from mhla_diffusers.training import load_config, train
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"train.py: {err}", file=sys.stderr)
         return 2
-    if summary:
+    if summary and os.environ.get("RANK", "0") == "0":  # every process returns the summary: the first one says it
         speed = f"{summary['step_time_s']} s/step" if summary.get("step_time_s") is not None else "no step trained in this call"
         print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, {speed} -> {summary['final_dir']}")
     return 0
