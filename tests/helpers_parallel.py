@@ -15,7 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["ROOT", "torchrun", "context_parallel_results", "accelerate_launch", "max_error", "exported_tensors", "assert_same_probes"]
+__all__ = ["ROOT", "torchrun", "context_parallel_results", "accelerate_launch", "free_port", "max_error", "exported_tensors",
+           "assert_same_probes"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,7 +36,8 @@ def context_parallel_results(world: int, out: str) -> dict:
     return json.loads(Path(out, "results.json").read_text())
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a launch's rendezvous: not the default 29500 another run may hold)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -47,7 +49,7 @@ def accelerate_launch(config: str, processes: int, script: str, *args: str, time
     ``fails``: unless the launch fails)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
     cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", str(ROOT / "finetune/accelerate" / config),
-           "--num_processes", str(processes), "--main_process_port", str(_free_port()), str(ROOT / script), *args]
+           "--num_processes", str(processes), "--main_process_port", str(free_port()), str(ROOT / script), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert (proc.returncode != 0) == fails, proc.stdout[-3000:] + proc.stderr[-5000:]
 

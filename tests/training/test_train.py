@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers_parallel import free_port
 from helpers_train import TINY_DIT, tiny_config  # noqa: E402,F401  (shared with tests/checkpoint)
 
 import mhla_diffusers
@@ -343,7 +344,7 @@ def test_two_processes_match_one_process_with_the_same_global_batch(tmp_path):
                     train={"max_steps": 4, "gradient_accumulation_steps": 1, "warmup_steps": 2})
     cfg = tiny_config(tmp_path / "two", **sections)
     cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
-           str(ROOT / "finetune/accelerate/multi_cpu.yaml"), "--num_processes", "2",
+           str(ROOT / "finetune/accelerate/multi_cpu.yaml"), "--num_processes", "2", "--main_process_port", str(free_port()),
            str(ROOT / "finetune/train.py"), "--config", str(cfg)]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
