@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from mhla_diffusers.training import retrofit
+from mhla_diffusers.training import end_processes, retrofit
 
 
 def parse_args(argv=None):
@@ -56,6 +56,7 @@ def main(argv=None) -> int:
         if result.get("teacher_store"):
             print("teacher store: " + json.dumps(result["teacher_store"]))
         print(f"done -> {result['final_dir']}")
+    end_processes()
     return 0
 
 

@@ -30,7 +30,7 @@ import argparse
 import os
 import sys
 
-from mhla_diffusers.training import load_config, train
+from mhla_diffusers.training import end_processes, load_config, train
 
 
 def parse_args(argv=None):
@@ -67,6 +67,7 @@ def main(argv=None) -> int:
     if summary and os.environ.get("RANK", "0") == "0":  # every process returns the summary: the first one says it
         speed = f"{summary['step_time_s']} s/step" if summary.get("step_time_s") is not None else "no step trained in this call"
         print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, {speed} -> {summary['final_dir']}")
+    end_processes()
     return 0
 
 

@@ -115,8 +115,10 @@ _started_group: list = []  # the process group enable_pipeline_context_parallel 
 
 def close_distributed() -> None:
     """End the ``torch.distributed`` process group :func:`enable_pipeline_context_parallel` started (after
-    generating); a group the caller started is left alone."""
+    generating); a group the caller started is left alone. A barrier first: gloo's worker thread may still be
+    freeing the last collective's tensors (it takes the GIL), and a group destroyed meanwhile deadlocks at exit."""
     if _started_group and dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
     _started_group.clear()
 

@@ -43,15 +43,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def accelerate_launch(config: str, processes: int, script: str, *args: str, timeout: int = 600, fails: bool = False) -> None:
+def accelerate_launch(config: str, processes: int, script: str, *args: str, timeout: int = 600,
+                      fails: bool = False) -> subprocess.CompletedProcess:
     """``accelerate launch --config_file finetune/accelerate/<config> --num_processes N script *args`` from the
     repository root on a free port (one thread per process, offline); fails the test with the output's tail (with
-    ``fails``: unless the launch fails)."""
+    ``fails``: unless the launch fails). Returns the finished launch (its text output)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
     cmd = [str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file", str(ROOT / "finetune/accelerate" / config),
            "--num_processes", str(processes), "--main_process_port", str(free_port()), str(ROOT / script), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert (proc.returncode != 0) == fails, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
 
 
 def max_error(a, b) -> float:

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
+from accelerate.state import AcceleratorState, GradientState, PartialState
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, broadcast_object_list, set_seed
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel
@@ -53,7 +53,7 @@ from mhla_diffusers.training.resume import (
     save_ema,
 )
 
-__all__ = ["train"]
+__all__ = ["train", "end_processes"]
 
 
 # -- the training loop -----------------------------------------------------------------------------
@@ -77,7 +77,8 @@ def train(config: dict) -> dict[str, Any]:
 
     Writes ``config.yaml``, ``loss.csv``, ``loss.png``, ``checkpoints/``, the final pipeline and
     ``train_summary.json`` into ``output_dir`` (``docs/training.md``, "The loop"). Every process returns the
-    summary the main process wrote.
+    summary the main process wrote. The launch's process group stays up for a next call: a script ends with
+    :func:`end_processes`.
 
     Raises:
         ValueError: invalid config, an FSDP launch that would not shard, a dataset smaller than one
@@ -99,7 +100,6 @@ def train(config: dict) -> dict[str, Any]:
             f"{out} holds a finished run: step {finished['steps']} = train.max_steps, final model in {run.final_dir}; "
             "nothing to resume (raise train.max_steps to train further)"
         )
-        accelerator.end_training()
         return finished  # every process read it
     # A resume with settings that shape the trained parameters changed is refused here, by name.
     changes = check_resume_config(out, complete[-1][1], config) if t_cfg["resume"] else {}
@@ -512,8 +512,30 @@ def _finish(run: _Run) -> dict[str, Any]:
         atomic_write_json(run.out / SUMMARY, summary, sort_keys=True)
     # every process returns the main process's summary (retrofit() starts its next phase from its final_dir)
     summary = broadcast_object_list([summary])[0] if accelerator.num_processes > 1 else summary
-    accelerator.end_training()
+    _end_trackers(accelerator)
     return summary
+
+
+def _end_trackers(accelerator: Accelerator) -> None:
+    """``accelerator.end_training()`` less its ``destroy_process_group``: the process group is the launch's, left up
+    for a next :func:`train` in the same launch (:func:`~mhla_diffusers.training.retrofit`'s second phase);
+    :func:`end_processes` closes it."""
+    for tracker in accelerator.trackers:
+        tracker.finish()
+
+
+def end_processes() -> None:
+    """Close the launch's process group: a barrier, then ``torch.distributed.destroy_process_group``; nothing
+    without one. What a training script calls last, on every process, after its last :func:`train`.
+
+    :func:`train` leaves the group up (one launch may train several times). The barrier comes first because gloo's
+    worker thread may still be freeing the last collective's tensors, which takes the GIL, while a destroyed
+    group's destructor waits for that thread with the GIL held: a deadlock at exit (seen on torch 2.13, gloo).
+    """
+    state = PartialState()
+    if state.use_distributed and torch.distributed.is_initialized():
+        state.wait_for_everyone()
+        state.destroy_process_group()
 
 
 def _final_model(run: _Run, full_state: Mapping | None) -> torch.nn.Module:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fsdp_check: the cases, the probes, FSDP on the CPU
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fsdp_check import case_config, fsdp_on_cpu, probes, several_runs  # noqa: E402
+from fsdp_check import case_config, fsdp_on_cpu, probes  # noqa: E402
 
 from mhla_diffusers import training  # noqa: E402
 
@@ -90,20 +90,18 @@ def main(argv: list[str]) -> int:
         killed(out, base)
         return 0  # not reached
     if "--resume-killed" in argv:
-        with several_runs():
-            run_case("wan_all_ring", out, base, "train.checkpointing_steps=2", "train.resume=true")
-        return 0
-    with several_runs():
-        if fsdp:
-            with fsdp_on_cpu():
-                for name in FSDP_CASES:
-                    run_case(name, out / name, base)
-        else:
-            for name in CASES:
-                summary = run_case(name, out / name, base)
-                # what train() returned on this rank: the main process's summary on every rank
-                (out / name / f"returned_{dist.get_rank()}.json").write_text(json.dumps(summary, sort_keys=True))
-            resumed(out / "wan_all_ring_resumed", base)
+        run_case("wan_all_ring", out, base, "train.checkpointing_steps=2", "train.resume=true")
+    elif fsdp:
+        with fsdp_on_cpu():
+            for name in FSDP_CASES:
+                run_case(name, out / name, base)
+    else:
+        for name in CASES:
+            summary = run_case(name, out / name, base)
+            # what train() returned on this rank: the main process's summary on every rank
+            (out / name / f"returned_{dist.get_rank()}.json").write_text(json.dumps(summary, sort_keys=True))
+        resumed(out / "wan_all_ring_resumed", base)
+    training.end_processes()  # train() leaves the launch's group up for the next run
     return 0
 
 

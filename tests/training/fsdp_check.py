@@ -135,21 +135,6 @@ def probes(folder: str | Path):
 
 
 @contextlib.contextmanager
-def several_runs():
-    """Several :func:`~mhla_diffusers.training.train` calls in one launch: ``train`` ends with accelerate's
-    ``destroy_process_group``; kept as a no-op inside the block, the group is destroyed once at its end."""
-    from accelerate.state import PartialState
-
-    destroy = PartialState.destroy_process_group
-    PartialState.destroy_process_group = lambda self, group=None: None
-    try:
-        yield
-    finally:
-        PartialState.destroy_process_group = destroy
-    dist.destroy_process_group()
-
-
-@contextlib.contextmanager
 def fsdp_on_cpu():
     """Make the trainer's ``Accelerator`` take accelerate's FSDP path on CPU processes (see the module
     docstring): after accelerate has built it (MULTI_CPU over gloo), its shared state says FSDP and
@@ -234,12 +219,12 @@ def main(argv: list[str]) -> int:
     """Every case of :data:`CASES` under FSDP2, batch 1 per process, into ``OUT/<case>``; then
     ``OUT/wan_all_resumed`` (:func:`resumed`) and ``OUT/sana.json`` (:func:`sana_blocks`)."""
     out, base = Path(argv[0]), argv[1]
-    with several_runs():
-        with fsdp_on_cpu():
-            for name in CASES:
-                run_case(name, out / name, base, batch_size=1)
-            resumed(out / "wan_all_resumed", base)
-        sana_blocks(out)
+    with fsdp_on_cpu():
+        for name in CASES:
+            run_case(name, out / name, base, batch_size=1)
+        resumed(out / "wan_all_resumed", base)
+    sana_blocks(out)
+    training.end_processes()  # train() leaves the launch's group up for the next run
     return 0
 
 

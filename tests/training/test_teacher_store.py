@@ -386,6 +386,28 @@ def test_retrofit_cli_runs_both_phases_on_one_store_and_refuses_in_one_line(tmp_
     assert code == 2 and last.startswith("retrofit.py: ") and "guidance_scale: 4.0 (store) vs 2.0" in last
 
 
+def test_retrofit_cli_on_two_processes_splits_the_store_and_runs_both_phases(tmp_path, dit_base):
+    """``accelerate launch`` of finetune/retrofit.py on 2 CPU processes: each rank samples its shards (together the
+    one-process store, bit for bit), both phases train in one launch (train() leaves the process group up for the
+    second), the first process alone prints the result, and the launch exits (no deadlock closing the group)."""
+    from helpers_parallel import accelerate_launch
+
+    base, student = dit_base
+    cfg = dit_config(tmp_path, dit_base)
+    proc = accelerate_launch("multi_cpu.yaml", 2, "finetune/retrofit.py", "--config", str(cfg), "--pretrained", str(student),
+                             "--teacher", str(base), "--output_dir", str(tmp_path / "two"), "--distill-steps", "1",
+                             "--finetune-steps", "1", "--set", "data.teacher.store_dir=null", "--set", "data.batch_size=2",
+                             timeout=400)
+    assert proc.stdout.count("done -> ") == 1 and proc.stdout.count("held-out loss") == 1
+    for phase in ("distill", "finetune"):
+        summary = json.loads((tmp_path / "two" / phase / "train_summary.json").read_text())
+        assert summary["steps"] == 1 and summary["batch_size"] == 4  # 2 per process, 2 processes
+    assert (tmp_path / "two" / "finetune" / "final" / "transformer" / "mhla.safetensors").is_file()
+    config = load_config(cfg)
+    one = _build(_parts(config), config, tmp_path / "one")
+    assert _shard_bytes(tmp_path / "two" / "teacher_store") == _shard_bytes(one) and len(_shard_bytes(one)) == 2
+
+
 def test_opening_a_store_keeps_a_live_writers_temporary_shard(tmp_path):
     from mhla_diffusers.data.store import open_store
 
