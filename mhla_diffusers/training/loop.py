@@ -6,6 +6,7 @@ Outputs, resuming and the summary: ``docs/training.md``, "The loop".
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -18,7 +19,7 @@ import torch
 import yaml
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState, PartialState
-from accelerate.utils import DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, broadcast_object_list, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, set_seed
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel
 from torch.utils.data import DataLoader, DistributedSampler
@@ -510,8 +511,12 @@ def _finish(run: _Run) -> dict[str, Any]:
         _plot_losses(run)
         summary = _summary(run, model, eval_end)
         atomic_write_json(run.out / SUMMARY, summary, sort_keys=True)
-    # every process returns the main process's summary (retrofit() starts its next phase from its final_dir)
-    summary = broadcast_object_list([summary])[0] if accelerator.num_processes > 1 else summary
+    # Every process returns the main process's summary (retrofit() starts its next phase from its final_dir), read
+    # from the file after a barrier (the output folder is shared, as for checkpoints), not broadcast: gloo's worker
+    # thread frees a broadcast's Python tensors after the call returns, and a process that exits meanwhile aborts.
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        summary = json.loads((run.out / SUMMARY).read_text())
     _end_trackers(accelerator)
     return summary
 
@@ -529,8 +534,8 @@ def end_processes() -> None:
     without one. What a training script calls last, on every process, after its last :func:`train`.
 
     :func:`train` leaves the group up (one launch may train several times). The barrier comes first because gloo's
-    worker thread may still be freeing the last collective's tensors, which takes the GIL, while a destroyed
-    group's destructor waits for that thread with the GIL held: a deadlock at exit (seen on torch 2.13, gloo).
+    worker thread may still be freeing an earlier collective's Python tensors, which takes the GIL, while a
+    destroyed group's destructor waits for that thread with the GIL held: a deadlock at exit (seen on torch 2.13).
     """
     state = PartialState()
     if state.use_distributed and torch.distributed.is_initialized():
