@@ -9,7 +9,7 @@ from mhla_diffusers.training.config import DEFAULT_CONFIG, TRAINABLE_SETS, apply
 from mhla_diffusers.training.evaluation import evaluate_heldout, evaluate_loss
 from mhla_diffusers.training.export import export_model, export_pipeline
 from mhla_diffusers.training.logs import plot_loss_curves, read_grad_norms, read_loss_csv, read_loss_terms, write_loss_csv
-from mhla_diffusers.training.loop import end_processes, train
+from mhla_diffusers.training.loop import train
 from mhla_diffusers.training.losses import diffusion_loss, training_loss
 from mhla_diffusers.training.optim import (
     build_optimizer,
@@ -18,6 +18,7 @@ from mhla_diffusers.training.optim import (
     prepare_parameter_dtypes,
     set_trainable,
 )
+from mhla_diffusers.training.processes import end_processes
 from mhla_diffusers.training.recipes import (
     DiTRecipe,
     SanaRecipe,

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import torch
 import yaml
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState, PartialState
+from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import DistributedDataParallelKwargs, DistributedType, ProjectConfiguration, set_seed
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel
@@ -41,6 +41,7 @@ from mhla_diffusers.training.fsdp import check_fsdp_setup, set_fsdp_wrap
 from mhla_diffusers.training.logs import LOSS_CSV, LOSS_PNG, plot_loss_curves, read_loss_terms, read_rows, write_loss_csv
 from mhla_diffusers.training.losses import training_loss
 from mhla_diffusers.training.optim import build_optimizer, clip_step_gradients, gradient_groups, prepare_parameter_dtypes
+from mhla_diffusers.training.processes import end_trackers
 from mhla_diffusers.training.recipes import TrainingParts, build_models
 from mhla_diffusers.training.resume import (
     SUMMARY,
@@ -54,7 +55,7 @@ from mhla_diffusers.training.resume import (
     save_ema,
 )
 
-__all__ = ["train", "end_processes"]
+__all__ = ["train"]
 
 
 # -- the training loop -----------------------------------------------------------------------------
@@ -79,7 +80,7 @@ def train(config: dict) -> dict[str, Any]:
     Writes ``config.yaml``, ``loss.csv``, ``loss.png``, ``checkpoints/``, the final pipeline and
     ``train_summary.json`` into ``output_dir`` (``docs/training.md``, "The loop"). Every process returns the
     summary the main process wrote. The launch's process group stays up for a next call: a script ends with
-    :func:`end_processes`.
+    :func:`~mhla_diffusers.training.processes.end_processes`.
 
     Raises:
         ValueError: invalid config, an FSDP launch that would not shard, a dataset smaller than one
@@ -517,30 +518,8 @@ def _finish(run: _Run) -> dict[str, Any]:
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         summary = json.loads((run.out / SUMMARY).read_text())
-    _end_trackers(accelerator)
+    end_trackers(accelerator)
     return summary
-
-
-def _end_trackers(accelerator: Accelerator) -> None:
-    """``accelerator.end_training()`` less its ``destroy_process_group``: the process group is the launch's, left up
-    for a next :func:`train` in the same launch (:func:`~mhla_diffusers.training.retrofit`'s second phase);
-    :func:`end_processes` closes it."""
-    for tracker in accelerator.trackers:
-        tracker.finish()
-
-
-def end_processes() -> None:
-    """Close the launch's process group: a barrier, then ``torch.distributed.destroy_process_group``; nothing
-    without one. What a training script calls last, on every process, after its last :func:`train`.
-
-    :func:`train` leaves the group up (one launch may train several times). The barrier comes first because gloo's
-    worker thread may still be freeing an earlier collective's Python tensors, which takes the GIL, while a
-    destroyed group's destructor waits for that thread with the GIL held: a deadlock at exit (seen on torch 2.13).
-    """
-    state = PartialState()
-    if state.use_distributed and torch.distributed.is_initialized():
-        state.wait_for_everyone()
-        state.destroy_process_group()
 
 
 def _final_model(run: _Run, full_state: Mapping | None) -> torch.nn.Module:
